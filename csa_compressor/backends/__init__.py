@@ -1,0 +1,24 @@
+"""Kernel backends.
+
+Every backend is a package ``csa_compressor.backends.<name>`` whose ``launch``
+module exposes the same five functions; ``csa_compressor.dispatch`` is the one
+place that picks among them.
+
+``unavailable_reason() -> str | None``
+    Why the backend cannot be imported or used at all (missing package), else None.
+``device_unsupported_reason(device: torch.device) -> str | None``
+    Why it cannot run on ``device`` (CPU, architecture), else None.
+``compile(direction, ratio, coff, head_dim, dtype, device) -> None``
+    Build everything a later ``forward``/``backward`` call with this configuration
+    needs (``direction`` is "forward" or "backward"). Takes scalars and dtypes only.
+``forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream) -> None``
+    Writes every row of ``out`` (``(N, d)``, N > 0). No host synchronisation.
+``backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream) -> None``
+    Writes every element of ``grad_kv``, ``grad_score`` (exact zeros where nothing
+    was consumed) and ``grad_ape`` (overwritten, deterministic). N > 0.
+
+``stream`` is a ``torch.cuda.Stream`` or None (the current stream of the tensors'
+device). Inputs have been validated by ``csa_compressor.support`` before a call.
+"""
+
+BACKENDS = ("cute", "triton", "reference")
