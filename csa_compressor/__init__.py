@@ -1,0 +1,41 @@
+"""Fused kernels for the DeepSeek-V4-style CSA/HCA compressor pooling (THD packed layout).
+
+Public entry points:
+
+- ``csa_compressor_forward_wrapper`` / ``csa_compressor_backward_wrapper`` and the
+  ``CSACompressorForward`` / ``CSACompressorBackward`` classes (``check_support``,
+  ``compile``, ``execute``): the kernel API;
+- ``compressor_pool`` (autograd + ``torch.library`` custom op) and ``CompressorPool``
+  (an ``nn.Module`` owning ``ape``): the training API;
+- ``compute_cu_seqlens_comp`` / ``validate_pack``: THD helpers;
+- ``reference``: the eager references (upstream, fp32, fp64).
+"""
+
+from . import reference
+from .api import (
+    CSACompressorBackward,
+    CSACompressorForward,
+    TupleDict,
+    csa_compressor_backward_wrapper,
+    csa_compressor_forward_wrapper,
+)
+from .autograd import CompressorPool, CompressorPoolFunction, compressor_pool
+from .dispatch import available_backends
+from .thd import compute_cu_seqlens_comp, validate_pack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CSACompressorBackward",
+    "CSACompressorForward",
+    "CompressorPool",
+    "CompressorPoolFunction",
+    "TupleDict",
+    "available_backends",
+    "compressor_pool",
+    "compute_cu_seqlens_comp",
+    "csa_compressor_backward_wrapper",
+    "csa_compressor_forward_wrapper",
+    "reference",
+    "validate_pack",
+]

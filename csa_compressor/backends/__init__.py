@@ -17,6 +17,9 @@ place that picks among them.
     Writes every element of ``grad_kv``, ``grad_score`` (exact zeros where nothing
     was consumed) and ``grad_ape`` (overwritten, deterministic). N > 0.
 
+Optional: ``config_unsupported_reason(ratio, coff, head_dim) -> str | None`` for
+backends that cover only part of the configuration space.
+
 ``stream`` is a ``torch.cuda.Stream`` or None (the current stream of the tensors'
 device). Inputs have been validated by ``csa_compressor.support`` before a call.
 """

@@ -1,0 +1,276 @@
+"""Public kernel API: check_support / compile / execute classes and allocating wrappers (SPEC section 4)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import dispatch, support
+from .support import Config
+
+__all__ = [
+    "CSACompressorBackward",
+    "CSACompressorForward",
+    "TupleDict",
+    "csa_compressor_backward_wrapper",
+    "csa_compressor_forward_wrapper",
+]
+
+
+class TupleDict(dict):
+    """A dict of results that also unpacks, iterates and indexes like a tuple of its values.
+
+    ``out, = fwd(...)``, ``fwd(...)["out"]`` and ``fwd(...)[0]`` all work.
+    ``keys()`` / ``items()`` behave as for a dict.
+    """
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __getitem__(self, key):
+        if isinstance(key, int):
+            return tuple(self.values())[key]
+        return super().__getitem__(key)
+
+
+# Configurations whose kernels were built: (backend, direction, Config). A first build
+# under CUDA-graph capture is refused here, whatever the backend.
+_COMPILED: set[tuple[str, str, Config]] = set()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class _Op:
+    direction = ""
+
+    def __init__(self, samples, ratio, coff, head_dim, backend):
+        self._samples = samples
+        self.ratio = ratio
+        self.coff = coff
+        self.head_dim = head_dim
+        self.requested_backend = backend
+        self.backend: str | None = None
+        self.config: Config | None = None
+        self._module = None
+
+    def _check(self) -> Config:
+        raise NotImplementedError
+
+    def check_support(self) -> bool:
+        """Validate the samples against every bound; ValueError (shapes, dtypes, bounds) or RuntimeError (device)."""
+        if self.config is None:
+            if self._samples is None:
+                raise RuntimeError("csa_compressor: check_support() needs the sample tensors, which were released")
+            cfg = self._check()
+            name = dispatch.resolve_backend(self.requested_backend, cfg.device, cfg.ratio, cfg.coff, cfg.head_dim)
+            self.config, self.backend, self._module = cfg, name, dispatch.backend_module(name)
+        return True
+
+    def compile(self) -> None:
+        """Build the kernels for this configuration, so that later calls (and graph capture) never compile."""
+        self.check_support()
+        key = (self.backend, self.direction, self.config)
+        if key in _COMPILED:
+            return
+        cfg = self.config
+        if _capturing(cfg.device):
+            raise RuntimeError(
+                f"csa_compressor: the {self.backend} {self.direction} kernel for ratio={cfg.ratio}, coff={cfg.coff}, "
+                f"head_dim={cfg.head_dim} would be compiled during CUDA-graph capture; call compile() "
+                "(or run the op once) before capturing"
+            )
+        if cfg.device.type != "meta":
+            self._module.compile(self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
+            _COMPILED.add(key)
+
+    def _release_samples(self) -> None:
+        self._samples = None
+
+    def _ready(self) -> None:
+        if self.config is None or (self.backend, self.direction, self.config) not in _COMPILED:
+            self.compile()
+
+
+def _keep_alive(stream, tensors) -> None:
+    # The caller may free its tensors before the kernel on `stream` has run; record the use.
+    if stream is not None and stream != torch.cuda.current_stream(stream.device):
+        for t in tensors:
+            if t.device.type == "cuda":
+                t.record_stream(stream)
+
+
+class CSACompressorForward(_Op):
+    """Forward pooling. ``execute`` writes ``out`` ``(total_comp, head_dim)``."""
+
+    direction = "forward"
+
+    def __init__(
+        self,
+        sample_kv,
+        sample_score,
+        sample_ape,
+        sample_cu_seqlens,
+        sample_cu_seqlens_comp,
+        sample_out,
+        ratio: int = 4,
+        coff: int = 2,
+        head_dim: int | None = None,
+        backend: str | None = "auto",
+    ):
+        samples = (sample_kv, sample_score, sample_ape, sample_cu_seqlens, sample_cu_seqlens_comp, sample_out)
+        super().__init__(samples, ratio, coff, head_dim, backend)
+
+    def _check(self) -> Config:
+        return support.check_forward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
+
+    def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None):
+        self._ready()
+        support.recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        if out.shape[0] == 0:
+            return out
+        _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
+        self._module.forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self.config.ratio, self.config.coff, stream)
+        return out
+
+
+class CSACompressorBackward(_Op):
+    """Backward pooling. ``execute`` overwrites ``grad_kv``, ``grad_score`` (exact zeros where unconsumed) and ``grad_ape``."""
+
+    direction = "backward"
+
+    def __init__(
+        self,
+        sample_kv,
+        sample_score,
+        sample_ape,
+        sample_cu_seqlens,
+        sample_cu_seqlens_comp,
+        sample_grad_out,
+        sample_grad_kv,
+        sample_grad_score,
+        sample_grad_ape,
+        ratio: int = 4,
+        coff: int = 2,
+        head_dim: int | None = None,
+        backend: str | None = "auto",
+    ):
+        samples = (
+            sample_kv,
+            sample_score,
+            sample_ape,
+            sample_cu_seqlens,
+            sample_cu_seqlens_comp,
+            sample_grad_out,
+            sample_grad_kv,
+            sample_grad_score,
+            sample_grad_ape,
+        )
+        super().__init__(samples, ratio, coff, head_dim, backend)
+
+    def _check(self) -> Config:
+        return support.check_backward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
+
+    def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream=None):
+        self._ready()
+        tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+        support.recheck_backward(self.config, *tensors)
+        if grad_out.shape[0] == 0:
+            # Nothing consumed anything: the gradients are exact zeros.
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                grad_kv.zero_()
+                grad_score.zero_()
+                grad_ape.zero_()
+            return grad_kv, grad_score, grad_ape
+        _keep_alive(stream, tensors)
+        cfg = self.config
+        self._module.backward(*tensors, cfg.ratio, cfg.coff, stream)
+        return grad_kv, grad_score, grad_ape
+
+
+# ---------------------------------------------------------------- wrappers
+
+
+def _total_comp(cu_seqlens_comp: torch.Tensor, total_comp: int | None) -> int:
+    if total_comp is not None:
+        return int(total_comp)
+    # Convenience path: one host synchronisation. Pass total_comp to avoid it (CUDA graphs must).
+    return int(cu_seqlens_comp[-1].item())
+
+
+def _head_dim(kv: torch.Tensor, ratio: int, coff: int, head_dim: int | None) -> int:
+    if head_dim is not None:
+        return head_dim
+    support.check_config(ratio, coff)
+    return kv.shape[-1] // coff
+
+
+# Wrapper ops per configuration, built from the first call's tensors. Samples are dropped
+# after compile so that the cache holds no device memory.
+_OPS: dict[tuple, _Op] = {}
+
+
+def _op(cls, direction: str, tensors, ratio, coff, head_dim, backend) -> _Op:
+    backend = dispatch.requested_backend(backend)
+    key = (direction, ratio, coff, head_dim, tensors[0].dtype, tensors[0].device, backend)
+    op = _OPS.get(key)
+    if op is None:
+        op = cls(*tensors, ratio=ratio, coff=coff, head_dim=head_dim, backend=backend)
+        op.compile()
+        op._release_samples()
+        _OPS[key] = op
+    return op
+
+
+def csa_compressor_forward_wrapper(
+    kv,
+    score,
+    ape,
+    cu_seqlens,
+    cu_seqlens_comp,
+    ratio: int = 4,
+    head_dim: int | None = None,
+    coff: int = 2,
+    total_comp: int | None = None,
+    stream=None,
+    backend: str | None = "auto",
+) -> TupleDict:
+    """Allocate ``out`` and run the forward. ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` (one host sync)."""
+    head_dim = _head_dim(kv, ratio, coff, head_dim)
+    rows = _total_comp(cu_seqlens_comp, total_comp)
+    out = torch.empty((rows, head_dim), dtype=kv.dtype, device=kv.device)
+    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+    op = _op(CSACompressorForward, "forward", tensors, ratio, coff, head_dim, backend)
+    op.execute(*tensors, stream=stream)
+    return TupleDict(out=out)
+
+
+def csa_compressor_backward_wrapper(
+    kv,
+    score,
+    ape,
+    cu_seqlens,
+    cu_seqlens_comp,
+    grad_out,
+    ratio: int = 4,
+    head_dim: int | None = None,
+    coff: int = 2,
+    total_comp: int | None = None,
+    stream=None,
+    backend: str | None = "auto",
+) -> TupleDict:
+    """Allocate and compute ``grad_kv``, ``grad_score`` (``empty``: the kernel writes every element) and ``grad_ape``."""
+    head_dim = _head_dim(kv, ratio, coff, head_dim)
+    if total_comp is not None and int(total_comp) != grad_out.shape[0]:
+        raise ValueError(
+            f"csa_compressor: total_comp must equal grad_out.shape[0]: got {total_comp} vs {grad_out.shape[0]}"
+        )
+    grad_kv = torch.empty_like(kv)
+    grad_score = torch.empty_like(score)
+    grad_ape = torch.empty_like(ape)
+    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+    op = _op(CSACompressorBackward, "backward", tensors, ratio, coff, head_dim, backend)
+    op.execute(*tensors, stream=stream)
+    return TupleDict(grad_kv=grad_kv, grad_score=grad_score, grad_ape=grad_ape)

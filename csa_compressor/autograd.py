@@ -1,0 +1,149 @@
+"""Differentiable pooling: torch.library custom ops, an autograd.Function over them, and an nn.Module.
+
+The kernels are opaque to the compiler, so each direction is a ``torch.library``
+custom op with a fake (meta) implementation: ``torch.compile(fullgraph=True)``
+traces through it without graph breaks, and CUDA graphs capture it like any op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import api
+from .thd import compute_cu_seqlens_comp
+
+__all__ = ["CompressorPool", "CompressorPoolFunction", "compressor_pool"]
+
+
+@torch.library.custom_op("csa_compressor::pool_forward", mutates_args=())
+def _pool_forward(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_comp: torch.Tensor,
+    ratio: int,
+    coff: int,
+    total_comp: int,
+    backend: str,
+) -> torch.Tensor:
+    return api.csa_compressor_forward_wrapper(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio=ratio, coff=coff, total_comp=total_comp, backend=backend
+    )["out"]
+
+
+@_pool_forward.register_fake
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend):
+    return kv.new_empty((total_comp, kv.shape[-1] // coff))
+
+
+@torch.library.custom_op("csa_compressor::pool_backward", mutates_args=())
+def _pool_backward(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_comp: torch.Tensor,
+    grad_out: torch.Tensor,
+    ratio: int,
+    coff: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grads = api.csa_compressor_backward_wrapper(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.contiguous(), ratio=ratio, coff=coff, backend=backend
+    )
+    return grads["grad_kv"], grads["grad_score"], grads["grad_ape"]
+
+
+@_pool_backward.register_fake
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend):
+    return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+
+
+class CompressorPoolFunction(torch.autograd.Function):
+    """autograd over the two custom ops; gradients flow to ``kv``, ``score`` and ``ape``."""
+
+    @staticmethod
+    def forward(ctx, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend):
+        ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp)
+        ctx.ratio, ctx.coff, ctx.backend = ratio, coff, backend
+        return torch.ops.csa_compressor.pool_forward(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend
+        )
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        kv, score, ape, cu_seqlens, cu_seqlens_comp = ctx.saved_tensors
+        grad_kv, grad_score, grad_ape = torch.ops.csa_compressor.pool_backward(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ctx.ratio, ctx.coff, ctx.backend
+        )
+        return grad_kv, grad_score, grad_ape, None, None, None, None, None, None
+
+
+def compressor_pool(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_comp: torch.Tensor,
+    ratio: int = 4,
+    coff: int = 2,
+    total_comp: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Differentiable fused pooling: ``(T, coff*d)`` kv/score, ``(ratio, coff*d)`` ape -> ``(total_comp, d)``.
+
+    ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` on the host (one synchronisation); pass an
+    int (a static capacity) for CUDA graphs and ``torch.compile``.
+    """
+    if total_comp is None:
+        total_comp = int(cu_seqlens_comp[-1].item())
+    return CompressorPoolFunction.apply(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
+
+
+class CompressorPool(nn.Module):
+    """The pooling step of a CSA/HCA compressor, owning the absolute position embedding ``ape``.
+
+    ``forward(kv, score, cu_seqlens, cu_seqlens_comp=None, total_comp=None)`` takes ``kv``/``score``
+    as ``(T, coff*d)`` or Megatron-LM's ``(T, 1, coff*d)`` and returns ``(total_comp, d)`` or
+    ``(total_comp, 1, d)`` to match. ``cu_seqlens_comp=None`` computes it on the device.
+    """
+
+    def __init__(self, ratio: int, head_dim: int, coff: int = 2, backend: str = "auto", device=None):
+        super().__init__()
+        self.ratio, self.head_dim, self.coff, self.backend = ratio, head_dim, coff, backend
+        self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim, dtype=torch.float32, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.ape, std=1.0 / math.sqrt(self.head_dim))
+
+    def extra_repr(self) -> str:
+        return f"ratio={self.ratio}, head_dim={self.head_dim}, coff={self.coff}, backend={self.backend!r}"
+
+    def forward(self, kv, score, cu_seqlens, cu_seqlens_comp=None, total_comp=None):
+        width = self.coff * self.head_dim
+        three_d = kv.dim() == 3
+        if three_d:
+            if kv.shape[1] != 1 or score.shape != kv.shape:
+                raise ValueError(
+                    f"csa_compressor: 3-D kv/score must be (T, 1, {width}), got {tuple(kv.shape)} and {tuple(score.shape)}"
+                )
+            kv, score = kv.reshape(kv.shape[0], width), score.reshape(score.shape[0], width)
+        if cu_seqlens_comp is None:
+            cu_seqlens_comp = compute_cu_seqlens_comp(cu_seqlens, self.ratio)
+        out = compressor_pool(
+            kv.contiguous(),
+            score.contiguous(),
+            self.ape,
+            cu_seqlens,
+            cu_seqlens_comp,
+            ratio=self.ratio,
+            coff=self.coff,
+            total_comp=total_comp,
+            backend=self.backend,
+        )
+        return out.unsqueeze(1) if three_d else out
