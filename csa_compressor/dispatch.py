@@ -92,7 +92,9 @@ def resolve_backend(backend: str | None, device: torch.device, ratio: int, coff:
         if device.type != "meta":
             reason = module.device_unsupported_reason(device)
             if reason:
-                raise RuntimeError(f"csa_compressor: backend {name!r} cannot run on {device}: {reason}")
+                # SPEC 4: host tensors are an input error (ValueError); an unsupported GPU is a RuntimeError.
+                error = ValueError if device.type == "cpu" else RuntimeError
+                raise error(f"csa_compressor: backend {name!r} cannot run on {device} tensors: {reason}")
         reason = _config_reason(module, ratio, coff, head_dim)
         if reason:
             raise ValueError(f"csa_compressor: backend {name!r} does not support this configuration: {reason}")

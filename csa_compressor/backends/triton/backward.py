@@ -1,0 +1,142 @@
+"""Triton backward kernel of the compressor pooling, and the deterministic dAPE reduction.
+
+One launch, two kinds of programs:
+
+- compute programs (``pid < n_compute``): program ``(rp, cb)`` walks
+  ``tiles_per_prog`` row tiles of ``BLOCK_R`` rows in column block ``cb``,
+  rebuilds the window tile as the forward does, stores ``dvalue`` into grad_kv and
+  ``dlogit`` into grad_score exactly where the slot read (disjoint stores), and
+  keeps the column sums of ``dlogit`` over its real rows in registers; at the end
+  it writes that ``[ratio, BLOCK_D]`` slice of its partial ``workspace[rp]``
+  (``(P, ratio, coff*d)`` fp32, every entry written once).
+- sweep programs (``pid >= n_compute``): each takes ``SWEEP_T`` tokens, finds their
+  segment by binary search over ``cu_seqlens`` and stores exact zeros where no
+  slot consumes the token/column (past ``cu_seqlens[-1]``, segment tails, the
+  first ``d`` columns of a segment's last group when coff = 2). Consumed
+  positions are never touched by the sweep, so all stores stay disjoint.
+
+``dape_reduce_kernel`` then sums the ``P`` partials in a fixed order into
+grad_ape: no atomics, bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .forward import _load_window, _segment_of
+
+
+@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"])
+def csa_bwd_kernel(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    cu_ptr,
+    cu_comp_ptr,
+    grad_out_ptr,
+    grad_kv_ptr,
+    grad_score_ptr,
+    ws_ptr,
+    N,
+    T,
+    B,
+    n_iter,
+    tiles_per_prog,
+    n_compute,
+    RATIO: tl.constexpr,
+    SP: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    N_COL: tl.constexpr,
+    SWEEP_T: tl.constexpr,
+    SWEEP_D: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+):
+    W: tl.constexpr = COFF * HEAD_DIM
+    pid = tl.program_id(0)
+    gdt = grad_kv_ptr.dtype.element_ty
+    if pid < n_compute:
+        rp = pid // N_COL
+        col_start = (pid % N_COL) * BLOCK_D
+        total_real = tl.load(cu_comp_ptr + B)
+        dape = tl.zeros([COFF * SP, BLOCK_D], dtype=tl.float32)
+        for it in range(tiles_per_prog):
+            row_start = (rp * tiles_per_prog + it) * BLOCK_R
+            v, p, offs, lmask, rows, _row_ok, is_real, cols, col_ok, s, slot_ok, _col = _load_window(
+                kv_ptr,
+                score_ptr,
+                ape_ptr,
+                cu_ptr,
+                cu_comp_ptr,
+                row_start,
+                col_start,
+                N,
+                B,
+                n_iter,
+                total_real,
+                RATIO,
+                SP,
+                COFF,
+                HEAD_DIM,
+                BLOCK_R,
+                BLOCK_D,
+                PRECISE_EXP,
+            )
+            # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
+            gmask = is_real[:, None] & col_ok[None, :]
+            g = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
+            g = g.to(tl.float32)[:, None, :]
+            # Reference order: dv = g*p; gv = g*v; dlogit = p*(gv - sum(gv*p)).
+            dv = g * p
+            gv = g * v
+            # Slots s >= ratio do not exist in the reference; keep them out of the sum even for non-finite g.
+            gvp = tl.where(slot_ok[None, :, None], gv * p, 0.0)
+            dlogit = p * (gv - tl.sum(gvp, axis=1)[:, None, :])
+            smask = lmask & is_real[:, None, None]
+            tl.store(grad_kv_ptr + offs, dv.to(gdt), mask=smask)
+            tl.store(grad_score_ptr + offs, dlogit.to(gdt), mask=smask)
+            dape += tl.sum(tl.where(smask, dlogit, 0.0), axis=0)
+        # Slot (s, own) added ape[s, col]: the partial has the same [ratio, coff*d] layout as grad_ape.
+        _k = tl.arange(0, COFF * SP)
+        s = _k % SP
+        own = _k >= (COFF - 1) * SP
+        cols = col_start + tl.arange(0, BLOCK_D)
+        col = tl.where(own, (COFF - 1) * HEAD_DIM, 0)[:, None] + cols[None, :]
+        wmask = (s < RATIO)[:, None] & (cols < HEAD_DIM)[None, :]
+        tl.store(ws_ptr + rp * (RATIO * W) + s[:, None] * W + col, dape, mask=wmask)
+    else:
+        toks = (pid - n_compute) * SWEEP_T + tl.arange(0, SWEEP_T)
+        seg = _segment_of(toks, cu_ptr, B, n_iter)
+        seg_start = tl.load(cu_ptr + seg)
+        n_groups = (tl.load(cu_ptr + seg + 1) - seg_start) // RATIO
+        local = toks - seg_start
+        consumed = (toks < tl.load(cu_ptr + B)) & (local < n_groups * RATIO)
+        if COFF == 2:
+            # The first d columns of a segment's last group would be read by a next group that does not exist.
+            in_last = consumed & (local // RATIO == n_groups - 1)
+            zero_upto = tl.where(consumed, tl.where(in_last, HEAD_DIM, 0), W)
+        else:
+            zero_upto = tl.where(consumed, 0, W)
+        zero_upto = tl.where(toks < T, zero_upto, 0)
+        if tl.max(zero_upto, axis=0) > 0:
+            zeros = tl.zeros([SWEEP_T, SWEEP_D], dtype=gdt)
+            for c0 in range(0, W, SWEEP_D):
+                cols = c0 + tl.arange(0, SWEEP_D)
+                zmask = cols[None, :] < zero_upto[:, None]
+                zoffs = toks[:, None] * W + cols[None, :]
+                tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
+                tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
+
+
+@triton.jit(do_not_specialize=["P"])
+def dape_reduce_kernel(ws_ptr, grad_ape_ptr, P, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """``grad_ape[i] = sum_{p < P} ws[p, i]``, summed in increasing ``p``: one fixed order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for part in range(P):
+        acc += tl.load(ws_ptr + part * SIZE + offs, mask=mask, other=0.0)
+    tl.store(grad_ape_ptr + offs, acc, mask=mask)

@@ -1,0 +1,165 @@
+"""Triton forward kernel of the compressor pooling (SPEC section 2), plus the device helpers the backward shares.
+
+A program owns ``BLOCK_R`` consecutive output rows times ``BLOCK_D`` columns and
+builds a ``[BLOCK_R, K, BLOCK_D]`` window tile, ``K = coff * SP`` slots with
+``SP = next_pow2(ratio)``: for coff = 2 slots ``k < SP`` are the previous group
+(first ``d`` columns), slots ``k >= SP`` the row's own tokens (last ``d``
+columns); coff = 1 has own slots only. Slots ``s >= ratio`` (non-power-of-two
+ratios) and columns ``>= head_dim`` are masked. Loads run along columns, so each
+(row, slot) reads ``BLOCK_D`` contiguous elements of one token. Every input
+element is read by exactly one (row, slot): a row's own tokens' last-``d``
+columns and its previous group's first-``d`` columns.
+
+The segment of a row is found on the device by a binary search over
+``cu_seqlens_comp``; nothing here reads device memory on the host.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _segment_of(idx, cu_ptr, B, n_iter):
+    """Largest ``b`` in ``[0, B-1]`` with ``cu[b] <= idx`` (``cu[0] == 0 <= idx``).
+
+    "Largest" skips empty segments, as ``searchsorted(right=True) - 1`` does.
+    ``n_iter = (B-1).bit_length()`` halvings suffice; extra ones keep ``lo``.
+    """
+    lo = tl.zeros_like(idx)
+    hi = lo + (B - 1)
+    for _ in range(n_iter):
+        mid = (lo + hi + 1) >> 1
+        go = tl.load(cu_ptr + mid) <= idx
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _exp(x, PRECISE_EXP: tl.constexpr):
+    # tl.exp lowers fp32 to ex2.approx on NVIDIA GPUs; libdevice's expf is what torch's softmax uses.
+    # The interpreter has no libdevice, and its tl.exp is numpy's (accurate).
+    if PRECISE_EXP:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _load_window(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    cu_ptr,
+    cu_comp_ptr,
+    row_start,
+    col_start,
+    N,
+    B,
+    n_iter,
+    total_real,
+    RATIO: tl.constexpr,
+    SP: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+):
+    """Window tile of rows ``row_start + [0, BLOCK_R)``, columns ``col_start + [0, BLOCK_D)``.
+
+    Returns values ``v`` and softmax weights ``p`` (fp32, ``[BLOCK_R, K, BLOCK_D]``),
+    element offsets into kv/score, the load mask, per-row ``is_real``, per-slot
+    ``slot_ok`` (``s < ratio``), and the slot/column indices ``s``/``col``.
+    """
+    W: tl.constexpr = COFF * HEAD_DIM
+    rows = row_start + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    is_real = rows < total_real
+    seg = _segment_of(rows, cu_comp_ptr, B, n_iter)
+    j = rows - tl.load(cu_comp_ptr + seg)
+    # Padding rows behave as the first group of a segment starting at token 0.
+    t0 = tl.where(is_real, tl.load(cu_ptr + seg) + j * RATIO, 0)
+    has_prev = is_real & (j > 0)
+
+    k = tl.arange(0, COFF * SP)
+    s = k % SP
+    own = k >= (COFF - 1) * SP
+    slot_ok = s < RATIO
+    cols = col_start + tl.arange(0, BLOCK_D)
+    col_ok = cols < HEAD_DIM
+    # Own slots read the last d columns (coff 2), previous-group slots the first d.
+    col = tl.where(own, (COFF - 1) * HEAD_DIM, 0)[:, None] + cols[None, :]  # [K, BLOCK_D]
+
+    valid = slot_ok[None, :] & (own[None, :] | has_prev[:, None])  # [BLOCK_R, K]
+    tok = t0[:, None] + s[None, :] - tl.where(own, 0, RATIO)[None, :]
+    tok = tl.where(valid, tok, 0)
+    offs = tok[:, :, None] * W + col[None, :, :]
+    lmask = (valid & row_ok[:, None])[:, :, None] & col_ok[None, None, :]
+
+    ape = tl.load(ape_ptr + s[:, None] * W + col, mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
+    v = tl.load(kv_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
+    sc = tl.load(score_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
+    # Same order as the reference: logit = score + ape, -inf where the slot does not exist.
+    x = tl.where(valid[:, :, None], sc + ape.to(tl.float32)[None, :, :], float("-inf"))
+    m = tl.max(x, axis=1)
+    e = _exp(x - m[:, None, :], PRECISE_EXP)
+    total = tl.sum(e, axis=1)
+    p = tl.math.div_rn(e, total[:, None, :])
+    return v, p, offs, lmask, rows, row_ok, is_real, cols, col_ok, s, slot_ok, col
+
+
+@triton.jit(do_not_specialize=["N", "B", "n_iter", "tiles_per_prog"])
+def csa_fwd_kernel(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    cu_ptr,
+    cu_comp_ptr,
+    out_ptr,
+    N,
+    B,
+    n_iter,
+    tiles_per_prog,
+    RATIO: tl.constexpr,
+    SP: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    N_COL: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+):
+    """Grid: ``ceil(N / (BLOCK_R * tiles_per_prog)) * N_COL`` programs; neighbours share rows."""
+    pid = tl.program_id(0)
+    rp = pid // N_COL
+    col_start = (pid % N_COL) * BLOCK_D
+    total_real = tl.load(cu_comp_ptr + B)
+    for it in range(tiles_per_prog):
+        row_start = (rp * tiles_per_prog + it) * BLOCK_R
+        v, p, _offs, _lmask, rows, row_ok, _is_real, cols, col_ok, _s, _slot_ok, _col = _load_window(
+            kv_ptr,
+            score_ptr,
+            ape_ptr,
+            cu_ptr,
+            cu_comp_ptr,
+            row_start,
+            col_start,
+            N,
+            B,
+            n_iter,
+            total_real,
+            RATIO,
+            SP,
+            COFF,
+            HEAD_DIM,
+            BLOCK_R,
+            BLOCK_D,
+            PRECISE_EXP,
+        )
+        out = tl.sum(v * p, axis=1)
+        omask = row_ok[:, None] & col_ok[None, :]
+        tl.store(out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)

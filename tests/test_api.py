@@ -1,0 +1,132 @@
+"""Kernel API through every backend usable here: wrappers, classes, NaN canaries, N == 0, determinism."""
+
+import pytest
+import torch
+
+from csa_compressor import (
+    CSACompressorBackward,
+    CSACompressorForward,
+    TupleDict,
+    available_backends,
+    csa_compressor_backward_wrapper,
+    csa_compressor_forward_wrapper,
+    reference,
+)
+from csa_compressor.testing import bf16_ulp_distance, make_pack, rel_l2
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = available_backends(DEVICE)
+# Small packs (the Triton interpreter is slow on the CPU): ragged, short/empty segments, paddings, odd head_dim.
+PACKS = [
+    (4, 2, 9, (13, 3, 0, 9), 2, 2),
+    (4, 1, 8, (10, 4), 1, 1),
+    (128, 1, 4, (130, 5), 0, 1),
+]
+PACK_IDS = [f"r{p[0]}c{p[1]}d{p[2]}" for p in PACKS]
+
+
+def _pack(params, seed=0):
+    ratio, coff, head_dim, seqlens, tok_pad, comp_pad = params
+    return make_pack(
+        seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, device=DEVICE, seed=seed
+    )
+
+
+def test_tupledict_unpacks_like_a_tuple():
+    td = TupleDict(grad_kv=1, grad_score=2, grad_ape=3)
+    a, b, c = td
+    assert (a, b, c) == (1, 2, 3)
+    assert td["grad_score"] == 2 and td[2] == 3 and len(td) == 3
+    assert list(td.keys()) == ["grad_kv", "grad_score", "grad_ape"]
+    (out,) = TupleDict(out=5)
+    assert out == 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("params", PACKS, ids=PACK_IDS)
+def test_wrappers_match_fp32_reference(backend, params):
+    p = _pack(params)
+    kw = dict(ratio=p.ratio, coff=p.coff)
+    (out,) = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, backend=backend, **kw)
+    ref = reference.forward(*p.inputs, total_comp=p.total_comp, precision="fp32", **kw)
+    assert int(bf16_ulp_distance(out, ref).max()) <= 1
+    grad_kv, grad_score, grad_ape = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, backend=backend, **kw)
+    g32 = reference.backward(*p.inputs, p.grad_out, precision="fp32", **kw)
+    g64 = reference.backward(*p.inputs, p.grad_out, precision="fp64", **kw)
+    assert int(bf16_ulp_distance(grad_kv, g32[0]).max()) <= 1
+    assert int(bf16_ulp_distance(grad_score, g32[1]).max()) <= 1
+    assert rel_l2(grad_ape, g64[2]) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrapper_reads_total_comp_when_not_given(backend):
+    p = _pack(PACKS[0])
+    (out,) = csa_compressor_forward_wrapper(*p.inputs, ratio=4, coff=2, backend=backend)
+    assert out.shape == (p.true_comp, 9)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("params", PACKS, ids=PACK_IDS)
+def test_class_api_overwrites_nan_canaries(backend, params):
+    p = _pack(params, seed=1)
+    kw = dict(ratio=p.ratio, coff=p.coff, backend=backend)
+    out = torch.full((p.total_comp, p.head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    fwd = CSACompressorForward(*p.inputs, out, **kw)
+    assert fwd.check_support()
+    fwd.compile()
+    fwd.execute(*p.inputs, out)
+    ref = reference.forward(*p.inputs, total_comp=p.total_comp, ratio=p.ratio, coff=p.coff, precision="fp32")
+    assert not torch.isnan(out).any()
+    assert int(bf16_ulp_distance(out, ref).max()) <= 1
+
+    grads = [torch.full_like(p.kv, float("nan")), torch.full_like(p.score, float("nan")), torch.full_like(p.ape, 7.0)]
+    bwd = CSACompressorBackward(*p.inputs, p.grad_out, *grads, **kw)
+    bwd.compile()
+    bwd.execute(*p.inputs, p.grad_out, *grads)
+    g32 = reference.backward(*p.inputs, p.grad_out, ratio=p.ratio, coff=p.coff, precision="fp32")
+    g64 = reference.backward(*p.inputs, p.grad_out, ratio=p.ratio, coff=p.coff, precision="fp64")
+    assert not any(torch.isnan(g).any() for g in grads)
+    assert int(bf16_ulp_distance(grads[0], g32[0]).max()) <= 1
+    assert int(bf16_ulp_distance(grads[1], g32[1]).max()) <= 1
+    assert torch.equal(grads[0] == 0, g32[0] == 0)  # exact zeros exactly where the reference has them
+    # grad_ape is overwritten, not accumulated into the 7.0 that was there.
+    assert rel_l2(grads[2], g64[2]) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitwise_deterministic(backend):
+    p = _pack(PACKS[0], seed=2)
+    kw = dict(ratio=p.ratio, coff=p.coff, backend=backend)
+    a = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]
+    b = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]
+    assert torch.equal(a, b)
+    ga = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
+    gb = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
+    for x, y in zip(ga, gb, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_output(backend):
+    p = make_pack((3, 1, 0), 8, 4, 2, token_padding=2, device=DEVICE)
+    assert p.total_comp == 0
+    (out,) = csa_compressor_forward_wrapper(*p.inputs, ratio=4, coff=2, total_comp=0, backend=backend)
+    assert out.shape == (0, 8)
+    grads = [torch.full_like(p.kv, float("nan")), torch.full_like(p.score, float("nan")), torch.full_like(p.ape, 1.0)]
+    bwd = CSACompressorBackward(*p.inputs, p.grad_out, *grads, ratio=4, coff=2, backend=backend)
+    bwd.execute(*p.inputs, p.grad_out, *grads)
+    assert all(bool((g == 0).all()) for g in grads)
+    wrapped = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, ratio=4, coff=2, backend=backend)
+    assert all(bool((g == 0).all()) for g in wrapped)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deterministic_algorithms_mode(backend):
+    p = _pack(PACKS[1], seed=3)
+    torch.use_deterministic_algorithms(True)
+    try:
+        grads = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, ratio=p.ratio, coff=p.coff, backend=backend)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    g64 = reference.backward(*p.inputs, p.grad_out, ratio=p.ratio, coff=p.coff, precision="fp64")
+    assert rel_l2(grads["grad_ape"], g64[2]) <= 1e-5

@@ -1,0 +1,90 @@
+"""compressor_pool (autograd + custom op), torch.compile(fullgraph=True), and the CompressorPool module."""
+
+import pytest
+import torch
+
+from csa_compressor import CompressorPool, available_backends, compressor_pool, reference
+from csa_compressor.testing import bf16_ulp_distance, make_pack, rel_l2
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = available_backends(DEVICE)
+
+
+def _leaves(p):
+    return [t.detach().clone().requires_grad_(True) for t in (p.kv, p.score, p.ape)]
+
+
+def _fp32_expected(p):
+    kw = dict(ratio=p.ratio, coff=p.coff)
+    out = reference.forward(*p.inputs, total_comp=p.total_comp, precision="fp32", **kw)
+    return out, reference.backward(*p.inputs, p.grad_out, precision="fp32", **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("coff", [1, 2])
+def test_autograd_matches_reference(backend, coff):
+    p = make_pack((13, 2, 9), 6, 4, coff, token_padding=1, comp_padding=1, device=DEVICE)
+    kv, score, ape = _leaves(p)
+    out = compressor_pool(kv, score, ape, p.cu_seqlens, p.cu_seqlens_comp, 4, coff, p.total_comp, backend)
+    out.backward(p.grad_out)
+    ref_out, ref_grads = _fp32_expected(p)
+    assert int(bf16_ulp_distance(out.detach(), ref_out).max()) <= 1
+    assert int(bf16_ulp_distance(kv.grad, ref_grads[0]).max()) <= 1
+    assert int(bf16_ulp_distance(score.grad, ref_grads[1]).max()) <= 1
+    assert rel_l2(ape.grad, ref_grads[2]) <= 1e-5
+
+
+def test_opcheck_custom_ops():
+    p = make_pack((9, 4), 4, 4, 2, comp_padding=1, device=DEVICE)
+    args = (*p.inputs, 4, 2, p.total_comp, "reference")
+    torch.library.opcheck(torch.ops.csa_compressor.pool_forward.default, args)
+    bwd_args = (*p.inputs, p.grad_out, 4, 2, "reference")
+    torch.library.opcheck(torch.ops.csa_compressor.pool_backward.default, bwd_args)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+    p = make_pack((17, 3, 8), 8, 4, 2, token_padding=2, comp_padding=1, device=DEVICE, seed=3)
+
+    def region(kv, score, ape):
+        out = compressor_pool(kv, score, ape, p.cu_seqlens, p.cu_seqlens_comp, 4, 2, p.total_comp, backend)
+        return (out.float() * 2.0).to(out.dtype)  # some surrounding graph to fuse around the opaque op
+
+    compiled = torch.compile(region, fullgraph=True)
+    eager_leaves, comp_leaves = _leaves(p), _leaves(p)
+    eager = region(*eager_leaves)
+    got = compiled(*comp_leaves)
+    assert torch.equal(eager, got)
+    eager.backward(p.grad_out)
+    got.backward(p.grad_out)
+    for a, b in zip(eager_leaves, comp_leaves, strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("shape3d", [False, True])
+def test_module_accepts_megatron_shapes(shape3d):
+    ratio, head_dim, coff = 4, 6, 2
+    module = CompressorPool(ratio, head_dim, coff, backend="reference", device=DEVICE)
+    p = make_pack((12, 7), head_dim, ratio, coff, device=DEVICE, seed=4)
+    with torch.no_grad():
+        module.ape.copy_(p.ape)
+    kv, score = p.kv, p.score
+    if shape3d:
+        kv, score = kv[:, None, :], score[:, None, :]
+    kv = kv.detach().clone().requires_grad_(True)
+    out = module(kv, score, p.cu_seqlens)  # cu_seqlens_comp computed on the device, total_comp read once
+    expected = reference.forward(*p.inputs, ratio=ratio, coff=coff, total_comp=p.true_comp, precision="fp32")
+    assert out.shape == ((p.true_comp, 1, head_dim) if shape3d else (p.true_comp, head_dim))
+    assert torch.equal(out.reshape(expected.shape), expected)
+    out.sum().backward()
+    assert module.ape.grad is not None and module.ape.grad.shape == (ratio, coff * head_dim)
+    assert kv.grad.shape == kv.shape
+    assert "ratio=4, head_dim=6, coff=2" in repr(module)
+
+
+def test_module_rejects_bad_3d_shape():
+    module = CompressorPool(4, 6, 2, backend="reference")
+    kv = torch.zeros(8, 2, 12, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"3-D kv/score must be \(T, 1, 12\)"):
+        module(kv, kv, torch.tensor([0, 8], dtype=torch.int32))
