@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _load_window, _segment_of
+from .forward import _load_window, _round, _segment_of
 
 
 @triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"])
@@ -54,6 +54,7 @@ def csa_bwd_kernel(
     SWEEP_T: tl.constexpr,
     SWEEP_D: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr,
 ):
     W: tl.constexpr = COFF * HEAD_DIM
     pid = tl.program_id(0)
@@ -96,8 +97,8 @@ def csa_bwd_kernel(
             gvp = tl.where(slot_ok[None, :, None], gv * p, 0.0)
             dlogit = p * (gv - tl.sum(gvp, axis=1)[:, None, :])
             smask = lmask & is_real[:, None, None]
-            tl.store(grad_kv_ptr + offs, dv.to(gdt), mask=smask)
-            tl.store(grad_score_ptr + offs, dlogit.to(gdt), mask=smask)
+            tl.store(grad_kv_ptr + offs, _round(dv, gdt, MANUAL_RTNE), mask=smask)
+            tl.store(grad_score_ptr + offs, _round(dlogit, gdt, MANUAL_RTNE), mask=smask)
             dape += tl.sum(tl.where(smask, dlogit, 0.0), axis=0)
         # Slot (s, own) added ape[s, col]: the partial has the same [ratio, coff*d] layout as grad_ape.
         _k = tl.arange(0, COFF * SP)

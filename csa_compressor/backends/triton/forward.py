@@ -49,6 +49,22 @@ def _exp(x, PRECISE_EXP: tl.constexpr):
 
 
 @triton.jit
+def _round(x, dtype: tl.constexpr, MANUAL_RTNE: tl.constexpr):
+    """fp32 -> ``dtype``, round to nearest even.
+
+    The interpreter's own fp32 -> bf16 cast truncates, so under it (``MANUAL_RTNE``)
+    bf16 is rounded on the bit pattern; NaN stays NaN (quietened).
+    """
+    if MANUAL_RTNE and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _load_window(
     kv_ptr,
     score_ptr,
@@ -132,6 +148,7 @@ def csa_fwd_kernel(
     BLOCK_D: tl.constexpr,
     N_COL: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr,
 ):
     """Grid: ``ceil(N / (BLOCK_R * tiles_per_prog)) * N_COL`` programs; neighbours share rows."""
     pid = tl.program_id(0)
@@ -162,4 +179,8 @@ def csa_fwd_kernel(
         )
         out = tl.sum(v * p, axis=1)
         omask = row_ok[:, None] & col_ok[None, :]
-        tl.store(out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(
+            out_ptr + rows[:, None] * HEAD_DIM + cols[None, :],
+            _round(out, out_ptr.dtype.element_ty, MANUAL_RTNE),
+            mask=omask,
+        )

@@ -1,0 +1,6 @@
+"""Triton backend: one fused forward kernel, one fused backward kernel (+ a deterministic dAPE reduction).
+
+``launch`` implements the backend protocol of :mod:`csa_compressor.backends`;
+``forward``/``backward`` hold the ``@triton.jit`` kernels. Importing this package
+does not import triton, so :func:`launch.unavailable_reason` can report its absence.
+"""

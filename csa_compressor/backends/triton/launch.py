@@ -1,0 +1,343 @@
+"""Backend protocol (see ``csa_compressor.backends``) over the Triton kernels.
+
+Runs natively on CUDA GPUs of compute capability 8.0 and newer, and on the CPU
+under Triton's interpreter (``TRITON_INTERPRET=1``), which CI uses to execute the
+kernels' real logic. Launch paths read no device memory on the host and size
+their grids from shapes only, so they are CUDA-graph capture safe once
+:func:`compile` has built the configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "KernelConfig",
+    "backward",
+    "choose_config",
+    "compile",
+    "config_unsupported_reason",
+    "device_unsupported_reason",
+    "forward",
+    "unavailable_reason",
+]
+
+MAX_RATIO = 256
+_SMS_DEFAULT = 132
+
+
+def unavailable_reason() -> str | None:
+    try:
+        import triton
+        import triton.language  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        return f"triton is not importable ({exc}); install the 'triton' extra"
+    return None
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def device_unsupported_reason(device: torch.device) -> str | None:
+    device = torch.device(device)
+    if device.type == "cpu":
+        if _interpret():
+            return None
+        return "triton runs on the CPU only under its interpreter (set TRITON_INTERPRET=1 before importing triton)"
+    if device.type != "cuda":
+        return f"triton backend supports CUDA devices (and the CPU interpreter), not {device.type!r}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if _interpret():
+        return None
+    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if (major, minor) < (8, 0):
+        return f"triton backend needs compute capability >= 8.0, this GPU has {major}.{minor}"
+    return None
+
+
+def config_unsupported_reason(ratio: int, coff: int, head_dim: int) -> str | None:
+    if coff not in (1, 2):
+        return f"coff must be 1 or 2, got {coff}"
+    if not 1 <= ratio <= MAX_RATIO:
+        return f"ratio must be in [1, {MAX_RATIO}], got {ratio}"
+    if head_dim < 1:
+        return f"head_dim must be >= 1, got {head_dim}"
+    return None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+_KERNELS: dict[bool, tuple] = {}
+
+
+def _kernels():
+    """(forward module, backward module), decorated in the interpreter mode now in force.
+
+    ``triton.jit`` decides at decoration time whether a kernel is interpreted; if
+    the modules were first imported under the other mode they are reloaded once.
+    """
+    mode = _interpret()
+    mods = _KERNELS.get(mode)
+    if mods is None:
+        from . import backward as bwd_mod
+        from . import forward as fwd_mod
+
+        if (type(fwd_mod.csa_fwd_kernel).__name__ == "InterpretedFunction") != mode:
+            fwd_mod = importlib.reload(fwd_mod)
+            bwd_mod = importlib.reload(bwd_mod)
+        mods = _KERNELS[mode] = (fwd_mod, bwd_mod)
+    return mods
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape of one configuration.
+
+    ``block_r`` rows x ``block_d`` columns per tile (the window tile is
+    ``[block_r, coff * next_pow2(ratio), block_d]``); ``rows_per_prog`` rows per
+    program (backward: sets the number of dAPE partials); ``sweep_t`` tokens x
+    ``sweep_d`` columns per zero-sweep store.
+    """
+
+    block_r: int
+    block_d: int
+    num_warps: int
+    rows_per_prog: int = 1
+    sweep_t: int = 64
+    sweep_d: int = 128
+    num_stages: int = 1
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpret: bool) -> KernelConfig:
+    """Default tiles. GPU: about 4096 window elements per tile, 16-byte column vectors."""
+    k = coff * _pow2(ratio)
+    d2 = _pow2(head_dim)
+    width2 = _pow2(coff * head_dim)
+    if interpret:
+        # The interpreter pays per numpy op, not per element: big tiles, few programs. Two row tiles per program
+        # keep the multi-tile loop and the multi-partial dAPE reduction exercised.
+        block_d = d2
+        block_r = max(1, min(32, 8192 // (k * block_d)))
+        return KernelConfig(block_r, block_d, 1, rows_per_prog=2 * block_r, sweep_t=64, sweep_d=width2)
+    block_d = max(16, min(128, d2, 4096 // k))
+    block_d = min(block_d, d2)
+    block_r = max(1, 4096 // (k * block_d))
+    rows = 1 if direction == "forward" else max(16, block_r)
+    return KernelConfig(block_r, block_d, 4, rows_per_prog=rows, sweep_t=64, sweep_d=min(256, width2))
+
+
+@functools.cache
+def _cached_config(direction, ratio, coff, head_dim, dtype, arch) -> KernelConfig:
+    override = os.environ.get("CSA_TRITON_CONFIG")  # "block_r,block_d,num_warps,rows_per_prog" for tuning sweeps
+    if override:
+        br, bd, nw, rpp = (int(x) for x in override.split(","))
+        return KernelConfig(br, bd, nw, rows_per_prog=rpp)
+    return choose_config(direction, ratio, coff, head_dim, arch == "interpret")
+
+
+def _arch(device: torch.device) -> str:
+    if _interpret() or device.type != "cuda":
+        return "interpret"
+    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return f"sm{major}{minor}"
+
+
+def _config(direction, ratio, coff, head_dim, dtype, device) -> KernelConfig:
+    return _cached_config(direction, ratio, coff, head_dim, dtype, _arch(device))
+
+
+# --------------------------------------------------------------------------- launches
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@contextlib.contextmanager
+def _launch_context(tensor: torch.Tensor, stream):
+    if tensor.device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(tensor.device):
+        if stream is None:
+            yield
+        else:
+            with torch.cuda.stream(stream):
+                yield
+
+
+def _search_iters(num_segments: int) -> int:
+    return max(0, num_segments - 1).bit_length()
+
+
+def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg: KernelConfig) -> None:
+    """Enqueue the forward kernel with tiles ``cfg`` on the current stream."""
+    n_rows = out.shape[0]
+    if n_rows == 0:
+        return
+    fwd_mod, _ = _kernels()
+    head_dim = out.shape[1]
+    num_segments = cu_seqlens.shape[0] - 1
+    n_col = _cdiv(head_dim, cfg.block_d)
+    tiles = max(1, cfg.rows_per_prog // cfg.block_r)
+    n_prog = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
+    fwd_mod.csa_fwd_kernel[(n_prog * n_col,)](
+        kv,
+        score,
+        ape,
+        cu_seqlens,
+        cu_seqlens_comp,
+        out,
+        n_rows,
+        num_segments,
+        _search_iters(num_segments),
+        tiles,
+        RATIO=ratio,
+        SP=_pow2(ratio),
+        COFF=coff,
+        HEAD_DIM=head_dim,
+        BLOCK_R=cfg.block_r,
+        BLOCK_D=cfg.block_d,
+        N_COL=n_col,
+        PRECISE_EXP=kv.device.type == "cuda" and not _interpret(),
+        MANUAL_RTNE=_interpret(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def launch_backward(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, cfg
+) -> None:
+    """Enqueue the backward kernel and the dAPE reduction with tiles ``cfg`` on the current stream."""
+    n_rows = grad_out.shape[0]
+    if n_rows == 0:
+        grad_kv.zero_()
+        grad_score.zero_()
+        grad_ape.zero_()
+        return
+    _, bwd_mod = _kernels()
+    tokens, width = kv.shape
+    head_dim = width // coff
+    num_segments = cu_seqlens.shape[0] - 1
+    n_col = _cdiv(head_dim, cfg.block_d)
+    tiles = max(1, cfg.rows_per_prog // cfg.block_r)
+    n_parts = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
+    n_compute = n_parts * n_col
+    n_sweep = _cdiv(tokens, cfg.sweep_t)
+    workspace = torch.empty((n_parts, ratio, width), dtype=torch.float32, device=kv.device)
+    precise = kv.device.type == "cuda" and not _interpret()
+    bwd_mod.csa_bwd_kernel[(n_compute + n_sweep,)](
+        kv,
+        score,
+        ape,
+        cu_seqlens,
+        cu_seqlens_comp,
+        grad_out,
+        grad_kv,
+        grad_score,
+        workspace,
+        n_rows,
+        tokens,
+        num_segments,
+        _search_iters(num_segments),
+        tiles,
+        n_compute,
+        RATIO=ratio,
+        SP=_pow2(ratio),
+        COFF=coff,
+        HEAD_DIM=head_dim,
+        BLOCK_R=cfg.block_r,
+        BLOCK_D=cfg.block_d,
+        N_COL=n_col,
+        SWEEP_T=cfg.sweep_t,
+        SWEEP_D=cfg.sweep_d,
+        PRECISE_EXP=precise,
+        MANUAL_RTNE=_interpret(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    size = ratio * width
+    block = min(1024, _pow2(size))
+    bwd_mod.dape_reduce_kernel[(_cdiv(size, block),)](workspace, grad_ape, n_parts, SIZE=size, BLOCK=block, num_warps=4)
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def compile(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    """JIT-build ``direction``'s kernels for this configuration by launching them once on a tiny problem.
+
+    The launch uses the same constexprs, dtypes and argument specialisation as
+    real calls (runtime integers are ``do_not_specialize``; every tensor the API
+    accepts is 16-byte aligned), so later launches only hit Triton's cache.
+    """
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cfg = _config(direction, ratio, coff, head_dim, dtype, device)
+    _kernels()
+    if device.type != "cuda" or _interpret():
+        return  # the interpreter has nothing to build
+    width = coff * head_dim
+    tokens = 2 * ratio
+    with torch.cuda.device(device):
+        kv = torch.zeros((tokens, width), dtype=dtype, device=device)
+        score = torch.zeros_like(kv)
+        ape = torch.zeros((ratio, width), dtype=torch.float32, device=device)
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        cu_comp = torch.tensor([0, 2], dtype=torch.int32, device=device)
+        if direction == "forward":
+            out = torch.empty((2, head_dim), dtype=dtype, device=device)
+            launch_forward(kv, score, ape, cu, cu_comp, out, ratio, coff, cfg)
+        else:
+            grad_out = torch.zeros((2, head_dim), dtype=dtype, device=device)
+            grads = torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape)
+            launch_backward(kv, score, ape, cu, cu_comp, grad_out, *grads, ratio, coff, cfg)
+        torch.cuda.current_stream(device).synchronize()
+
+
+def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None) -> None:
+    if out.shape[0] == 0:
+        return
+    cfg = _config("forward", ratio, coff, out.shape[1], kv.dtype, kv.device)
+    with _launch_context(kv, stream):
+        launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg)
+
+
+def backward(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream=None
+) -> None:
+    cfg = _config("backward", ratio, coff, grad_out.shape[1], kv.dtype, kv.device)
+    with _launch_context(kv, stream):
+        launch_backward(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, cfg
+        )
