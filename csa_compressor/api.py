@@ -132,7 +132,9 @@ class CSACompressorForward(_Op):
         if out.shape[0] == 0:
             return out
         _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
-        self._module.forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self.config.ratio, self.config.coff, stream)
+        self._module.forward(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self.config.ratio, self.config.coff, stream
+        )
         return out
 
 
@@ -173,7 +175,9 @@ class CSACompressorBackward(_Op):
     def _check(self) -> Config:
         return support.check_backward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
 
-    def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream=None):
+    def execute(
+        self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream=None
+    ):
         self._ready()
         tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
         support.recheck_backward(self.config, *tensors)

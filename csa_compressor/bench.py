@@ -721,7 +721,7 @@ def _baseline_callables(backend: str, pack, case: Case, progress: bool):
         return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
     if backend == "eager":
-        return make(region), "eager"
+        return make(region), None
 
     # Fresh dynamo state per case: recompiles across cases would otherwise hit the recompile limit and fall
     # back to eager silently. Static shapes, as a training step with fixed sizes would compile.

@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     from .dispatch import available_backends, unavailable_reason
 
     backends = opts.backends or available_backends(device)
-    print(f"csa_compressor self-check on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'})")
+    print(
+        f"csa_compressor self-check on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'})"
+    )
     for name in ("cute", "triton", "reference"):
         if name not in backends:
             reason = unavailable_reason(name) or f"not usable on {device.type}"

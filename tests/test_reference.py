@@ -108,7 +108,15 @@ def test_fp64_gradcheck(coff):
 
     def fn(kv, score, ape):
         return reference.forward(
-            kv, score, ape, p.cu_seqlens, p.cu_seqlens_comp, ratio=3, coff=coff, total_comp=p.total_comp, precision="fp64"
+            kv,
+            score,
+            ape,
+            p.cu_seqlens,
+            p.cu_seqlens_comp,
+            ratio=3,
+            coff=coff,
+            total_comp=p.total_comp,
+            precision="fp64",
         )
 
     assert torch.autograd.gradcheck(fn, (kv, score, ape))
@@ -118,7 +126,15 @@ def test_fp64_gradcheck(coff):
     g = torch.where(real, p.grad_out.double(), 0)
     auto = torch.autograd.grad(out, (kv, score, ape), g)
     closed = reference.backward(
-        p.kv.double(), p.score.double(), ape.detach(), p.cu_seqlens, p.cu_seqlens_comp, g, ratio=3, coff=coff, precision="fp64"
+        p.kv.double(),
+        p.score.double(),
+        ape.detach(),
+        p.cu_seqlens,
+        p.cu_seqlens_comp,
+        g,
+        ratio=3,
+        coff=coff,
+        precision="fp64",
     )
     for a, c in zip(auto, closed, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)

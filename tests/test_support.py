@@ -183,7 +183,7 @@ def test_unavailable_backend_names_installed():
 
 
 def test_backward_rejects_grad_buffers():
-    args, p = _fwd_args()
+    _, p = _fwd_args()
     grads = [torch.empty_like(p.kv), torch.empty_like(p.score), torch.empty_like(p.ape)]
     base = [*p.inputs, p.grad_out]
     assert CSACompressorBackward(*base, *grads, ratio=4, coff=2, backend="reference").check_support()
@@ -191,10 +191,12 @@ def test_backward_rejects_grad_buffers():
     with pytest.raises(ValueError, match=r"grad_kv shape must be \(17, 16\)"):
         CSACompressorBackward(*base, *bad, ratio=4, coff=2, backend="reference").check_support()
     bad = [grads[0], grads[1], grads[2].double()]
-    with pytest.raises(ValueError, match="grad_ape dtype must be torch.float32"):
+    with pytest.raises(ValueError, match=r"grad_ape dtype must be torch\.float32"):
         CSACompressorBackward(*base, *bad, ratio=4, coff=2, backend="reference").check_support()
     with pytest.raises(ValueError, match=r"grad_out.shape\[1\] must be head_dim=8"):
-        CSACompressorBackward(*p.inputs, p.grad_out[:, :4].contiguous(), *grads, ratio=4, coff=2, backend="reference").check_support()
+        CSACompressorBackward(
+            *p.inputs, p.grad_out[:, :4].contiguous(), *grads, ratio=4, coff=2, backend="reference"
+        ).check_support()
 
 
 def test_execute_rechecks_per_call_tensors():

@@ -37,7 +37,15 @@ def _on(stream):
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None) -> None:
     with _on(stream):
         result = reference.forward(
-            kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio=ratio, coff=coff, total_comp=out.shape[0], precision="fp32"
+            kv,
+            score,
+            ape,
+            cu_seqlens,
+            cu_seqlens_comp,
+            ratio=ratio,
+            coff=coff,
+            total_comp=out.shape[0],
+            precision="fp32",
         )
         out.copy_(result)
 
