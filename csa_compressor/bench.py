@@ -647,7 +647,9 @@ class _Timer:
         flush_us = 0.0
         for e in events:
             if e.device_type == DeviceType.CUDA:
-                activities.append(DeviceActivity(e.name, e.time_range.elapsed_us(), _is_annotation(e)))
+                # The flush range's own name on the GPU timeline can only be an annotation span.
+                annotation = _is_annotation(e) or e.name == FLUSH_RANGE
+                activities.append(DeviceActivity(e.name, e.time_range.elapsed_us(), annotation))
             elif cold and e.name == FLUSH_RANGE:
                 # The flush range's device time: the kernels launched under it (tree built by the profiler).
                 flush_us += e.device_time_total
