@@ -3,8 +3,10 @@
 # (tests selfcheck sanitize bench), logs under $OUT, a short summary last.
 #   STAGES="tests bench" bash benchmarks/gpu_session.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/csa_out}
-mkdir -p "$OUT"
+# Logs go to $LOGS and come back as one tarball: the device tool returns at most 8 files.
+RESULT_DIR=${OUT:-/tmp/csa_out}
+OUT=/tmp/csa_logs
+mkdir -p "$OUT" "$RESULT_DIR"
 STAGES=${STAGES:-"tests selfcheck sanitize bench"}
 if [ -d .cutedsl ]; then
     mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
@@ -44,5 +46,7 @@ for stage in $STAGES; do
         ;;
     esac
 done
+printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
+tar czf "$RESULT_DIR/logs.tar.gz" -C "$OUT" .
 echo "==== summary"
-printf '%s\n' "${summary[@]}"
+cat "$OUT/summary.txt"
