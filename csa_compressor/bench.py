@@ -759,12 +759,14 @@ def run_bench(
     name: str | None = None,
     progress: bool = True,
     device=None,
+    commit: str | None = None,
 ) -> BenchResult:
     """Run the benchmark; returns the records, the markdown report and, if ``out_dir`` is set, the written paths.
 
     ``cases``: case names / indices (see ``CASES``) or ``Case`` objects; default all. ``backends``: names among
     cute, triton, reference, torch.compile, eager (default all available). ``directions``: "fwd", "bwd" (for
     the baselines "bwd" means forward+backward). ``reps``: (cold, warm, wall) timed calls per measurement.
+    ``commit`` overrides ``git rev-parse HEAD`` (for copies of the tree without ``.git``).
     Raises ``NoGPUError`` without a CUDA device.
     """
     import torch
@@ -792,7 +794,7 @@ def run_bench(
     meta = {
         "device": f"{props.name} (sm_{props.major}{props.minor})",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": commit or git_commit(),
         "versions": versions(),
         "copy_tb_s": rate / 1e12,
         "reps": list(reps),
@@ -893,6 +895,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(DEFAULT_OUT), help="directory for JSON, markdown and PNG (default %(default)s)")
     p.add_argument("--no-write", action="store_true", help="print the table only, write no files")
     p.add_argument("--name", help="file stem of the outputs (default bench_<device>_<UTC time>)")
+    p.add_argument("--commit", help="commit id to record when the tree has no .git (default: git rev-parse HEAD)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return p
@@ -928,6 +931,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out_dir=None if args.no_write else args.out,
             name=args.name,
             progress=not args.quiet,
+            commit=args.commit,
         )
     except NoGPUError as exc:
         print(f"csa_compressor bench: {exc}; nothing was measured.")
