@@ -41,7 +41,7 @@ def test_validate_pack_accepts_and_names_broken_invariants():
     cu = torch.tensor([0, 5, 13], dtype=torch.int32)
     comp = compute_cu_seqlens_comp(cu, 4)
     validate_pack(cu, comp, 4, total_tokens=13, total_comp=3)
-    with pytest.raises(ValueError, match="cu_seqlens_comp is inconsistent.*segment 1 has 8 tokens but 1 rows"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_comp is inconsistent.*segment 1 has 8 tokens but 1 rows"):
         validate_pack(cu, torch.tensor([0, 1, 2], dtype=torch.int32), 4, total_tokens=13)
     with pytest.raises(ValueError, match="non-decreasing; segment 1"):
         validate_pack(torch.tensor([0, 5, 3], dtype=torch.int32), comp, 4, total_tokens=13)
