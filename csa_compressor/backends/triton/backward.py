@@ -105,31 +105,41 @@ def csa_bwd_kernel(
         s = _k % SP
         own = _k >= (COFF - 1) * SP
         cols = col_start + tl.arange(0, BLOCK_D)
-        col = tl.where(own, (COFF - 1) * HEAD_DIM, 0)[:, None] + cols[None, :]
+        col = (own.to(tl.int32) * ((COFF - 1) * HEAD_DIM))[:, None] + cols[None, :]
         wmask = (s < RATIO)[:, None] & (cols < HEAD_DIM)[None, :]
         tl.store(ws_ptr + rp * (RATIO * W) + s[:, None] * W + col, dape, mask=wmask)
     else:
         toks = (pid - n_compute) * SWEEP_T + tl.arange(0, SWEEP_T)
+        tok_ok = toks < T
         seg = _segment_of(toks, cu_ptr, B, n_iter)
         seg_start = tl.load(cu_ptr + seg)
         n_groups = (tl.load(cu_ptr + seg + 1) - seg_start) // RATIO
         local = toks - seg_start
         consumed = (toks < tl.load(cu_ptr + B)) & (local < n_groups * RATIO)
+        # Per token: zero its first d columns / its last (coff-1)*d columns. Row flags broadcast over columns
+        # keep the stores vectorised.
+        zero_hi = tok_ok & ~consumed
         if COFF == 2:
             # The first d columns of a segment's last group would be read by a next group that does not exist.
-            in_last = consumed & (local // RATIO == n_groups - 1)
-            zero_upto = tl.where(consumed, tl.where(in_last, HEAD_DIM, 0), W)
+            zero_lo = zero_hi | (consumed & (local // RATIO == n_groups - 1))
         else:
-            zero_upto = tl.where(consumed, 0, W)
-        zero_upto = tl.where(toks < T, zero_upto, 0)
-        if tl.max(zero_upto, axis=0) > 0:
+            zero_lo = zero_hi
+        if tl.max(zero_lo.to(tl.int32), axis=0) > 0:
             zeros = tl.zeros([SWEEP_T, SWEEP_D], dtype=gdt)
-            for c0 in range(0, W, SWEEP_D):
+            for c0 in range(0, HEAD_DIM, SWEEP_D):
                 cols = c0 + tl.arange(0, SWEEP_D)
-                zmask = cols[None, :] < zero_upto[:, None]
+                zmask = zero_lo[:, None] & (cols < HEAD_DIM)[None, :]
                 zoffs = toks[:, None] * W + cols[None, :]
                 tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
                 tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
+            if COFF == 2:
+                if tl.max(zero_hi.to(tl.int32), axis=0) > 0:
+                    for c0 in range(0, HEAD_DIM, SWEEP_D):
+                        cols = c0 + tl.arange(0, SWEEP_D)
+                        zmask = zero_hi[:, None] & (cols < HEAD_DIM)[None, :]
+                        zoffs = toks[:, None] * W + HEAD_DIM + cols[None, :]
+                        tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
+                        tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
 
 
 @triton.jit(do_not_specialize=["P"])

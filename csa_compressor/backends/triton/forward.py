@@ -108,7 +108,7 @@ def _load_window(
     cols = col_start + tl.arange(0, BLOCK_D)
     col_ok = cols < HEAD_DIM
     # Own slots read the last d columns (coff 2), previous-group slots the first d.
-    col = tl.where(own, (COFF - 1) * HEAD_DIM, 0)[:, None] + cols[None, :]  # [K, BLOCK_D]
+    col = (own.to(tl.int32) * ((COFF - 1) * HEAD_DIM))[:, None] + cols[None, :]  # [K, BLOCK_D]
 
     valid = slot_ok[None, :] & (own[None, :] | has_prev[:, None])  # [BLOCK_R, K]
     tok = t0[:, None] + s[None, :] - tl.where(own, 0, RATIO)[None, :]

@@ -138,18 +138,17 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
     """Default tiles. GPU: about 4096 window elements per tile, 16-byte column vectors."""
     k = coff * _pow2(ratio)
     d2 = _pow2(head_dim)
-    width2 = _pow2(coff * head_dim)
     if interpret:
         # The interpreter pays per numpy op, not per element: big tiles, few programs. Two row tiles per program
         # keep the multi-tile loop and the multi-partial dAPE reduction exercised.
         block_d = d2
         block_r = max(1, min(32, 8192 // (k * block_d)))
-        return KernelConfig(block_r, block_d, 1, rows_per_prog=2 * block_r, sweep_t=64, sweep_d=width2)
+        return KernelConfig(block_r, block_d, 1, rows_per_prog=2 * block_r, sweep_t=64, sweep_d=d2)
     block_d = max(16, min(128, d2, 4096 // k))
     block_d = min(block_d, d2)
     block_r = max(1, 4096 // (k * block_d))
     rows = 1 if direction == "forward" else max(16, block_r)
-    return KernelConfig(block_r, block_d, 4, rows_per_prog=rows, sweep_t=64, sweep_d=min(256, width2))
+    return KernelConfig(block_r, block_d, 4, rows_per_prog=rows, sweep_t=64, sweep_d=min(256, d2))
 
 
 @functools.cache
@@ -229,6 +228,8 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
         MANUAL_RTNE=_interpret(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        # The reference rounds every product before adding: no fused multiply-adds.
+        enable_fp_fusion=False,
     )
 
 
@@ -282,10 +283,14 @@ def launch_backward(
         MANUAL_RTNE=_interpret(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        # The reference rounds every product before adding: no fused multiply-adds.
+        enable_fp_fusion=False,
     )
     size = ratio * width
     block = min(1024, _pow2(size))
-    bwd_mod.dape_reduce_kernel[(_cdiv(size, block),)](workspace, grad_ape, n_parts, SIZE=size, BLOCK=block, num_warps=4)
+    bwd_mod.dape_reduce_kernel[(_cdiv(size, block),)](
+        workspace, grad_ape, n_parts, SIZE=size, BLOCK=block, num_warps=4, enable_fp_fusion=False
+    )
 
 
 # --------------------------------------------------------------------------- protocol
