@@ -48,6 +48,7 @@ __all__ = [
     "draw_chart",
     "floor_bytes",
     "floor_us",
+    "flush_device_us",
     "format_markdown",
     "main",
     "make_record",
@@ -580,6 +581,22 @@ def _progress(enabled: bool, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
+def flush_device_us(range_event, skip_names: Iterable[str] = (FLUSH_RANGE,)) -> float:
+    """Device time of the kernels launched under one profiler range (a CPU ``FunctionEvent``), recursively.
+
+    The profiler attaches each kernel to the CPU op that launched it (``kernels``) and nests ops under the
+    range (``cpu_children``). Entries named like the range itself (its GPU-timeline mirror) are skipped.
+    """
+    skip = set(skip_names)
+    total = 0.0
+    stack = [range_event]
+    while stack:
+        ev = stack.pop()
+        total += sum(k.duration for k in getattr(ev, "kernels", ()) if k.name not in skip)
+        stack.extend(getattr(ev, "cpu_children", ()))
+    return total
+
+
 def _is_annotation(event) -> bool:
     """True for GPU-timeline mirrors of ``record_function`` ranges (they overlap real kernels)."""
     if getattr(event, "is_user_annotation", False):
@@ -599,8 +616,8 @@ class _Timer:
         self.reps = reps
         props = torch.cuda.get_device_properties(device)
         l2 = int(getattr(props, "L2_cache_size", 0) or 0)
-        # Twice the L2 size, at least 128 MiB when the size is unknown. float64 so that the flush kernel is
-        # unlike anything the measured code launches.
+        # Twice the L2 size and at least 128 MiB. float64 so that the flush kernel is unlike anything the
+        # measured code launches.
         self.flush_bytes = max(2 * l2, 128 << 20) if l2 else 128 << 20
         self.flush_buf = torch.empty(self.flush_bytes // 8, dtype=torch.float64, device=device)
         self._flush_value = 0.0
@@ -642,17 +659,19 @@ class _Timer:
                         self.flush()
                 fn()
             torch.cuda.synchronize(self.device)
-        events = prof.events()
+        events = list(prof.events())
+        # Names of CPU-side ranges (record_function, "Torch-Compiled Region", ...): a device event with one of
+        # these names is the range mirrored on the GPU timeline, not work.
+        range_names = {e.name for e in events if e.device_type != DeviceType.CUDA and _is_annotation(e)}
+        range_names.add(FLUSH_RANGE)
         activities = []
         flush_us = 0.0
         for e in events:
             if e.device_type == DeviceType.CUDA:
-                # The flush range's own name on the GPU timeline can only be an annotation span.
-                annotation = _is_annotation(e) or e.name == FLUSH_RANGE
+                annotation = _is_annotation(e) or e.name in range_names
                 activities.append(DeviceActivity(e.name, e.time_range.elapsed_us(), annotation))
             elif cold and e.name == FLUSH_RANGE:
-                # The flush range's device time: the kernels launched under it (tree built by the profiler).
-                flush_us += e.device_time_total
+                flush_us += flush_device_us(e)
         if not activities:
             raise RuntimeError("the profiler recorded no device activity (is CUPTI available?)")
         if cold and flush_us <= 0:

@@ -162,6 +162,37 @@ def test_kernel_us_per_call_subtracts_flush_and_skips_annotations():
         kernel_us_per_call(acts[1:2], calls=1, flush_us_total=60.0)
 
 
+def test_flush_device_us_walks_the_range_tree():
+    from collections import namedtuple
+
+    kernel = namedtuple("Kernel", "name device duration")
+
+    class Ev:
+        def __init__(self, kernels=(), children=()):
+            self.kernels = list(kernels)
+            self.cpu_children = list(children)
+
+    fill = Ev([kernel("FillFunctor<double>", 0, 25.0)])
+    launch = Ev(children=[fill])
+    rng = Ev([kernel(bench.FLUSH_RANGE, 0, 26.0)], children=[launch, Ev()])  # its own GPU mirror is skipped
+    assert bench.flush_device_us(rng) == pytest.approx(25.0)
+    assert bench.flush_device_us(Ev()) == 0.0
+
+
+def test_flush_device_us_on_real_profiler_events():
+    # The attribute names the walk relies on, on this torch version (CPU only: no kernels, so 0).
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function(bench.FLUSH_RANGE):
+            torch.ones(1000).fill_(2.0)
+    ranges = [e for e in prof.events() if e.name == bench.FLUSH_RANGE]
+    assert len(ranges) == 1
+    assert bench._is_annotation(ranges[0])
+    assert any(c.name == "aten::fill_" or c.cpu_children for c in ranges[0].cpu_children)
+    assert bench.flush_device_us(ranges[0]) == 0.0
+
+
 def test_is_annotation():
     class Ev:
         def __init__(self, ann=None, kind=None):
