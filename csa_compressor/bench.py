@@ -344,6 +344,10 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
                 f"(L2 flushed) / {warm} warm calls; wall = CUDA events around one call, median of {wall}. Microseconds."
             )
         lines.append(
+            '"wall - warm" approximates the host overhead of one call (SPEC 6 target: at most 10 us forward, '
+            "15 us backward)."
+        )
+        lines.append(
             '"seed" columns quote SPEC section 6 (the seed\'s kernels on an H200, measured 2026-11-30); '
             "they are not re-measured here."
         )
@@ -352,12 +356,11 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
     def seed(case: str, key: str) -> float | None:
         return SPEC_H200.get(case, {}).get(key)
 
-    def kernel_table(direction: str, title: str, rows_for: list[str], seed_key: str | None, with_compile: bool):
+    def kernel_table(direction: str, title: str, rows_for: list[str], seed_keys: tuple[str, str], with_compile: bool):
         head = ["case", "floor", "backend", "cold", "warm", "wall", "cold / floor"]
         if with_compile:
             head.append("vs torch.compile (cold)")
-        if seed_key:
-            head += ["seed cold (SPEC)", "vs seed (cold)"]
+        head += ["seed cold (SPEC)", "vs seed (cold)", "wall - warm", "seed wall (SPEC)"]
         body = []
         for case in cases:
             ref_compile = idx.get((case, "torch.compile", direction))
@@ -370,9 +373,14 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
                        _fmt_us(rec.get("wall_us")), _fmt_ratio(cold, rec.get("floor_us"))]  # fmt: skip
                 if with_compile:
                     row.append(_fmt_ratio(ref_compile.get("kernel_us_cold") if ref_compile else None, cold))
-                if seed_key:
-                    s = seed(case, seed_key)
-                    row += [_fmt_us(s), _fmt_ratio(s, cold) if backend in KERNEL_BACKENDS else "—"]
+                s_cold, s_wall = (seed(case, k) for k in seed_keys)
+                wall, warm = rec.get("wall_us"), rec.get("kernel_us_warm")
+                row += [
+                    _fmt_us(s_cold),
+                    _fmt_ratio(s_cold, cold) if backend in KERNEL_BACKENDS else "—",
+                    _fmt_us(wall - warm) if wall is not None and warm is not None else "—",
+                    _fmt_us(s_wall),
+                ]
                 body.append(row)
         if not body:
             return
@@ -383,8 +391,10 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
         lines.extend("| " + " | ".join(r) + " |" for r in body)
         lines.append("")
 
-    kernel_table("fwd", "Forward", backends, "seed_fwd_cold", with_compile=True)
-    kernel_table("bwd", "Backward (the backward call alone)", kernel_backends, "seed_bwd_cold", with_compile=False)
+    kernel_table("fwd", "Forward", backends, ("seed_fwd_cold", "seed_wall_fwd"), with_compile=True)
+    kernel_table(
+        "bwd", "Backward (the backward call alone)", kernel_backends, ("seed_bwd_cold", "seed_wall_bwd"), False
+    )
 
     # Forward + backward: kernel backends as the sum of their two calls, baselines as measured.
     head = ["case", "floor", "backend", "cold", "warm", "wall", "cold / floor", "vs torch.compile (cold)",

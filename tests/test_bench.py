@@ -271,6 +271,7 @@ def test_markdown_forward_table():
     assert col["vs torch.compile (cold)"] == "6.00x"
     assert col["seed cold (SPEC)"] == "43.3"
     assert col["vs seed (cold)"] == f"{43.3 / 30.0:.2f}x"
+    assert col["wall - warm"] == "10.0" and col["seed wall (SPEC)"] == "95.0"
     eager = dict(zip(head, next(r for r in rows if r[2] == "eager"), strict=True))
     assert eager["vs seed (cold)"] == "—"  # speedups vs the seed are only for kernel backends
     failed = dict(zip(head, next(r for r in rows if r[2] == "triton"), strict=True))
@@ -296,7 +297,9 @@ def test_markdown_without_meta_or_seed_numbers():
     rec.update(kernel_us_cold=2.0, kernel_us_warm=1.0, wall_us=5.0)
     md = format_markdown([rec])
     rows = _rows(md, "Forward")
-    assert rows[1][2] == "reference" and rows[1][-2] == "—"  # no SPEC number for an off-matrix case
+    col = dict(zip(rows[0], rows[1], strict=True))
+    assert col["backend"] == "reference" and col["seed cold (SPEC)"] == "—"  # no SPEC number off the matrix
+    assert col["wall - warm"] == "4.0"
     assert format_markdown([]) == ""
 
 
