@@ -61,6 +61,7 @@ KERNEL_BACKENDS = ("cute", "triton", "reference")
 BASELINES = ("torch.compile", "eager")
 DIRECTIONS = ("fwd", "bwd")
 FLUSH_RANGE = "csa_bench.l2_flush"
+_FLUSH_KERNEL_HINT = "FillFunctor<double>"  # ATen's kernel for a float64 fill_, which only the flush launches
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
@@ -586,6 +587,12 @@ def make_record(meta: dict, case: Case, backend: str, direction: str, copy_bytes
     }
 
 
+def _short_error(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (truncated), for records and progress lines."""
+    first = next((line for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first[:limit]}".rstrip(": ")
+
+
 def _progress(enabled: bool, msg: str) -> None:
     if enabled:
         print(msg, file=sys.stderr, flush=True)
@@ -685,7 +692,11 @@ class _Timer:
         if not activities:
             raise RuntimeError("the profiler recorded no device activity (is CUPTI available?)")
         if cold and flush_us <= 0:
-            raise RuntimeError("could not attribute the L2 flush kernels in the profile; cold time would include them")
+            # Fallback when the profiler did not attach kernels to the range: the flush is the only float64 fill.
+            fills = [a for a in activities if not a.is_user_annotation and _FLUSH_KERNEL_HINT in a.name]
+            if len(fills) != calls:
+                raise RuntimeError("could not find the L2 flush kernels in the profile; cold time would include them")
+            flush_us = sum(a.duration_us for a in fills)
         return kernel_us_per_call(activities, calls, flush_us)
 
     def wall_us(self, fn: Callable[[], object], calls: int) -> float:
@@ -767,7 +778,7 @@ def _baseline_callables(backend: str, pack, case: Case, progress: bool):
                 fn()
             torch.cuda.synchronize()
         except Exception as exc:  # fullgraph may fail on some torch versions; the default mode is the fallback
-            notes.append(f"fullgraph={fullgraph} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            notes.append(f"fullgraph={fullgraph} failed: {_short_error(exc, 200)}")
             if not fullgraph:
                 raise
             continue
@@ -845,7 +856,7 @@ def run_bench(
                     calls = _kernel_callables(backend, pack, case)
                 setup_error = None
             except Exception as exc:  # one broken backend must not lose the rest of the run
-                calls, setup_error = {}, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                calls, setup_error = {}, _short_error(exc)
             for direction in direction_list:
                 what = measured_direction(backend, direction)
                 done += 1
@@ -863,7 +874,7 @@ def run_bench(
                         f"floor {rec['floor_us']:.1f} us ({rec['floor_us'] / cold:.2f} of floor)"
                     )
                 except Exception as exc:  # record the failure and keep going
-                    rec["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                    rec["error"] = _short_error(exc)
                     status = f"FAILED: {rec['error']}"
                 records.append(rec)
                 _progress(
