@@ -28,8 +28,35 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 NEG_INF = float("-inf")
+
+
+# fp32 arithmetic with the rounding pinned in PTX (``.rn``): neither NVVM nor ptxas may contract a
+# pinned mul + add into an fma, which would change results against the fp32 reference.
+def _binary_rn(op: str):
+    @dsl_user_op
+    def fn(a, b, *, loc=None, ip=None) -> Float32:
+        return Float32(
+            llvm.inline_asm(
+                T.f32(),
+                [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                f"{op}.rn.f32 $0, $1, $2;",
+                "=f,f,f",
+                has_side_effects=False,
+                is_align_stack=False,
+                asm_dialect=llvm.AsmDialect.AD_ATT,
+            )
+        )
+
+    return fn
+
+
+mul_rn = _binary_rn("mul")
+add_rn = _binary_rn("add")
+sub_rn = _binary_rn("sub")
 
 
 @dataclass(frozen=True)
@@ -67,20 +94,23 @@ def slots_per_group(window: int, cap: int = 8) -> int:
 
 
 def forward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
-    """One schedule per configuration: ~256 threads per CTA, window split into groups of <= 8 slots."""
+    """One schedule per configuration, ~128 threads per CTA (several CTAs per SM overlap their loads).
+
+    The CTA stages its column chunk of ``ape`` in shared memory (``W * TC * V`` floats), so TC is
+    capped to keep that (plus the cross-group combine buffers) under ~44 KB.
+    """
     V = vector_width(head_dim)
     W = coff * ratio
     SG = slots_per_group(W)
     G = W // SG
     col_threads = -(-head_dim // V)
-    # Column threads: as many as the row needs, but keep the CTA <= 256 threads.
     TC = 1
-    while TC * 2 <= col_threads and TC * 2 * G <= 256:
+    while TC * 2 <= col_threads and TC * 2 * G <= 128 and W * TC * 2 * V * 4 <= 32768:
         TC *= 2
-    if TC < col_threads and TC * G < 256 and col_threads * G <= 256:
-        TC = col_threads
+    if G == 1 and col_threads <= 128 and W * col_threads * V * 4 <= 32768:
+        TC = col_threads  # a whole row per thread row: odd head_dims keep one chunk
     R = 1
-    while TC * G * R * 2 <= 256:
+    while TC * G * R * 2 <= 128:
         R *= 2
     return Schedule(V=V, TC=TC, G=G, SG=SG, R=R)
 
@@ -109,6 +139,31 @@ def vec_view(ptr: cute.Pointer, off, V: int) -> cute.Tensor:
     return cute.make_tensor(ptr + cute.assume(off, divby=V), cute.make_layout(V))
 
 
+def make_stage_ape(ratio: int, coff: int, head_dim: int, sch: Schedule):
+    """Copy this CTA's column chunk of ape, slot-major ``[W][TC*V]`` fp32, into shared memory.
+
+    Slot ``s`` uses ape row ``s % ratio`` and column half ``s // ratio``. The caller syncs.
+    """
+    V, TC, NT = sch.V, sch.TC, sch.threads
+    W = coff * ratio
+    D = head_dim
+    WIDTH = coff * head_dim
+    CW = TC * V
+    NVEC = W * TC
+
+    @cute.jit
+    def stage(ape: cute.Pointer, sm_ape: cute.Tensor, tidx: Int32, by: Int32):
+        for idx in cutlass.range(tidx, NVEC, NT):
+            s = idx // TC
+            cv = idx % TC
+            col = by * CW + cv * V
+            if col < D:
+                src = vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + col, V)
+                vec_view(sm_ape.iterator, s * CW + cv * V, V).store(src.load())
+
+    return stage
+
+
 def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     """The @cute.jit host function for one configuration and schedule.
 
@@ -125,6 +180,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     COLS_EXACT = D % CW == 0
     assert G * SG == W
     SMEM_ROW = G * CW  # floats per (quantity, row lane)
+    stage_ape = make_stage_ape(ratio, coff, head_dim, sch)
 
     @cute.kernel
     def kernel(
@@ -151,6 +207,10 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         if cutlass.const_expr(not COLS_EXACT):
             active = active & (c < D)
 
+        smem = cutlass.utils.SmemAllocator()
+        sm_ape = smem.allocate_tensor(Float32, cute.make_layout(W * CW), byte_alignment=16)
+        stage_ape(ape, sm_ape, tidx, by)
+
         # Row layout (device-side segment lookup).
         nreal = cuc_t[B]
         t0 = Int32(0)
@@ -164,7 +224,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         # Issue every load of the group before any use.
         kvf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
         scf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
-        apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
         for k in cutlass.range_constexpr(SG):
             s = g * SG + k
             half = s // ratio
@@ -175,19 +234,16 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             kvf[k].fill(0.0)
             scf[k].fill(NEG_INF)
             off = tok * WIDTH + half * D + c
-            aoff = (s % ratio) * WIDTH + half * D + c
             if valid:
                 kvf[k].store(vec_view(kv, off, V).load())
                 scf[k].store(vec_view(score, off, V).load())
-            if active:
-                apf[k].store(vec_view(ape, aoff, V).load())
-            else:
-                apf[k].fill(0.0)
+        cute.arch.sync_threads()  # ape staged
 
         # Logits in fp32: score + ape (invalid slots: -inf + ape = -inf).
         lg = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
         for k in cutlass.range_constexpr(SG):
-            lg[k].store(scf[k].load().to(Float32) + apf[k].load())
+            s = g * SG + k
+            lg[k].store(scf[k].load().to(Float32) + vec_view(sm_ape.iterator, s * CW + tc * V, V).load())
 
         res = cute.make_rmem_tensor(cute.make_layout(V), Float32)
         if cutlass.const_expr(G == 1):
@@ -198,16 +254,15 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 e = [cute.math.exp(lg[k][i] - m) for k in range(SG)]
                 total = e[0]
                 for k in cutlass.range_constexpr(1, SG):
-                    total = total + e[k]
-                acc = (e[0] / total) * Float32(kvf[0][i])
+                    total = add_rn(total, e[k])
+                acc = mul_rn(e[0] / total, Float32(kvf[0][i]))
                 for k in cutlass.range_constexpr(1, SG):
-                    acc = acc + (e[k] / total) * Float32(kvf[k][i])
+                    acc = add_rn(acc, mul_rn(e[k] / total, Float32(kvf[k][i])))
                 res[i] = acc
             if active:
                 dst = vec_view(out, r * D + c, V)
                 dst.store(res.load().to(BFloat16))
         else:
-            smem = cutlass.utils.SmemAllocator()
             sm_m = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_l = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_a = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
@@ -224,8 +279,8 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 acc = Float32(0.0)
                 for k in cutlass.range_constexpr(SG):
                     e = cute.math.exp(lg[k][i] - msafe)
-                    total = total + e
-                    acc = acc + e * Float32(kvf[k][i])
+                    total = add_rn(total, e)
+                    acc = add_rn(acc, mul_rn(e, Float32(kvf[k][i])))
                 sm_m[base + i] = m
                 sm_l[base + i] = total
                 sm_a[base + i] = acc
@@ -243,14 +298,14 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                         scale = Float32(0.0)
                         if mh != Float32(NEG_INF):
                             scale = cute.math.exp(mh - mx)
-                        total = total + sm_l[rbase + h * CW + i] * scale
-                        acc = acc + sm_a[rbase + h * CW + i] * scale
+                        total = add_rn(total, mul_rn(sm_l[rbase + h * CW + i], scale))
+                        acc = add_rn(acc, mul_rn(sm_a[rbase + h * CW + i], scale))
                     res[i] = acc / total
                 if active:
                     dst = vec_view(out, r * D + c, V)
                     dst.store(res.load().to(BFloat16))
 
-    smem_bytes = 0 if G == 1 else 3 * R * SMEM_ROW * 4
+    smem_bytes = W * CW * 4 + (0 if G == 1 else 3 * R * SMEM_ROW * 4) + 64
 
     @cute.jit
     def host(

@@ -1,0 +1,296 @@
+"""Launch machinery of the CuTe-DSL backend: the five protocol functions of ``csa_compressor.backends``.
+
+Compiled kernels are cached by ``(direction, ratio, coff, head_dim, dtype, arch, schedule)``; the
+schedule is a pure function of ``(ratio, coff, head_dim)`` so ``compile()`` builds everything a
+later call can pick. The kernels are compiled against raw global pointers and Int32 scalars, so a
+call only converts integers: the fast path keeps one ctypes argument block per (configuration,
+device), writes the pointer/int/stream values into it and calls the compiled host entry point
+directly (``CSA_CUTE_FAST_LAUNCH=0`` falls back to the regular compiled-function call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+
+_IMPORT_ERROR: str | None = None
+try:
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    from .backward import backward_schedule, build_backward
+    from .forward import build_forward, forward_schedule
+except Exception as exc:  # pragma: no cover - depends on the environment
+    _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
+
+__all__ = ["backward", "compile", "device_unsupported_reason", "forward", "unavailable_reason"]
+
+_FAST = os.environ.get("CSA_CUTE_FAST_LAUNCH", "1") != "0"
+_LOCK = threading.Lock()
+_COMPILED: dict[tuple, object] = {}  # key -> compiled function (device independent)
+_LAUNCHERS: dict[tuple, _Launcher] = {}  # (key, device index) -> launcher
+_FASTMAP: dict[tuple, _Launcher] = {}  # (direction, ratio, coff, head_dim, dtype, device index) -> launcher
+_DEVICE_INFO: dict[int, tuple[str, int]] = {}  # device index -> (arch, SM count)
+_N_PTR = {"forward": 6, "backward": 10}
+_N_INT = {"forward": 2, "backward": 5}
+
+
+def unavailable_reason() -> str | None:
+    return _IMPORT_ERROR
+
+
+def _arch_of(capability: tuple[int, int]) -> str | None:
+    major, minor = capability
+    if major == 9 and minor == 0:
+        return "sm_90a"
+    if major == 10:
+        return f"sm_10{minor}a"
+    return None
+
+
+def device_unsupported_reason(device: torch.device) -> str | None:
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the cute backend needs a CUDA device, got {device}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    cap = torch.cuda.get_device_capability(device)
+    if _arch_of(cap) is None:
+        return (
+            f"the cute backend supports compute capability 9.0 (H100/H200, validated) and 10.x "
+            f"(Blackwell, not validated here), got {cap[0]}.{cap[1]}"
+        )
+    return None
+
+
+def _device_info(index: int) -> tuple[str, int]:
+    info = _DEVICE_INFO.get(index)
+    if info is None:
+        props = torch.cuda.get_device_properties(index)
+        arch = _arch_of((props.major, props.minor))
+        if arch is None:
+            raise RuntimeError(f"cute backend: unsupported GPU {props.name} (sm_{props.major}{props.minor})")
+        info = (arch, props.multi_processor_count)
+        _DEVICE_INFO[index] = info
+    return info
+
+
+def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
+    if direction == "forward":
+        return forward_schedule(ratio, coff, head_dim)
+    if direction == "backward":
+        return backward_schedule(ratio, coff, head_dim)
+    raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+
+
+def _key(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, arch: str) -> tuple:
+    sch = _schedule(direction, ratio, coff, head_dim)
+    return (direction, ratio, coff, head_dim, dtype, arch, sch.key()), sch
+
+
+def _fake_ptr(dtype):
+    return make_ptr(dtype, 0, AddressSpace.gmem, assumed_align=16)
+
+
+def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch):
+    options = f"--gpu-arch={arch}"
+    if direction == "forward":
+        host = build_forward(ratio, coff, head_dim, sch)
+        args = [_fake_ptr(t) for t in (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16)]
+        args += [Int32(1), Int32(1)]
+    else:
+        host = build_backward(ratio, coff, head_dim, sch)
+        args = [_fake_ptr(t) for t in (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, BFloat16, BFloat16)]
+        args += [_fake_ptr(Float32), _fake_ptr(Float32)]
+        args += [Int32(1)] * 5
+    return cute.compile(host, *args, cuda.CUstream(0), options=options)
+
+
+class _Launcher:
+    """One compiled configuration bound to one device, with a reusable ctypes argument block."""
+
+    def __init__(self, compiled, direction: str, device_index: int, sch, num_sms: int):
+        self.compiled = compiled
+        self.direction = direction
+        self.sch = sch
+        self.num_sms = num_sms
+        self.fast = False
+        self.ctas_per_sm = 2
+        self.nchunk = 1
+        try:
+            ex = compiled.to(device_index)
+            self._ex = ex
+            self.ptrs = [ctypes.c_void_p(0) for _ in range(_N_PTR[direction])]
+            self.ints = [ctypes.c_int32(0) for _ in range(_N_INT[direction])]
+            self.stream = ctypes.c_void_p(0)
+            storages = [*self.ptrs, *self.ints, self.stream]
+            n = len(storages)
+            packed = (ctypes.c_void_p * (n + ex._num_extra_args))()
+            for i, st in enumerate(storages):
+                packed[i] = ctypes.addressof(st)
+            idx = n
+            if ex._has_cuda_result:
+                packed[idx] = ex._cuda_result_addr
+                idx += 1
+            for kp in ex._kernel_ptrs or []:
+                packed[idx] = kp
+                idx += 1
+            self.packed = packed
+            self.capi = ex.capi_func
+            self.cuda_result = ex.cuda_result
+            self.fast = _FAST
+            # Resident CTAs per SM of the main (largest) kernel: persistent backward grids fill exactly this.
+            occ = []
+            for fn in ex.exec_context.kernel_functions:
+                err, n_blocks = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, sch.threads, 0)
+                if int(err) == 0 and n_blocks > 0:
+                    occ.append(int(n_blocks))
+            if occ:
+                self.ctas_per_sm = max(1, min(occ))
+        except Exception:  # pragma: no cover - DSL internals changed: use the regular call path
+            self.fast = False
+
+    def __call__(self, ptrs, ints, stream_handle: int):
+        if self.fast:
+            for st, v in zip(self.ptrs, ptrs, strict=False):
+                st.value = v
+            for st, v in zip(self.ints, ints, strict=False):
+                st.value = v
+            self.stream.value = stream_handle
+            self.capi(self.packed)
+            if self.cuda_result is not None and self.cuda_result.value != 0:
+                raise RuntimeError(f"cute backend: kernel launch failed with CUDA error {self.cuda_result.value}")
+            return
+        dts = (
+            (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16)
+            if self.direction == "forward"
+            else (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, BFloat16, BFloat16, Float32, Float32)
+        )
+        args = [make_ptr(dt, p, AddressSpace.gmem, assumed_align=16) for dt, p in zip(dts, ptrs, strict=False)]
+        args += [Int32(v) for v in ints]
+        self.compiled(*args, cuda.CUstream(stream_handle))
+
+
+def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
+    _get_launcher(direction, int(ratio), int(coff), int(head_dim), dtype, torch.device(device))
+
+
+def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device) -> _Launcher:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    arch, num_sms = _device_info(index)
+    key, sch = _key(direction, ratio, coff, head_dim, dtype, arch)
+    lk = (key, index)
+    launcher = _LAUNCHERS.get(lk)
+    if launcher is not None:
+        return launcher
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"cute backend: the {direction} kernel for ratio={ratio}, coff={coff}, head_dim={head_dim} on "
+            f"cuda:{index} is not compiled and cannot be compiled during CUDA-graph capture; call compile() "
+            "(or run the operation once) before capturing"
+        )
+    if dtype != torch.bfloat16:
+        raise ValueError(f"cute backend: only bfloat16 kv/score are supported, got {dtype}")
+    with _LOCK:
+        compiled = _COMPILED.get(key)
+        if compiled is None:
+            compiled = _build(direction, ratio, coff, head_dim, arch, sch)
+            _COMPILED[key] = compiled
+        launcher = _LAUNCHERS.get(lk)
+        if launcher is None:
+            launcher = _Launcher(compiled, direction, index, sch, num_sms)
+            launcher.nchunk = -(-head_dim // (sch.TC * sch.V))
+            _LAUNCHERS[lk] = launcher
+            _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher
+    return launcher
+
+
+def _stream_handle(stream, device: torch.device) -> int:
+    if stream is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    return stream.cuda_stream
+
+
+def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream) -> None:
+    device = kv.device
+    n = out.shape[0]
+    if n == 0:
+        return
+    head_dim = out.shape[1]
+    launcher = _FASTMAP.get(("forward", ratio, coff, head_dim, kv.dtype, device.index))
+    if launcher is None:
+        launcher = _get_launcher("forward", ratio, coff, head_dim, kv.dtype, device)
+    ptrs = (
+        kv.data_ptr(),
+        score.data_ptr(),
+        ape.data_ptr(),
+        cu_seqlens.data_ptr(),
+        cu_seqlens_comp.data_ptr(),
+        out.data_ptr(),
+    )
+    ints = (cu_seqlens.shape[0] - 1, n)
+    _launch_on(device, launcher, ptrs, ints, _stream_handle(stream, device))
+
+
+def _launch_on(device: torch.device, launcher: _Launcher, ptrs, ints, stream_handle: int) -> None:
+    # Kernels launch into the current CUDA context: switch only when the tensors live elsewhere.
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device.index):
+            launcher(ptrs, ints, stream_handle)
+    else:
+        launcher(ptrs, ints, stream_handle)
+
+
+def backward_grid(launcher: _Launcher, n: int) -> tuple[int, int]:
+    """(rows_per_cta, num_ctas): fill the resident CTA slots once; rows_per_cta is a multiple of R."""
+    sch = launcher.sch
+    nchunk = launcher.nchunk
+    capacity = launcher.num_sms * launcher.ctas_per_sm
+    row_blocks = -(-n // sch.R)
+    target_x = max(1, min(row_blocks, capacity // nchunk))
+    iters = -(-row_blocks // target_x)
+    rows_per_cta = iters * sch.R
+    return rows_per_cta, -(-n // rows_per_cta)
+
+
+def backward(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream
+) -> None:
+    device = kv.device
+    n = grad_out.shape[0]
+    head_dim = grad_out.shape[1]
+    launcher = _FASTMAP.get(("backward", ratio, coff, head_dim, kv.dtype, device.index))
+    if launcher is None:
+        launcher = _get_launcher("backward", ratio, coff, head_dim, kv.dtype, device)
+    if n == 0:
+        grad_kv.zero_()
+        grad_score.zero_()
+        grad_ape.zero_()
+        return
+    rows_per_cta, num_ctas = backward_grid(launcher, n)
+    ws = torch.empty(num_ctas * ape.numel(), dtype=torch.float32, device=device)
+    handle = _stream_handle(stream, device)
+    if stream is not None and handle != torch.cuda.current_stream(device).cuda_stream:
+        ws.record_stream(stream)
+    ptrs = (
+        kv.data_ptr(),
+        score.data_ptr(),
+        ape.data_ptr(),
+        cu_seqlens.data_ptr(),
+        cu_seqlens_comp.data_ptr(),
+        grad_out.data_ptr(),
+        grad_kv.data_ptr(),
+        grad_score.data_ptr(),
+        grad_ape.data_ptr(),
+        ws.data_ptr(),
+    )
+    ints = (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas)
+    _launch_on(device, launcher, ptrs, ints, handle)
