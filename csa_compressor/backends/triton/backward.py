@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _load_window, _round, _segment_of
+from .forward import _load_ape, _load_window, _round, _segment_of, _slot_columns
 
 
 @triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"])
@@ -50,6 +50,7 @@ def csa_bwd_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
     N_COL: tl.constexpr,
     SWEEP_T: tl.constexpr,
     SWEEP_D: tl.constexpr,
@@ -63,13 +64,15 @@ def csa_bwd_kernel(
         rp = pid // N_COL
         col_start = (pid % N_COL) * BLOCK_D
         total_real = tl.load(cu_comp_ptr + B)
-        dape = tl.zeros([COFF * SP, BLOCK_D], dtype=tl.float32)
+        ape = _load_ape(ape_ptr, col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+        # dAPE partial kept per (slot, row lane, column); rows are summed once, after the loop.
+        dape = tl.zeros([COFF * SP, BLOCK_R, BLOCK_D], dtype=tl.float32)
         for it in range(tiles_per_prog):
             row_start = (rp * tiles_per_prog + it) * BLOCK_R
-            v, p, offs, lmask, rows, _row_ok, is_real, cols, col_ok, s, slot_ok, _col = _load_window(
+            v, p, offs, lmask, rows, _row_ok, is_real, cols, col_ok, slot_ok = _load_window(
                 kv_ptr,
                 score_ptr,
-                ape_ptr,
+                ape,
                 cu_ptr,
                 cu_comp_ptr,
                 row_start,
@@ -84,30 +87,27 @@ def csa_bwd_kernel(
                 HEAD_DIM,
                 BLOCK_R,
                 BLOCK_D,
+                VEC,
                 PRECISE_EXP,
             )
             # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
             gmask = is_real[:, None] & col_ok[None, :]
             g = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
-            g = g.to(tl.float32)[:, None, :]
+            g = g.to(tl.float32)[None, :, :]
             # Reference order: dv = g*p; gv = g*v; dlogit = p*(gv - sum(gv*p)).
             dv = g * p
             gv = g * v
             # Slots s >= ratio do not exist in the reference; keep them out of the sum even for non-finite g.
-            gvp = tl.where(slot_ok[None, :, None], gv * p, 0.0)
-            dlogit = p * (gv - tl.sum(gvp, axis=1)[:, None, :])
-            smask = lmask & is_real[:, None, None]
+            gvp = tl.where(slot_ok[:, None, None], gv * p, 0.0)
+            dlogit = p * (gv - tl.sum(gvp, axis=0)[None, :, :])
+            smask = lmask & is_real[None, :, None]
             tl.store(grad_kv_ptr + offs, _round(dv, gdt, MANUAL_RTNE), mask=smask)
             tl.store(grad_score_ptr + offs, _round(dlogit, gdt, MANUAL_RTNE), mask=smask)
-            dape += tl.sum(tl.where(smask, dlogit, 0.0), axis=0)
+            dape += tl.where(smask, dlogit, 0.0)
         # Slot (s, own) added ape[s, col]: the partial has the same [ratio, coff*d] layout as grad_ape.
-        _k = tl.arange(0, COFF * SP)
-        s = _k % SP
-        own = _k >= (COFF - 1) * SP
-        cols = col_start + tl.arange(0, BLOCK_D)
-        col = (own.to(tl.int32) * ((COFF - 1) * HEAD_DIM))[:, None] + cols[None, :]
-        wmask = (s < RATIO)[:, None] & (cols < HEAD_DIM)[None, :]
-        tl.store(ws_ptr + rp * (RATIO * W) + s[:, None] * W + col, dape, mask=wmask)
+        s, _own, slot_ok, cols, col_ok, col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+        wmask = slot_ok[:, None] & col_ok[None, :]
+        tl.store(ws_ptr + rp * (RATIO * W) + s[:, None] * W + col, tl.sum(dape, axis=1), mask=wmask)
     else:
         toks = (pid - n_compute) * SWEEP_T + tl.arange(0, SWEEP_T)
         tok_ok = toks < T

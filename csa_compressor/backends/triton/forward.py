@@ -65,10 +65,50 @@ def _round(x, dtype: tl.constexpr, MANUAL_RTNE: tl.constexpr):
 
 
 @triton.jit
+def _slot_columns(
+    col_start,
+    RATIO: tl.constexpr,
+    SP: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """Per slot ``k``: ``s = k % SP``, ``own``, ``slot_ok``; per (slot, column): the kv/score column ``col``."""
+    k = tl.arange(0, COFF * SP)
+    s = k % SP
+    own = k >= (COFF - 1) * SP
+    # Same values as col_start + arange, but provably contiguous only in runs of VEC: this caps the vector
+    # width (and the per-thread column count) Triton picks for the tile at VEC elements.
+    lane = tl.arange(0, BLOCK_D)
+    cols = col_start + (lane // VEC) * VEC + lane % VEC
+    # Own slots read the last d columns (coff 2), previous-group slots the first d.
+    col = (own.to(tl.int32) * ((COFF - 1) * HEAD_DIM))[:, None] + cols[None, :]  # [K, BLOCK_D]
+    return s, own, s < RATIO, cols, cols < HEAD_DIM, col
+
+
+@triton.jit
+def _load_ape(
+    ape_ptr,
+    col_start,
+    RATIO: tl.constexpr,
+    SP: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
+):
+    """APE of every (slot, column) of a column block, ``[K, 1, BLOCK_D]`` fp32 (loaded once per program)."""
+    s, _own, slot_ok, _cols, col_ok, col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+    ape = tl.load(ape_ptr + s[:, None] * (COFF * HEAD_DIM) + col, mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
+    return ape.to(tl.float32)[:, None, :]
+
+
+@triton.jit
 def _load_window(
     kv_ptr,
     score_ptr,
-    ape_ptr,
+    ape,
     cu_ptr,
     cu_comp_ptr,
     row_start,
@@ -83,13 +123,17 @@ def _load_window(
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
 ):
     """Window tile of rows ``row_start + [0, BLOCK_R)``, columns ``col_start + [0, BLOCK_D)``.
 
-    Returns values ``v`` and softmax weights ``p`` (fp32, ``[BLOCK_R, K, BLOCK_D]``),
-    element offsets into kv/score, the load mask, per-row ``is_real``, per-slot
-    ``slot_ok`` (``s < ratio``), and the slot/column indices ``s``/``col``.
+    The tile is ``[K, BLOCK_R, BLOCK_D]`` with the slots outermost: Triton spreads
+    lanes over columns first, then rows, so for small ratios every slot of a
+    (row, column) sits in one thread and the softmax reductions are in-thread and
+    sequential (the reference's order). Returns values ``v`` and softmax weights
+    ``p`` (fp32), element offsets into kv/score, the load mask, row/column indices
+    and masks, and per-slot ``slot_ok`` (``s < ratio``).
     """
     W: tl.constexpr = COFF * HEAD_DIM
     rows = row_start + tl.arange(0, BLOCK_R)
@@ -101,31 +145,27 @@ def _load_window(
     t0 = tl.where(is_real, tl.load(cu_ptr + seg) + j * RATIO, 0)
     has_prev = is_real & (j > 0)
 
-    k = tl.arange(0, COFF * SP)
-    s = k % SP
-    own = k >= (COFF - 1) * SP
-    slot_ok = s < RATIO
-    cols = col_start + tl.arange(0, BLOCK_D)
-    col_ok = cols < HEAD_DIM
-    # Own slots read the last d columns (coff 2), previous-group slots the first d.
-    col = (own.to(tl.int32) * ((COFF - 1) * HEAD_DIM))[:, None] + cols[None, :]  # [K, BLOCK_D]
-
-    valid = slot_ok[None, :] & (own[None, :] | has_prev[:, None])  # [BLOCK_R, K]
-    tok = t0[:, None] + s[None, :] - tl.where(own, 0, RATIO)[None, :]
+    s, own, slot_ok, cols, col_ok, col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+    valid = slot_ok[:, None] & (own[:, None] | has_prev[None, :])  # [K, BLOCK_R]
+    tok = t0[None, :] + (s - tl.where(own, 0, RATIO))[:, None]
     tok = tl.where(valid, tok, 0)
-    offs = tok[:, :, None] * W + col[None, :, :]
-    lmask = (valid & row_ok[:, None])[:, :, None] & col_ok[None, None, :]
+    offs = tok[:, :, None] * W + col[:, None, :]
+    lmask = (valid & row_ok[None, :])[:, :, None] & col_ok[None, None, :]
 
-    ape = tl.load(ape_ptr + s[:, None] * W + col, mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
     v = tl.load(kv_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
     sc = tl.load(score_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
     # Same order as the reference: logit = score + ape, -inf where the slot does not exist.
-    x = tl.where(valid[:, :, None], sc + ape.to(tl.float32)[None, :, :], float("-inf"))
-    m = tl.max(x, axis=1)
-    e = _exp(x - m[:, None, :], PRECISE_EXP)
-    total = tl.sum(e, axis=1)
-    p = tl.math.div_rn(e, total[:, None, :])
-    return v, p, offs, lmask, rows, row_ok, is_real, cols, col_ok, s, slot_ok, col
+    x = tl.where(valid[:, :, None], sc + ape, float("-inf"))
+    m = tl.max(x, axis=0)
+    e = _exp(x - m[None, :, :], PRECISE_EXP)
+    total = tl.sum(e, axis=0)
+    # p = e / total, correctly rounded (as the reference's division), with one division per (row, column):
+    # inv = RN(1/total), q = RN(e*inv), one Newton-Markstein correction. e <= 1 <= total <= K, so no overflow.
+    inv = tl.math.div_rn(tl.full(total.shape, 1.0, tl.float32), total)[None, :, :]
+    q = e * inv
+    resid = tl.fma(-total[None, :, :], q, e)
+    p = tl.fma(resid, inv, q)
+    return v, p, offs, lmask, rows, row_ok, is_real, cols, col_ok, slot_ok
 
 
 @triton.jit(do_not_specialize=["N", "B", "n_iter", "tiles_per_prog"])
@@ -146,6 +186,7 @@ def csa_fwd_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
     N_COL: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
@@ -155,12 +196,13 @@ def csa_fwd_kernel(
     rp = pid // N_COL
     col_start = (pid % N_COL) * BLOCK_D
     total_real = tl.load(cu_comp_ptr + B)
+    ape = _load_ape(ape_ptr, col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
     for it in range(tiles_per_prog):
         row_start = (rp * tiles_per_prog + it) * BLOCK_R
-        v, p, _offs, _lmask, rows, row_ok, _is_real, cols, col_ok, _s, _slot_ok, _col = _load_window(
+        v, p, _offs, _lmask, rows, row_ok, _is_real, cols, col_ok, _slot_ok = _load_window(
             kv_ptr,
             score_ptr,
-            ape_ptr,
+            ape,
             cu_ptr,
             cu_comp_ptr,
             row_start,
@@ -175,12 +217,10 @@ def csa_fwd_kernel(
             HEAD_DIM,
             BLOCK_R,
             BLOCK_D,
+            VEC,
             PRECISE_EXP,
         )
-        out = tl.sum(v * p, axis=1)
+        out = tl.sum(v * p, axis=0)
         omask = row_ok[:, None] & col_ok[None, :]
-        tl.store(
-            out_ptr + rows[:, None] * HEAD_DIM + cols[None, :],
-            _round(out, out_ptr.dtype.element_ty, MANUAL_RTNE),
-            mask=omask,
-        )
+        optrs = out_ptr + rows[:, None] * HEAD_DIM + cols[None, :]
+        tl.store(optrs, _round(out, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)

@@ -128,6 +128,8 @@ class KernelConfig:
     sweep_t: int = 64
     sweep_d: int = 128
     num_stages: int = 1
+    vec: int = 8
+    precise_exp: bool = True
 
 
 def _pow2(n: int) -> int:
@@ -135,7 +137,7 @@ def _pow2(n: int) -> int:
 
 
 def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpret: bool) -> KernelConfig:
-    """Default tiles. GPU: about 4096 window elements per tile, 16-byte column vectors."""
+    """Default tiles (GPU values from the H200 sweep in benchmarks/triton_sweep.py)."""
     k = coff * _pow2(ratio)
     d2 = _pow2(head_dim)
     if interpret:
@@ -144,19 +146,26 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
         block_d = d2
         block_r = max(1, min(32, 8192 // (k * block_d)))
         return KernelConfig(block_r, block_d, 1, rows_per_prog=2 * block_r, sweep_t=64, sweep_d=d2)
-    block_d = max(16, min(128, d2, 4096 // k))
-    block_d = min(block_d, d2)
-    block_r = max(1, 4096 // (k * block_d))
-    rows = 1 if direction == "forward" else max(16, block_r)
-    return KernelConfig(block_r, block_d, 4, rows_per_prog=rows, sweep_t=64, sweep_d=min(256, d2))
+    if k <= 16:
+        # Every slot of a (row, column) in one thread: in-thread, in-order softmax reductions. 4 columns per thread
+        # (8-byte accesses, still full 32-byte sectors per warp) keep the backward's registers below 256.
+        vec = 4
+        block_d = min(128, d2)
+        num_warps = 2
+        block_r = max(1, (32 * vec) // block_d) * num_warps
+        rows = 8 * block_r if direction == "forward" else 32
+    else:
+        # Long windows: lanes and warps split the slots, reductions go through shuffles and shared memory.
+        vec = 8
+        block_d = min(32, d2)
+        num_warps = 4
+        block_r = 1
+        rows = 4 if direction == "forward" else 16
+    return KernelConfig(block_r, block_d, num_warps, rows_per_prog=rows, sweep_t=64, sweep_d=min(256, d2), vec=vec)
 
 
 @functools.cache
 def _cached_config(direction, ratio, coff, head_dim, dtype, arch) -> KernelConfig:
-    override = os.environ.get("CSA_TRITON_CONFIG")  # "block_r,block_d,num_warps,rows_per_prog" for tuning sweeps
-    if override:
-        br, bd, nw, rpp = (int(x) for x in override.split(","))
-        return KernelConfig(br, bd, nw, rows_per_prog=rpp)
     return choose_config(direction, ratio, coff, head_dim, arch == "interpret")
 
 
@@ -223,8 +232,9 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
         HEAD_DIM=head_dim,
         BLOCK_R=cfg.block_r,
         BLOCK_D=cfg.block_d,
+        VEC=cfg.vec,
         N_COL=n_col,
-        PRECISE_EXP=kv.device.type == "cuda" and not _interpret(),
+        PRECISE_EXP=cfg.precise_exp and kv.device.type == "cuda" and not _interpret(),
         MANUAL_RTNE=_interpret(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -253,7 +263,7 @@ def launch_backward(
     n_compute = n_parts * n_col
     n_sweep = _cdiv(tokens, cfg.sweep_t)
     workspace = torch.empty((n_parts, ratio, width), dtype=torch.float32, device=kv.device)
-    precise = kv.device.type == "cuda" and not _interpret()
+    precise = cfg.precise_exp and kv.device.type == "cuda" and not _interpret()
     bwd_mod.csa_bwd_kernel[(n_compute + n_sweep,)](
         kv,
         score,
@@ -276,6 +286,7 @@ def launch_backward(
         HEAD_DIM=head_dim,
         BLOCK_R=cfg.block_r,
         BLOCK_D=cfg.block_d,
+        VEC=cfg.vec,
         N_COL=n_col,
         SWEEP_T=cfg.sweep_t,
         SWEEP_D=cfg.sweep_d,
