@@ -147,18 +147,20 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
         block_r = max(1, min(32, 8192 // (k * block_d)))
         return KernelConfig(block_r, block_d, 1, rows_per_prog=2 * block_r, sweep_t=64, sweep_d=d2)
     if k <= 16:
-        # Every slot of a (row, column) in one thread: in-thread, in-order softmax reductions. 4 columns per thread
-        # (8-byte accesses, still full 32-byte sectors per warp) keep the backward's registers below 256.
-        vec = 4
-        block_d = min(128, d2)
+        # Every slot of a (row, column) in one thread: in-thread, in-order softmax reductions. About 32 window
+        # elements per thread (k * vec) keep the backward below 256 registers: 8-byte column accesses at k = 8,
+        # still whole 32-byte sectors per warp.
+        vec = min(8, 32 // k)
+        block_d = min(32 * vec, d2)
         num_warps = 2
         block_r = max(1, (32 * vec) // block_d) * num_warps
-        rows = 8 * block_r if direction == "forward" else 32
+        rows = 8 * block_r if direction == "forward" else max(32, block_r)
     else:
         # Long windows: lanes and warps split the slots, reductions go through shuffles and shared memory.
         vec = 8
-        block_d = min(32, d2)
-        num_warps = 4
+        block_d = min(32 if k <= 256 else 16, d2)
+        # About 32 window elements per thread (the backward spills past that); 8 warps at most (255 registers).
+        num_warps = max(4, min(8, (k * block_d) // (32 * 32)))
         block_r = 1
         rows = 4 if direction == "forward" else 16
     return KernelConfig(block_r, block_d, num_warps, rows_per_prog=rows, sweep_t=64, sweep_d=min(256, d2), vec=vec)

@@ -1,0 +1,309 @@
+"""GPU timing sweep of the Triton backend's tile configurations on the SPEC section 6 cases.
+
+For every case and direction it times each candidate ``KernelConfig`` (plus the
+default that ``launch.choose_config`` picks), L2 cold: a CUDA graph of one call
+is replayed after a 256 MiB flush, CUDA events around the replay, median of
+``--iters``. It also checks every configuration against the fp32 reference
+(max bf16 ulp, count of non-bitwise elements) and dAPE against fp64, and prints
+kernel us, floor us (SPEC 6: bytes that must move / 4.22 TB/s) and their ratio.
+
+Kernels are JIT-built first in parallel worker processes (Triton's disk cache),
+so the timing loop only loads them.
+
+    python3 benchmarks/triton_sweep.py --out results/ [--quick] [--cases 3x8192_d512_r4_c2,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from csa_compressor import reference
+from csa_compressor.backends.triton import launch
+from csa_compressor.backends.triton.launch import KernelConfig
+from csa_compressor.testing import make_pack
+
+COPY_RATE = 4.22e12  # bytes/s, SPEC section 6
+# (name, sequences, seqlen, head_dim, ratio, coff)
+CASES = [
+    ("1x8192_d128_r4_c2", 1, 8192, 128, 4, 2),
+    ("3x8192_d128_r4_c2", 3, 8192, 128, 4, 2),
+    ("1x8192_d512_r4_c2", 1, 8192, 512, 4, 2),
+    ("3x8192_d512_r4_c2", 3, 8192, 512, 4, 2),
+    ("1x8192_d128_r128_c1", 1, 8192, 128, 128, 1),
+    ("1x65536_d512_r128_c2", 1, 65536, 512, 128, 2),
+    ("3x8192_d512_r128_c1", 3, 8192, 512, 128, 1),
+]
+
+
+def floor_us(direction, tokens, n_rows, head_dim, coff) -> float:
+    width = coff * head_dim
+    if direction == "forward":
+        nbytes = 2 * tokens * width * 2 + n_rows * head_dim * 2
+    else:
+        nbytes = 4 * tokens * width * 2 + n_rows * head_dim * 2
+    return nbytes / COPY_RATE * 1e6
+
+
+def candidates(direction, ratio, coff, head_dim, quick=False):
+    """Tile candidates x exact/approximate exp x ``rows_per_prog`` (runtime-only: no recompilation)."""
+    k = coff * launch._pow2(ratio)
+    d2 = launch._pow2(head_dim)
+    default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
+    tiles = []
+    if k <= 16:
+        for bd, nw, vec in ((128, 2, 4), (128, 1, 4), (128, 4, 4), (64, 2, 4), (64, 4, 4)):
+            bd = min(bd, d2)
+            tiles.append((max(1, (32 * vec) // bd) * nw, bd, nw, vec))
+    else:
+        for bd, nw, vec in ((32, 4, 8), (32, 8, 8), (16, 4, 4), (64, 8, 8), (16, 8, 8), (32, 4, 4)):
+            bd = min(bd, d2)
+            if k * bd <= 32 * 32 * nw:  # more than 32 window elements per thread spill in the backward
+                tiles.append((1, bd, nw, vec))
+    if quick:
+        tiles = tiles[:2]
+    out = {default}
+    for br, bd, nw, vec in dict.fromkeys(tiles):
+        if direction == "forward":
+            rows_options = [br * m for m in (1, 2, 4, 8)]
+        elif k <= 16:
+            rows_options = [max(br, r) for r in (16, 32, 64)]
+        else:
+            rows_options = [4, 8, 16, 32]
+        for precise in (True, False):
+            for rows in rows_options:
+                out.add(
+                    dataclasses.replace(
+                        default,
+                        block_r=br,
+                        block_d=bd,
+                        num_warps=nw,
+                        vec=vec,
+                        rows_per_prog=rows,
+                        precise_exp=precise,
+                    )
+                )
+    return sorted(out, key=dataclasses.astuple)
+
+
+def _compile_key(cfg: KernelConfig):
+    return dataclasses.replace(cfg, rows_per_prog=cfg.block_r)
+
+
+def _compile_job(job):
+    """Worker: build one (direction, ratio, coff, head_dim, tiles) on a tiny problem of the same specialisation."""
+    direction, ratio, coff, head_dim, cfg = job
+    device = torch.device("cuda")
+    t = time.time()
+    try:
+        width = coff * head_dim
+        tokens = 2 * ratio
+        kv = torch.zeros((tokens, width), dtype=torch.bfloat16, device=device)
+        ape = torch.zeros((ratio, width), dtype=torch.float32, device=device)
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
+        cu_comp = torch.tensor([0, 2], dtype=torch.int32, device=device)
+        if direction == "forward":
+            out = torch.empty((2, head_dim), dtype=torch.bfloat16, device=device)
+            launch.launch_forward(kv, kv.clone(), ape, cu, cu_comp, out, ratio, coff, cfg)
+        else:
+            g = torch.zeros((2, head_dim), dtype=torch.bfloat16, device=device)
+            grads = torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape)
+            launch.launch_backward(kv, kv.clone(), ape, cu, cu_comp, g, *grads, ratio, coff, cfg)
+        torch.cuda.synchronize()
+        return None, time.time() - t
+    except Exception as exc:  # report, keep sweeping
+        return f"{job}: {type(exc).__name__}: {exc}", time.time() - t
+
+
+def _ordered(x):
+    bits = x.contiguous().view(torch.int16).to(torch.int32)
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def ulp_stats(actual, expected):
+    dist = (_ordered(actual) - _ordered(expected)).abs()
+    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
+    dist = torch.where(nan_a & nan_e, torch.zeros_like(dist), dist)
+    dist = torch.where(nan_a ^ nan_e, torch.full_like(dist, 1 << 20), dist)
+    return int(dist.max()), int((dist != 0).sum())
+
+
+def rel_l2(a, e):
+    a, e = a.double(), e.double()
+    return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e))
+
+
+class Timer:
+    def __init__(self, iters, flush_mode="write"):
+        self.iters = iters
+        self.flush_mode = flush_mode
+        self.buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        self.sink = torch.empty((), dtype=torch.int64, device="cuda")
+
+    def flush(self):
+        if self.flush_mode == "write":
+            self.buf.fill_(1)
+        else:
+            torch.sum(self.buf.view(torch.int64), out=self.sink)
+
+    def time_us(self, fn):
+        fn()  # eager once (loads the module)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with torch.cuda.graph(graph, stream=stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.iters)
+        ]
+        for start, stop in events:
+            self.flush()
+            start.record()
+            graph.replay()
+            stop.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+
+
+def run_case(case, timer, quick, log):
+    name, seqs, seqlen, head_dim, ratio, coff = case
+    pack = make_pack([seqlen] * seqs, head_dim, ratio, coff, device="cuda", seed=1)
+    tokens, n_rows = pack.kv.shape[0], pack.total_comp
+    kw = dict(ratio=ratio, coff=coff)
+    ref_out = reference.forward(*pack.inputs, total_comp=n_rows, precision="fp32", **kw)
+    ref_kv, ref_score, _ = reference.backward(*pack.inputs, pack.grad_out, precision="fp32", **kw)
+    _, _, ape64 = reference.backward(*pack.inputs, pack.grad_out, precision="fp64", **kw)
+    results = []
+    for direction in ("forward", "backward"):
+        fl = floor_us(direction, tokens, n_rows, head_dim, coff)
+        default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
+        for cfg in candidates(direction, ratio, coff, head_dim, quick):
+            if direction == "forward":
+                out = torch.empty_like(ref_out)
+
+                def fn(cfg=cfg, out=out):
+                    launch.launch_forward(*pack.inputs, out, ratio, coff, cfg)
+
+            else:
+                grads = torch.empty_like(pack.kv), torch.empty_like(pack.score), torch.empty_like(pack.ape)
+
+                def fn(cfg=cfg, grads=grads):
+                    launch.launch_backward(*pack.inputs, pack.grad_out, *grads, ratio, coff, cfg)
+
+            try:
+                us = timer.time_us(fn)
+            except Exception as exc:
+                log(f"  FAILED {name} {direction} {cfg}: {type(exc).__name__}: {exc}")
+                continue
+            if direction == "forward":
+                out.fill_(float("nan"))
+                fn()
+                check = {"out": ulp_stats(out, ref_out)}
+            else:
+                for g in grads:
+                    g.fill_(float("nan"))
+                fn()
+                check = {
+                    "grad_kv": ulp_stats(grads[0], ref_kv),
+                    "grad_score": ulp_stats(grads[1], ref_score),
+                    "dape_rel_l2": rel_l2(grads[2], ape64),
+                }
+            row = dict(
+                case=name,
+                direction=direction,
+                config=dataclasses.asdict(cfg),
+                default=cfg == default,
+                kernel_us=round(us, 2),
+                floor_us=round(fl, 2),
+                ratio_to_floor=round(us / fl, 3),
+                check=check,
+            )
+            results.append(row)
+            log(
+                f"  {name:22s} {direction:8s} {'*' if row['default'] else ' '} br={cfg.block_r:2d} bd={cfg.block_d:3d} "
+                f"nw={cfg.num_warps} vec={cfg.vec} rows={cfg.rows_per_prog:3d} exact_exp={int(cfg.precise_exp)} "
+                f"{us:8.2f} us  floor {fl:7.2f}  x{us / fl:5.2f}  {check}"
+            )
+    torch.cuda.empty_cache()
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--cases", default="all")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--flush", choices=("write", "read"), default="write")
+    parser.add_argument("--compile-only", action="store_true", help="only JIT-build the candidates (disk cache)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the parallel build step")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("triton_sweep: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    cases = CASES if args.cases == "all" else [c for c in CASES if c[0] in args.cases.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    log_path = os.path.join(args.out, "triton_sweep_compile.log" if args.compile_only else "triton_sweep.log")
+    log_file = open(log_path, "w")
+
+    def log(msg):
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    t0 = time.time()
+    jobs = {}
+    for _, _, _, head_dim, ratio, coff in cases:
+        for direction in ("forward", "backward"):
+            for cfg in candidates(direction, ratio, coff, head_dim, args.quick):
+                jobs[(direction, ratio, coff, head_dim, _compile_key(cfg))] = None
+    if not args.no_compile:
+        log(f"compiling {len(jobs)} kernels with {args.workers} workers")
+        with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
+            for err, _ in pool.map(_compile_job, list(jobs)):
+                if err:
+                    log(f"  compile error: {err}")
+        log(f"compiled in {time.time() - t0:.1f} s")
+    if args.compile_only:
+        return 0
+
+    timer = Timer(args.iters, args.flush)
+    results = []
+    for case in cases:
+        results += run_case(case, timer, args.quick, log)
+    best = {}
+    for row in results:
+        key = (row["case"], row["direction"])
+        if key not in best or row["kernel_us"] < best[key]["kernel_us"]:
+            best[key] = row
+    log("\nbest per case (kernel us / floor us / ratio) and the default config:")
+    for (case, direction), row in best.items():
+        dflt = [r for r in results if r["case"] == case and r["direction"] == direction and r["default"]]
+        d_us = dflt[0]["kernel_us"] if dflt else float("nan")
+        log(
+            f"  {case:22s} {direction:8s} best {row['kernel_us']:8.2f} floor {row['floor_us']:7.2f} "
+            f"x{row['ratio_to_floor']:5.2f}  default {d_us:8.2f}  best cfg {row['config']}"
+        )
+    with open(os.path.join(args.out, "triton_sweep.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "flush": args.flush, "results": results}, f, indent=1)
+    log(f"total {time.time() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
