@@ -5,14 +5,17 @@ threads per CTA, ``V`` contiguous columns per thread), but the CTAs are persiste
 over a contiguous range of rows (``rows_per_cta``) so that each CTA produces one
 fp32 partial of ``grad_ape`` for its column chunk:
 
-- a thread keeps its group's window (kv as bf16, logits as fp32) in registers
-  between the max/sum pass and the gradient pass: every input is read once;
-- ``G == 1`` (ratio 4 coff 2): the reference's operation order exactly,
-  p = exp(x - max) / sum, dv = g*p, gv = g*v, S = sum(gv*p), dlogit = p*(gv - S),
-  every multiply/add pinned to ``.rn`` (no fma contraction);
-- ``G > 1``: (max, sum e) and then S = sum(gv*p) are combined across groups
-  through shared memory in a fixed order;
-- grad_ape: per-thread fp32 accumulators over the CTA's rows, summed over the
+- a thread keeps its group's window (kv and score as bf16) in registers between the
+  max/sum pass and the gradient pass: every input is read once from DRAM;
+- ``G == 1`` (ratio 4 coff 2, ratio 2, ratio 8 coff 1): the fp32 reference's exact
+  operation order, p = expf(x - max) / sum (IEEE division), dv = g*p, gv = g*v,
+  S = sum(gv*p) in the order of torch's reduction (four strided accumulators, then
+  combined left to right), dlogit = p*(gv - S); every multiply/add is pinned to ``.rn``
+  so that no fma contraction changes a bit;
+- ``G > 1`` (big windows): per group (max, sum e) then the group's share of
+  S = sum(gv*p) go through shared memory; one thread per (row, column) combines the
+  groups in a fixed order (two barriers each); exp via ex2.approx and p = e * (1/sum);
+- grad_ape: per-thread fp32 register accumulators over the CTA's rows, summed over the
   CTA's row lanes in a fixed order, written to a workspace slab
   ``ws[cta, ratio, coff*head_dim]``; a second kernel (same host function, same
   stream) sums the slabs in a fixed order into ``grad_ape`` (overwrite, no atomics,
@@ -33,62 +36,40 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .forward import (
+    LOG2E,
     NEG_INF,
     Schedule,
     add_rn,
+    ex2,
     find_segment,
-    make_stage_ape,
+    make_schedule,
     mul_rn,
-    slots_per_group,
     sub_rn,
+    torch_order_sum,
     vec_view,
-    vector_width,
 )
 
 REDUCE_WARPS = 8
-
-
-def _logit(scf, sm_ape, abase, k: int, i: int, CW: int):
-    """fp32 logit of slot k (of the thread's group), column i: score + ape (ape staged in shared memory)."""
-    return Float32(scf[k][i]) + sm_ape[abase + k * CW + i]
-
-
-@cute.jit
-def _acc_if(t: cute.Tensor, q: Int32, v: Float32, pred: Boolean):
-    if pred:
-        t[q] = add_rn(t[q], v)
-
-
-def _emit(dvb, dlb, sm_dap, gf, valid, k: int, i: int, p, gv, ssum, q):
-    """dv = g*p and dlogit = p*(gv - S) into the bf16 store fragments; grad_ape takes valid slots only."""
-    dl = mul_rn(p, sub_rn(gv, ssum))
-    dvb[k][i] = BFloat16(mul_rn(gf[i], p))
-    dlb[k][i] = BFloat16(dl)
-    _acc_if(sm_dap, q, dl, valid)
+MAX_REGS = 128
+SMEM_CARVEOUT = 50  # percent of the unified L1/shared memory offered to shared memory
 
 
 def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
-    """128-thread persistent CTAs. Big windows get narrow column chunks (TC = 2: 16 columns), so
-    that few row ranges (hence few grad_ape workspace slabs) still fill the GPU."""
-    V = vector_width(head_dim)
+    """Persistent CTAs; V = 2 keeps two rows of window (double buffer) plus the per-thread grad_ape
+    accumulators (SG*V fp32) in registers. Big windows get narrow column chunks (32 columns), so
+    that few row ranges (hence few grad_ape workspace slabs) still give many CTAs.
+    """
     W = coff * ratio
-    SG = slots_per_group(W)
-    G = W // SG
-    col_threads = -(-head_dim // V)
-    if G == 1:
-        TC = 1
-        while TC * 2 <= col_threads and TC * 2 <= 16:
-            TC *= 2
-    else:
-        TC = 2 if col_threads >= 2 else 1
-    while TC * G > 128 and TC > 1:
-        TC //= 2
-    R = 1
-    # grad_ape accumulators take SG*V floats of shared memory per thread: 64 threads for big windows.
-    threads = 128 if G == 1 else 64
-    while TC * G * R * 2 <= threads:
-        R *= 2
-    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R)
+    if W <= 8:
+        return make_schedule(ratio, coff, head_dim, vcap=2, threads=128, cols_cap=128)
+    return make_schedule(ratio, coff, head_dim, vcap=2, threads=256, cols_cap=32)
+
+
+def backward_smem_bytes(sch: Schedule) -> int:
+    """Dynamic shared memory of the main backward kernel (row-lane reduction + cross-group buffers)."""
+    cw = sch.TC * sch.V
+    cross = 2 * sch.R * sch.G * cw + 3 * sch.R * cw if sch.G > 1 else 0
+    return (sch.threads * sch.V + cross) * 4 + 128
 
 
 def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
@@ -110,7 +91,180 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     SMEM_ROW = G * CW
     LANES = R * G  # threads sharing one column vector (zero duties are spread over them)
     APE_SIZE = ratio * WIDTH
-    stage_ape = make_stage_ape(ratio, coff, head_dim, sch)
+    # Register cap: ptxas otherwise spends ~150 registers on ILP; 128 per thread keeps 512 threads per SM.
+    MIN_BLOCKS = max(1, 65536 // (NT * MAX_REGS))
+
+    @cute.jit
+    def store_slot(gkv, gsc, dvo, dlo, t0, s, valid, c):
+        # A slot's gradients land where its inputs were read (stores are disjoint across rows).
+        if valid:
+            off = (t0 - (coff - 1) * ratio + s) * WIDTH + (s // ratio) * D + c
+            vec_view(gkv, off, V).store(dvo.load().to(BFloat16))
+            vec_view(gsc, off, V).store(dlo.load().to(BFloat16))
+
+    @cute.jit
+    def load_row(kv, score, gout, cu_t, cuc_t, B, kvf, scf, gb, r, ok, g, c):
+        """Row layout of row r and every DRAM load of the thread's window slots (issued, not waited for)."""
+        active = ok
+        t0 = Int32(0)
+        first = Boolean(True)
+        last = Boolean(False)
+        seg_end = Int32(0)
+        if active:
+            b = find_segment(cuc_t, B, r)
+            j = r - cuc_t[b]
+            t0 = cu_t[b] + j * ratio
+            first = j == 0
+            last = r == cuc_t[b + 1] - 1
+            seg_end = cu_t[b + 1]
+        for k in cutlass.range_constexpr(SG):
+            s = g * SG + k
+            half = s // ratio
+            vk = active
+            if cutlass.const_expr(coff == 2):
+                vk = active & ((half == 1) | (not first))
+            kvf[k].fill(0.0)
+            scf[k].fill(NEG_INF)
+            if vk:
+                off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
+                kvf[k].store(vec_view(kv, off, V).load())
+                scf[k].store(vec_view(score, off, V).load())
+        gb.fill(0.0)
+        if active:
+            gb.store(vec_view(gout, r * D + c, V).load())
+        return active, t0, first, last, seg_end
+
+    @cute.jit
+    def compute_row(
+        ape, gkv, gsc, kvf, scf, gb, apf, pf, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
+        sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
+    ):  # fmt: skip
+        """Gradients of one row from the thread's registers; stores; exact zeros of a segment's last group."""
+        valid = []
+        for k in cutlass.range_constexpr(SG):
+            s = g * SG + k
+            vk = active
+            if cutlass.const_expr(coff == 2):
+                vk = active & ((s // ratio == 1) | (not first))
+            valid.append(vk)
+            apf[k].fill(0.0)
+            if col_ok:
+                apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+        gf.store(gb.load().to(Float32))
+
+        if cutlass.const_expr(G == 1):
+            # Pass A (per column): p = expf(x - max) / sum and S, the reference's operation order.
+            for i in cutlass.range_constexpr(V):
+                x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
+                m = x[0]
+                for k in cutlass.range_constexpr(1, SG):
+                    m = cute.arch.fmax(m, x[k], nan=True)
+                e = [cute.math.exp(x[k] - m) for k in range(SG)]
+                total = e[0]
+                for k in cutlass.range_constexpr(1, SG):
+                    total = add_rn(total, e[k])
+                gi = gf[i]
+                p = [e[k] / total for k in range(SG)]
+                gvp = [mul_rn(mul_rn(gi, Float32(kvf[k][i])), p[k]) for k in range(SG)]
+                ssum = torch_order_sum(gvp)
+                for k in cutlass.range_constexpr(SG):
+                    pf[k][i] = p[k]
+                vs[i] = ssum
+            # Pass B (per slot): dv = g*p, dlogit = p*(g*v - S); stored right away.
+            for k in cutlass.range_constexpr(SG):
+                for i in cutlass.range_constexpr(V):
+                    gi = gf[i]
+                    dvo[i] = mul_rn(gi, pf[k][i])
+                    dlo[i] = mul_rn(pf[k][i], sub_rn(mul_rn(gi, Float32(kvf[k][i])), vs[i]))
+                if valid[k]:
+                    for i in cutlass.range_constexpr(V):
+                        dap[k][i] = add_rn(dap[k][i], dlo[i])
+                store_slot(gkv, gsc, dvo, dlo, t0, g * SG + k, valid[k], c)
+        else:
+            for k in cutlass.range_constexpr(SG):
+                xf[k].store(scf[k].load().to(Float32) + apf[k].load())
+            base = rl * SMEM_ROW + g * CW + tc * V
+            # Pass 1: per-group (max, sum e).
+            for i in cutlass.range_constexpr(V):
+                m = xf[0][i]
+                for k in cutlass.range_constexpr(1, SG):
+                    m = cute.arch.fmax(m, xf[k][i], nan=True)
+                msafe = m
+                if m == Float32(NEG_INF):
+                    msafe = Float32(0.0)
+                ml = msafe * LOG2E
+                total = Float32(0.0)
+                for k in cutlass.range_constexpr(SG):
+                    total = total + ex2(xf[k][i] * LOG2E - ml)
+                vm[i] = m
+                vs[i] = total
+            vec_view(sm_a.iterator, base, V).store(vm.load())
+            vec_view(sm_b.iterator, base, V).store(vs.load())
+            cute.arch.sync_threads()
+            # Column-parallel combine (groups in a fixed order): row max and 1/sum.
+            for q in cutlass.range(tidx, R * CW, NT):
+                qb = (q // CW) * SMEM_ROW + q % CW
+                mx = sm_a[qb]
+                for h in cutlass.range_constexpr(1, G):
+                    mx = cute.arch.fmax(mx, sm_a[qb + h * CW], nan=True)
+                mxl = mx * LOG2E
+                total = Float32(0.0)
+                for h in cutlass.range_constexpr(G):
+                    total = total + sm_b[qb + h * CW] * ex2(sm_a[qb + h * CW] * LOG2E - mxl)
+                sm_res[q] = mxl
+                sm_res[R * CW + q] = Float32(1.0) / total
+            cute.arch.sync_threads()
+            # Pass 2: the group's share of S = sum(gv * p).
+            resb = rl * CW + tc * V
+            for i in cutlass.range_constexpr(V):
+                mxl = sm_res[resb + i]
+                inv = sm_res[R * CW + resb + i]
+                vm[i] = mxl
+                vs[i] = inv
+                ssum = Float32(0.0)
+                for k in cutlass.range_constexpr(SG):
+                    pk = ex2(xf[k][i] * LOG2E - mxl) * inv
+                    ssum = ssum + gf[i] * Float32(kvf[k][i]) * pk
+                dvo[i] = ssum
+            vec_view(sm_a.iterator, base, V).store(dvo.load())
+            cute.arch.sync_threads()
+            for q in cutlass.range(tidx, R * CW, NT):
+                qb = (q // CW) * SMEM_ROW + q % CW
+                ssum = sm_a[qb]
+                for h in cutlass.range_constexpr(1, G):
+                    ssum = ssum + sm_a[qb + h * CW]
+                sm_res[2 * R * CW + q] = ssum
+            cute.arch.sync_threads()
+            for i in cutlass.range_constexpr(V):
+                vl[i] = sm_res[2 * R * CW + resb + i]
+            # Pass 3 (per slot): gradients, stored right away.
+            for k in cutlass.range_constexpr(SG):
+                for i in cutlass.range_constexpr(V):
+                    gi = gf[i]
+                    pk = ex2(xf[k][i] * LOG2E - vm[i]) * vs[i]
+                    dvo[i] = gi * pk
+                    dlo[i] = pk * (gi * Float32(kvf[k][i]) - vl[i])
+                if valid[k]:
+                    for i in cutlass.range_constexpr(V):
+                        dap[k][i] = dap[k][i] + dlo[i]
+                store_slot(gkv, gsc, dvo, dlo, t0, g * SG + k, valid[k], c)
+
+        # Exact zeros owned by a segment's last group.
+        if active & last:
+            for k in cutlass.range_constexpr(SG):
+                q = g * SG + k
+                if q < ratio:
+                    tail_tok = t0 + ratio + q
+                    if tail_tok < seg_end:
+                        vec_view(gkv, tail_tok * WIDTH + c, V).store(zero.load())
+                        vec_view(gsc, tail_tok * WIDTH + c, V).store(zero.load())
+                        if cutlass.const_expr(coff == 2):
+                            vec_view(gkv, tail_tok * WIDTH + D + c, V).store(zero.load())
+                            vec_view(gsc, tail_tok * WIDTH + D + c, V).store(zero.load())
+                    if cutlass.const_expr(coff == 2):
+                        own_tok = t0 + q
+                        vec_view(gkv, own_tok * WIDTH + c, V).store(zero.load())
+                        vec_view(gsc, own_tok * WIDTH + c, V).store(zero.load())
 
     @cute.kernel
     def kernel(
@@ -144,182 +298,60 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         nreal = cuc_t[B]
 
         smem = cutlass.utils.SmemAllocator()
-        sm_ape = smem.allocate_tensor(Float32, cute.make_layout(W * CW), byte_alignment=16)
-        # grad_ape accumulators live in shared memory (thread-private columns): registers are kept for
-        # the window itself. Layout [(k*V + i)][thread] so that a warp's accesses are conflict-free.
-        sm_dap = smem.allocate_tensor(Float32, cute.make_layout(SG * V * NT), byte_alignment=16)
+        sm_red = smem.allocate_tensor(Float32, cute.make_layout(NT * V), byte_alignment=16)
+        sm_a = sm_red
+        sm_b = sm_red
+        sm_res = sm_red
         if cutlass.const_expr(G > 1):
             sm_a = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_b = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * R * CW), byte_alignment=16)
-        stage_ape(ape, sm_ape, tidx, by)
-        for q in cutlass.range_constexpr(SG * V):
-            sm_dap[q * NT + tidx] = Float32(0.0)
-        cute.arch.sync_threads()
 
         zero = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
         zero.fill(0.0)
-        kvf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
-        scf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
-        dvb = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
-        dlb = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
+        dap = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
+        for k in cutlass.range_constexpr(SG):
+            dap[k].fill(0.0)
+        # Two buffer sets: the next row's loads are in flight while the current row is computed.
+        kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
+        scb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
+        gbb = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(2)]
+        apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
+        # G == 1 keeps p per (slot, column); G > 1 keeps the fp32 logits (score + ape) instead.
+        pf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G == 1 else 0)]
+        xf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G > 1 else 0)]
         gf = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        vs = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        dvo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        dlo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
 
         row_begin = bx * rows_per_cta
-        for it in cutlass.range(rows_per_cta // R):
-            r = row_begin + it * R + rl
-            # Rows past the true row count (padding) carry no gradient.
-            active = col_ok & (r < N) & (r < nreal)
-            t0 = Int32(0)
-            first = Boolean(True)
-            last = Boolean(False)
-            seg_end = Int32(0)
-            if active:
-                b = find_segment(cuc_t, B, r)
-                j = r - cuc_t[b]
-                t0 = cu_t[b] + j * ratio
-                first = j == 0
-                last = r == cuc_t[b + 1] - 1
-                seg_end = cu_t[b + 1]
-
-            valid = []
-            for k in cutlass.range_constexpr(SG):
-                s = g * SG + k
-                half = s // ratio
-                tok = t0 - (coff - 1) * ratio + s
-                vk = active
-                if cutlass.const_expr(coff == 2):
-                    vk = active & ((half == 1) | (not first))
-                valid.append(vk)
-                kvf[k].fill(0.0)
-                scf[k].fill(NEG_INF)
-                off = tok * WIDTH + half * D + c
-                if vk:
-                    kvf[k].store(vec_view(kv, off, V).load())
-                    scf[k].store(vec_view(score, off, V).load())
-            gf.fill(0.0)
-            if active:
-                gf.store(vec_view(gout, r * D + c, V).load().to(Float32))
-
-            abase = g * SG * CW + tc * V
-            if cutlass.const_expr(G == 1):
-                for i in cutlass.range_constexpr(V):
-                    x = [_logit(scf, sm_ape, abase, k, i, CW) for k in range(SG)]
-                    m = x[0]
-                    for k in cutlass.range_constexpr(1, SG):
-                        m = cute.arch.fmax(m, x[k], nan=True)
-                    e = [cute.math.exp(x[k] - m) for k in range(SG)]
-                    total = e[0]
-                    for k in cutlass.range_constexpr(1, SG):
-                        total = add_rn(total, e[k])
-                    gi = gf[i]
-                    p = [e[k] / total for k in range(SG)]
-                    gv = [mul_rn(gi, Float32(kvf[k][i])) for k in range(SG)]
-                    ssum = mul_rn(gv[0], p[0])
-                    for k in cutlass.range_constexpr(1, SG):
-                        ssum = add_rn(ssum, mul_rn(gv[k], p[k]))
-                    for k in cutlass.range_constexpr(SG):
-                        _emit(dvb, dlb, sm_dap, gf, valid[k], k, i, p[k], gv[k], ssum, (k * V + i) * NT + tidx)
-            else:
-                base = rl * SMEM_ROW + g * CW + tc * V
-                rbase = rl * SMEM_ROW + tc * V
-                resb = rl * CW + tc * V
-                # Pass 1: per-group (max, sum e), combined by group 0 in group order, broadcast.
-                for i in cutlass.range_constexpr(V):
-                    x = [_logit(scf, sm_ape, abase, k, i, CW) for k in range(SG)]
-                    m = x[0]
-                    for k in cutlass.range_constexpr(1, SG):
-                        m = cute.arch.fmax(m, x[k], nan=True)
-                    msafe = m
-                    if m == Float32(NEG_INF):
-                        msafe = Float32(0.0)
-                    total = Float32(0.0)
-                    for k in cutlass.range_constexpr(SG):
-                        total = add_rn(total, cute.math.exp(x[k] - msafe))
-                    sm_a[base + i] = m
-                    sm_b[base + i] = total
-                cute.arch.sync_threads()
-                if g == 0:
-                    for i in cutlass.range_constexpr(V):
-                        mx = sm_a[rbase + i]
-                        for h in cutlass.range_constexpr(1, G):
-                            mx = cute.arch.fmax(mx, sm_a[rbase + h * CW + i], nan=True)
-                        total = Float32(0.0)
-                        for h in cutlass.range_constexpr(G):
-                            mh = sm_a[rbase + h * CW + i]
-                            scale = Float32(0.0)
-                            if mh != Float32(NEG_INF):
-                                scale = cute.math.exp(mh - mx)
-                            total = add_rn(total, mul_rn(sm_b[rbase + h * CW + i], scale))
-                        sm_res[resb + i] = mx
-                        sm_res[R * CW + resb + i] = total
-                cute.arch.sync_threads()
-                # Pass 2: the group's share of S = sum(gv * p), combined in group order.
-                for i in cutlass.range_constexpr(V):
-                    mx = sm_res[resb + i]
-                    total = sm_res[R * CW + resb + i]
-                    gi = gf[i]
-                    ssum = Float32(0.0)
-                    for k in cutlass.range_constexpr(SG):
-                        p = cute.math.exp(_logit(scf, sm_ape, abase, k, i, CW) - mx) / total
-                        ssum = add_rn(ssum, mul_rn(mul_rn(gi, Float32(kvf[k][i])), p))
-                    sm_a[base + i] = ssum
-                cute.arch.sync_threads()
-                if g == 0:
-                    for i in cutlass.range_constexpr(V):
-                        ssum = sm_a[rbase + i]
-                        for h in cutlass.range_constexpr(1, G):
-                            ssum = add_rn(ssum, sm_a[rbase + h * CW + i])
-                        sm_res[2 * R * CW + resb + i] = ssum
-                cute.arch.sync_threads()
-                # Pass 3: gradients (p and gv recomputed: cheaper than keeping them in registers).
-                for i in cutlass.range_constexpr(V):
-                    mx = sm_res[resb + i]
-                    total = sm_res[R * CW + resb + i]
-                    ssum = sm_res[2 * R * CW + resb + i]
-                    gi = gf[i]
-                    for k in cutlass.range_constexpr(SG):
-                        p = cute.math.exp(_logit(scf, sm_ape, abase, k, i, CW) - mx) / total
-                        _emit(
-                            dvb,
-                            dlb,
-                            sm_dap,
-                            gf,
-                            valid[k],
-                            k,
-                            i,
-                            p,
-                            mul_rn(gi, Float32(kvf[k][i])),
-                            ssum,
-                            (k * V + i) * NT + tidx,
-                        )
-
-            # Stores land where the loads came from (disjoint across rows).
-            for k in cutlass.range_constexpr(SG):
-                s = g * SG + k
-                half = s // ratio
-                tok = t0 - (coff - 1) * ratio + s
-                if valid[k]:
-                    off = tok * WIDTH + half * D + c
-                    vec_view(gkv, off, V).store(dvb[k].load())
-                    vec_view(gsc, off, V).store(dlb[k].load())
-
-            # Exact zeros owned by a segment's last group.
-            if active & last:
-                for k in cutlass.range_constexpr(SG):
-                    q = g * SG + k
-                    if q < ratio:
-                        tail_tok = t0 + ratio + q
-                        if tail_tok < seg_end:
-                            vec_view(gkv, tail_tok * WIDTH + c, V).store(zero.load())
-                            vec_view(gsc, tail_tok * WIDTH + c, V).store(zero.load())
-                            if cutlass.const_expr(coff == 2):
-                                vec_view(gkv, tail_tok * WIDTH + D + c, V).store(zero.load())
-                                vec_view(gsc, tail_tok * WIDTH + D + c, V).store(zero.load())
-                        if cutlass.const_expr(coff == 2):
-                            own_tok = t0 + q
-                            vec_view(gkv, own_tok * WIDTH + c, V).store(zero.load())
-                            vec_view(gsc, own_tok * WIDTH + c, V).store(zero.load())
+        row_end = row_begin + rows_per_cta
+        # Rows past the true row count (padding) carry no gradient.
+        row_lim = cutlass.min(cutlass.min(row_end, N), nreal)
+        n_iter = rows_per_cta // R
+        r0 = row_begin + rl
+        active, t0, first, last, seg_end = load_row(
+            kv, score, gout, cu_t, cuc_t, B, kvb[0], scb[0], gbb[0], r0, col_ok & (r0 < row_lim), g, c
+        )
+        for jp in cutlass.range((n_iter + 1) // 2):
+            for ph in cutlass.range_constexpr(2):
+                rn = row_begin + (2 * jp + ph + 1) * R + rl
+                n_active, n_t0, n_first, n_last, n_seg_end = load_row(
+                    kv, score, gout, cu_t, cuc_t, B, kvb[1 - ph], scb[1 - ph], gbb[1 - ph], rn,
+                    col_ok & (rn < row_lim), g, c,
+                )  # fmt: skip
+                compute_row(
+                    ape, gkv, gsc, kvb[ph], scb[ph], gbb[ph], apf, pf, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
+                    sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
+                )  # fmt: skip
+                active = n_active
+                t0 = n_t0
+                first = n_first
+                last = n_last
+                seg_end = n_seg_end
 
         # Exact zeros: segments with no group (seqlen < ratio), CTA bx owns b = bx mod grid.
         if col_ok:
@@ -336,19 +368,21 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
 
         # grad_ape partial of this CTA: row lanes summed in a fixed order, one slab per CTA.
-        cute.arch.sync_threads()
-        if (rl == 0) & col_ok:
-            dsum = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-            for k in cutlass.range_constexpr(SG):
-                for i in cutlass.range_constexpr(V):
-                    q = (k * V + i) * NT + tidx
-                    acc = sm_dap[q]
-                    for h in cutlass.range_constexpr(1, R):
-                        acc = add_rn(acc, sm_dap[q + h * TC * G])
-                    dsum[i] = acc
+        for k in cutlass.range_constexpr(SG):
+            if cutlass.const_expr(R > 1):
+                vec_view(sm_red.iterator, tidx * V, V).store(dap[k].load())
+                cute.arch.sync_threads()
+                if rl == 0:
+                    for i in cutlass.range_constexpr(V):
+                        acc = sm_red[tidx * V + i]
+                        for h in cutlass.range_constexpr(1, R):
+                            acc = add_rn(acc, sm_red[(tidx + h * TC * G) * V + i])
+                        dap[k][i] = acc
+                cute.arch.sync_threads()
+            if (rl == 0) & col_ok:
                 s = g * SG + k
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
-                vec_view(ws, bx * APE_SIZE + aoff, V).store(dsum.load())
+                vec_view(ws, bx * APE_SIZE + aoff, V).store(dap[k].load())
 
     @cute.kernel
     def reduce_kernel(ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
@@ -374,7 +408,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             gape_t = cute.make_tensor(gape, cute.make_layout(APE_SIZE))
             gape_t[e] = tot
 
-    smem_bytes = (W * CW + SG * V * NT + (2 * R * SMEM_ROW + 3 * R * CW if G > 1 else 0)) * 4 + 128
+    smem_bytes = backward_smem_bytes(sch)
 
     @cute.jit
     def host(
@@ -396,7 +430,12 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         stream: cuda.CUstream,
     ):
         kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta).launch(
-            grid=[num_ctas, NCHUNK, 1], block=[NT, 1, 1], smem=smem_bytes, stream=stream
+            grid=[num_ctas, NCHUNK, 1],
+            block=[NT, 1, 1],
+            smem=smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=MIN_BLOCKS,
+            preferred_smem_carveout=SMEM_CARVEOUT,
         )
         reduce_kernel(ws, gape, num_ctas).launch(
             grid=[(APE_SIZE + 31) // 32, 1, 1],

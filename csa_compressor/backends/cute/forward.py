@@ -2,26 +2,31 @@
 
 Thread mapping (one CTA = ``R`` rows x ``G`` slot groups x ``TC`` column threads):
 
-- a thread owns ``V`` contiguous columns of one output row (``V = 8`` bf16 = one
-  16-byte access when ``head_dim % 8 == 0``; narrower vectors for other head_dims);
+- a thread owns ``V`` contiguous columns of one output row (``V = 4`` bf16 = one
+  8-byte access, ``V = 8`` a 16-byte one; narrower vectors for head_dims that need it);
 - the ``W = coff * ratio`` window slots of a row are split into ``G`` groups of
-  ``SG`` slots; a thread issues all ``2 * SG`` loads (kv and score) of its group
-  before it uses any of them, so that many bytes are in flight per thread;
-- with ``G == 1`` (ratio 4 coff 2: 8 slots) the whole window lives in one thread
-  and the softmax follows the fp32 reference's operation order exactly
-  (max, e = exp(x - max), l = sum e, p = e / l, out = sum p * v);
-- with ``G > 1`` every group computes a local (max, sum e, sum e*v) and group 0
-  combines them through shared memory in a fixed order (one barrier).
+  ``SG <= 8`` slots; a thread issues all ``2 * SG`` loads (kv and score) of its group
+  before it uses any of them (ape, L1-resident, is loaded after them), so that many
+  bytes are in flight per thread;
+- ``G == 1`` (ratio 4 coff 2: 8 slots): the thread owns the whole window;
+- ``G > 1``: every group writes a local (max, sum e, sum e*v) to shared memory and,
+  after one barrier, one thread per (row, column) combines the G groups in a fixed
+  order and writes the output element (column-parallel combine).
 
 Every input element is read exactly once from DRAM: slot ``s`` of row ``r``
 reads token ``t0 - (coff-1)*ratio + s``, columns ``(s // ratio) * head_dim + c``.
 Padding rows (``r >= cu_seqlens_comp[-1]``, only known on the device) use
 ``t0 = 0`` and behave as a segment's first group. The segment of a row is found
 by a binary search over ``cu_seqlens_comp`` on the device (no host sync).
+
+Numerics: fp32 throughout, exp through ``ex2.approx`` of ``(x - max) * log2(e)`` and one
+IEEE division per output element (``sum e*v / sum e``); results are within one bf16 ulp of
+the fp32 reference (the backward keeps the reference's exact operation order where it can).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
@@ -32,6 +37,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 NEG_INF = float("-inf")
+LOG2E = math.log2(math.e)
 
 
 # fp32 arithmetic with the rounding pinned in PTX (``.rn``): neither NVVM nor ptxas may contract a
@@ -59,6 +65,35 @@ add_rn = _binary_rn("add")
 sub_rn = _binary_rn("sub")
 
 
+@dsl_user_op
+def ex2(a, *, loc=None, ip=None) -> Float32:
+    """2**a via ``ex2.approx.ftz.f32`` (2 ulp; exact 0 for -inf)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip)],
+            "ex2.approx.ftz.f32 $0, $1;",
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def torch_order_sum(vals):
+    """Sum in the order of torch's CUDA reduction of a short dimension: accumulator a of four takes
+    elements a, a+4, ... (starting from 0), then the accumulators are added left to right."""
+    nacc = min(4, len(vals))
+    accs = [add_rn(Float32(0.0), vals[a]) for a in range(nacc)]
+    for k in range(nacc, len(vals)):
+        accs[k % nacc] = add_rn(accs[k % nacc], vals[k])
+    total = accs[0]
+    for a in range(1, nacc):
+        total = add_rn(total, accs[a])
+    return total
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Compile-time launch shape. ``TC*G*R`` threads per CTA, ``V`` columns per thread."""
@@ -77,10 +112,10 @@ class Schedule:
         return (self.V, self.TC, self.G, self.SG, self.R)
 
 
-def vector_width(head_dim: int) -> int:
-    """Widest element vector (<= 16 bytes of bf16) that divides head_dim: every row offset stays aligned."""
+def vector_width(head_dim: int, cap: int = 8) -> int:
+    """Widest element vector (<= cap) that divides head_dim: every row offset stays aligned."""
     for v in (8, 4, 2, 1):
-        if head_dim % v == 0:
+        if v <= cap and head_dim % v == 0:
             return v
     return 1
 
@@ -93,26 +128,32 @@ def slots_per_group(window: int, cap: int = 8) -> int:
     return sg
 
 
-def forward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
-    """One schedule per configuration, ~128 threads per CTA (several CTAs per SM overlap their loads).
-
-    The CTA stages its column chunk of ``ape`` in shared memory (``W * TC * V`` floats), so TC is
-    capped to keep that (plus the cross-group combine buffers) under ~44 KB.
-    """
-    V = vector_width(head_dim)
+def make_schedule(
+    ratio: int, coff: int, head_dim: int, vcap: int, threads: int, cols_cap: int, sg_cap: int = 8
+) -> Schedule:
+    """``threads`` per CTA; at most ``cols_cap`` columns per CTA; V <= vcap; SG <= sg_cap slots per group."""
+    V = vector_width(head_dim, vcap)
     W = coff * ratio
-    SG = slots_per_group(W)
+    SG = slots_per_group(W, sg_cap)
     G = W // SG
     col_threads = -(-head_dim // V)
     TC = 1
-    while TC * 2 <= col_threads and TC * 2 * G <= 128 and W * TC * 2 * V * 4 <= 32768:
+    while TC * 2 <= col_threads and TC * 2 * G <= threads and TC * 2 * V <= cols_cap:
         TC *= 2
-    if G == 1 and col_threads <= 128 and W * col_threads * V * 4 <= 32768:
-        TC = col_threads  # a whole row per thread row: odd head_dims keep one chunk
+    if G == 1 and col_threads <= threads and col_threads * V <= cols_cap and col_threads < 2 * TC:
+        TC = col_threads  # odd head_dims: one chunk instead of a ragged second one
     R = 1
-    while TC * G * R * 2 <= 128:
+    while TC * G * R * 2 <= threads:
         R *= 2
     return Schedule(V=V, TC=TC, G=G, SG=SG, R=R)
+
+
+def forward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
+    W = coff * ratio
+    if W <= 8:
+        return make_schedule(ratio, coff, head_dim, vcap=4, threads=128, cols_cap=512)
+    # 16 slots per thread: half the groups to combine, twice the columns per CTA.
+    return make_schedule(ratio, coff, head_dim, vcap=4, threads=256, cols_cap=64, sg_cap=16)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,29 +180,9 @@ def vec_view(ptr: cute.Pointer, off, V: int) -> cute.Tensor:
     return cute.make_tensor(ptr + cute.assume(off, divby=V), cute.make_layout(V))
 
 
-def make_stage_ape(ratio: int, coff: int, head_dim: int, sch: Schedule):
-    """Copy this CTA's column chunk of ape, slot-major ``[W][TC*V]`` fp32, into shared memory.
-
-    Slot ``s`` uses ape row ``s % ratio`` and column half ``s // ratio``. The caller syncs.
-    """
-    V, TC, NT = sch.V, sch.TC, sch.threads
-    W = coff * ratio
-    D = head_dim
-    WIDTH = coff * head_dim
-    CW = TC * V
-    NVEC = W * TC
-
-    @cute.jit
-    def stage(ape: cute.Pointer, sm_ape: cute.Tensor, tidx: Int32, by: Int32):
-        for idx in cutlass.range(tidx, NVEC, NT):
-            s = idx // TC
-            cv = idx % TC
-            col = by * CW + cv * V
-            if col < D:
-                src = vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + col, V)
-                vec_view(sm_ape.iterator, s * CW + cv * V, V).store(src.load())
-
-    return stage
+def forward_smem_bytes(sch: Schedule) -> int:
+    """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
+    return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
 
 
 def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
@@ -180,7 +201,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     COLS_EXACT = D % CW == 0
     assert G * SG == W
     SMEM_ROW = G * CW  # floats per (quantity, row lane)
-    stage_ape = make_stage_ape(ratio, coff, head_dim, sch)
 
     @cute.kernel
     def kernel(
@@ -203,13 +223,10 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
         cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
 
-        active = r < N
+        col_ok = Boolean(True)
         if cutlass.const_expr(not COLS_EXACT):
-            active = active & (c < D)
-
-        smem = cutlass.utils.SmemAllocator()
-        sm_ape = smem.allocate_tensor(Float32, cute.make_layout(W * CW), byte_alignment=16)
-        stage_ape(ape, sm_ape, tidx, by)
+            col_ok = c < D
+        active = (r < N) & col_ok
 
         # Row layout (device-side segment lookup).
         nreal = cuc_t[B]
@@ -221,7 +238,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             t0 = cu_t[b] + j * ratio
             first = j == 0
 
-        # Issue every load of the group before any use.
+        # Issue every DRAM load of the group before any use.
         kvf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
         scf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
         for k in cutlass.range_constexpr(SG):
@@ -233,79 +250,90 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 valid = active & ((half == 1) | (not first))
             kvf[k].fill(0.0)
             scf[k].fill(NEG_INF)
-            off = tok * WIDTH + half * D + c
             if valid:
+                off = tok * WIDTH + half * D + c
                 kvf[k].store(vec_view(kv, off, V).load())
                 scf[k].store(vec_view(score, off, V).load())
-        cute.arch.sync_threads()  # ape staged
-
-        # Logits in fp32: score + ape (invalid slots: -inf + ape = -inf).
-        lg = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
+        apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
         for k in cutlass.range_constexpr(SG):
             s = g * SG + k
-            lg[k].store(scf[k].load().to(Float32) + vec_view(sm_ape.iterator, s * CW + tc * V, V).load())
+            apf[k].fill(0.0)
+            if col_ok:
+                apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
 
         res = cute.make_rmem_tensor(cute.make_layout(V), Float32)
         if cutlass.const_expr(G == 1):
+            # The fp32 reference's exact operation order: p = expf(x - max) / sum (IEEE division),
+            # out = sum(p * v) in the order of torch's reduction (four strided accumulators).
             for i in cutlass.range_constexpr(V):
-                m = lg[0][i]
+                x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
+                m = x[0]
                 for k in cutlass.range_constexpr(1, SG):
-                    m = cute.arch.fmax(m, lg[k][i], nan=True)
-                e = [cute.math.exp(lg[k][i] - m) for k in range(SG)]
+                    m = cute.arch.fmax(m, x[k], nan=True)
+                e = [cute.math.exp(x[k] - m) for k in range(SG)]
                 total = e[0]
                 for k in cutlass.range_constexpr(1, SG):
                     total = add_rn(total, e[k])
-                acc = mul_rn(e[0] / total, Float32(kvf[0][i]))
-                for k in cutlass.range_constexpr(1, SG):
-                    acc = add_rn(acc, mul_rn(e[k] / total, Float32(kvf[k][i])))
-                res[i] = acc
+                pv = [mul_rn(e[k] / total, Float32(kvf[k][i])) for k in range(SG)]
+                res[i] = torch_order_sum(pv)
             if active:
-                dst = vec_view(out, r * D + c, V)
-                dst.store(res.load().to(BFloat16))
+                vec_view(out, r * D + c, V).store(res.load().to(BFloat16))
         else:
+            smem = cutlass.utils.SmemAllocator()
             sm_m = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_l = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_a = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
-            base = rl * SMEM_ROW + g * CW + tc * V
+            vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+            vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
             for i in cutlass.range_constexpr(V):
-                m = lg[0][i]
+                x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
+                m = x[0]
                 for k in cutlass.range_constexpr(1, SG):
-                    m = cute.arch.fmax(m, lg[k][i], nan=True)
+                    m = cute.arch.fmax(m, x[k], nan=True)
                 # A group whose slots are all masked (previous half of a first group) has m = -inf.
                 msafe = m
                 if m == Float32(NEG_INF):
                     msafe = Float32(0.0)
+                ml = msafe * LOG2E
                 total = Float32(0.0)
                 acc = Float32(0.0)
                 for k in cutlass.range_constexpr(SG):
-                    e = cute.math.exp(lg[k][i] - msafe)
-                    total = add_rn(total, e)
-                    acc = add_rn(acc, mul_rn(e, Float32(kvf[k][i])))
-                sm_m[base + i] = m
-                sm_l[base + i] = total
-                sm_a[base + i] = acc
+                    e = ex2(x[k] * LOG2E - ml)
+                    total = total + e
+                    acc = acc + e * Float32(kvf[k][i])
+                vm[i] = m
+                vl[i] = total
+                res[i] = acc
+            base = rl * SMEM_ROW + g * CW + tc * V
+            vec_view(sm_m.iterator, base, V).store(vm.load())
+            vec_view(sm_l.iterator, base, V).store(vl.load())
+            vec_view(sm_a.iterator, base, V).store(res.load())
             cute.arch.sync_threads()
-            if g == 0:
-                rbase = rl * SMEM_ROW + tc * V
-                for i in cutlass.range_constexpr(V):
-                    mx = sm_m[rbase + i]
+            # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
+            for q in cutlass.range(tidx, R * CW, NT):
+                rq = q // CW
+                cq = q % CW
+                row = bx * R + rq
+                col = by * CW + cq
+                ok = row < N
+                if cutlass.const_expr(not COLS_EXACT):
+                    ok = ok & (col < D)
+                if ok:
+                    qb = rq * SMEM_ROW + cq
+                    mx = sm_m[qb]
                     for h in cutlass.range_constexpr(1, G):
-                        mx = cute.arch.fmax(mx, sm_m[rbase + h * CW + i], nan=True)
+                        mx = cute.arch.fmax(mx, sm_m[qb + h * CW], nan=True)
+                    mxl = mx * LOG2E
                     total = Float32(0.0)
                     acc = Float32(0.0)
                     for h in cutlass.range_constexpr(G):
-                        mh = sm_m[rbase + h * CW + i]
-                        scale = Float32(0.0)
-                        if mh != Float32(NEG_INF):
-                            scale = cute.math.exp(mh - mx)
-                        total = add_rn(total, mul_rn(sm_l[rbase + h * CW + i], scale))
-                        acc = add_rn(acc, mul_rn(sm_a[rbase + h * CW + i], scale))
-                    res[i] = acc / total
-                if active:
-                    dst = vec_view(out, r * D + c, V)
-                    dst.store(res.load().to(BFloat16))
+                        scale = ex2(sm_m[qb + h * CW] * LOG2E - mxl)
+                        total = total + sm_l[qb + h * CW] * scale
+                        acc = acc + sm_a[qb + h * CW] * scale
+                    out_t = cute.make_tensor(out, cute.make_layout(N * D))
+                    out_t[row * D + col] = BFloat16(acc / total)
 
-    smem_bytes = W * CW * 4 + (0 if G == 1 else 3 * R * SMEM_ROW * 4) + 64
+    smem_bytes = forward_smem_bytes(sch)
 
     @cute.jit
     def host(

@@ -24,8 +24,8 @@ try:
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
 
-    from .backward import backward_schedule, build_backward
-    from .forward import build_forward, forward_schedule
+    from .backward import MAX_REGS, backward_schedule, backward_smem_bytes, build_backward
+    from .forward import build_forward, forward_schedule, forward_smem_bytes
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
 
@@ -83,7 +83,14 @@ def _device_info(index: int) -> tuple[str, int]:
     return info
 
 
+# Development hook: (direction, ratio, coff, head_dim) -> Schedule, consulted before the defaults.
+SCHEDULE_OVERRIDE: dict[tuple, object] = {}
+
+
 def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
+    override = SCHEDULE_OVERRIDE.get((direction, ratio, coff, head_dim))
+    if override is not None:
+        return override
     if direction == "forward":
         return forward_schedule(ratio, coff, head_dim)
     if direction == "backward":
@@ -117,12 +124,13 @@ def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch)
 class _Launcher:
     """One compiled configuration bound to one device, with a reusable ctypes argument block."""
 
-    def __init__(self, compiled, direction: str, device_index: int, sch, num_sms: int):
+    def __init__(self, compiled, direction: str, device_index: int, sch, num_sms: int, smem_bytes: int = 0):
         self.compiled = compiled
         self.direction = direction
         self.sch = sch
         self.num_sms = num_sms
         self.fast = False
+        self.fast_error: str | None = None
         self.ctas_per_sm = 2
         self.nchunk = 1
         try:
@@ -141,22 +149,20 @@ class _Launcher:
                 packed[idx] = ex._cuda_result_addr
                 idx += 1
             for kp in ex._kernel_ptrs or []:
-                packed[idx] = kp
+                packed[idx] = kp.value if isinstance(kp, ctypes.c_void_p) else kp
                 idx += 1
             self.packed = packed
             self.capi = ex.capi_func
             self.cuda_result = ex.cuda_result
             self.fast = _FAST
-            # Resident CTAs per SM of the main (largest) kernel: persistent backward grids fill exactly this.
-            occ = []
-            for fn in ex.exec_context.kernel_functions:
-                err, n_blocks = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, sch.threads, 0)
-                if int(err) == 0 and n_blocks > 0:
-                    occ.append(int(n_blocks))
-            if occ:
-                self.ctas_per_sm = max(1, min(occ))
-        except Exception:  # pragma: no cover - DSL internals changed: use the regular call path
-            self.fast = False
+        except Exception as exc:  # pragma: no cover - DSL internals changed: use the regular call path
+            self.fast_error = f"{type(exc).__name__}: {exc}"
+        # Resident CTAs per SM of the backward kernel: its launch bounds cap registers at MAX_REGS, so
+        # MIN_BLOCKS CTAs fit by registers; shared memory (50% carveout) may allow fewer.
+        if direction == "backward":
+            by_regs = max(1, 65536 // (sch.threads * MAX_REGS))
+            by_smem = max(1, (114 * 1024) // (smem_bytes + 1024))
+            self.ctas_per_sm = max(1, min(by_regs, by_smem, 2048 // sch.threads))
 
     def __call__(self, ptrs, ints, stream_handle: int):
         if self.fast:
@@ -206,7 +212,8 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
             _COMPILED[key] = compiled
         launcher = _LAUNCHERS.get(lk)
         if launcher is None:
-            launcher = _Launcher(compiled, direction, index, sch, num_sms)
+            smem = forward_smem_bytes(sch) if direction == "forward" else backward_smem_bytes(sch)
+            launcher = _Launcher(compiled, direction, index, sch, num_sms, smem)
             launcher.nchunk = -(-head_dim // (sch.TC * sch.V))
             _LAUNCHERS[lk] = launcher
             _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher
@@ -249,13 +256,19 @@ def _launch_on(device: torch.device, launcher: _Launcher, ptrs, ints, stream_han
         launcher(ptrs, ints, stream_handle)
 
 
-def backward_grid(launcher: _Launcher, n: int) -> tuple[int, int]:
-    """(rows_per_cta, num_ctas): fill the resident CTA slots once; rows_per_cta is a multiple of R."""
+WS_CAP_BYTES = 8 << 20  # grad_ape partial slabs stay L2-resident between the two kernels
+
+
+def backward_grid(launcher: _Launcher, n: int, ape_numel: int) -> tuple[int, int]:
+    """(rows_per_cta, num_ctas): fill the resident CTA slots once, with at most WS_CAP_BYTES of slabs.
+
+    ``rows_per_cta`` is a multiple of R; every CTA of the x dimension writes one grad_ape slab.
+    """
     sch = launcher.sch
-    nchunk = launcher.nchunk
     capacity = launcher.num_sms * launcher.ctas_per_sm
     row_blocks = -(-n // sch.R)
-    target_x = max(1, min(row_blocks, capacity // nchunk))
+    slabs_cap = max(1, WS_CAP_BYTES // (4 * ape_numel))
+    target_x = max(1, min(row_blocks, capacity // launcher.nchunk, slabs_cap))
     iters = -(-row_blocks // target_x)
     rows_per_cta = iters * sch.R
     return rows_per_cta, -(-n // rows_per_cta)
@@ -275,7 +288,7 @@ def backward(
         grad_score.zero_()
         grad_ape.zero_()
         return
-    rows_per_cta, num_ctas = backward_grid(launcher, n)
+    rows_per_cta, num_ctas = backward_grid(launcher, n, ape.numel())
     ws = torch.empty(num_ctas * ape.numel(), dtype=torch.float32, device=device)
     handle = _stream_handle(stream, device)
     if stream is not None and handle != torch.cuda.current_stream(device).cuda_stream:
