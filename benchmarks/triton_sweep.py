@@ -63,22 +63,25 @@ def candidates(direction, ratio, coff, head_dim, quick=False):
     default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
     tiles = []
     if k <= 16:
-        for bd, nw, vec in ((128, 2, 4), (128, 1, 4), (128, 4, 4), (64, 2, 4), (64, 4, 4)):
+        vec = min(8, 32 // k)
+        for bd, nw in ((32 * vec, 1), (16 * vec, 1), (32 * vec, 2), (16 * vec, 2)):
             bd = min(bd, d2)
             tiles.append((max(1, (32 * vec) // bd) * nw, bd, nw, vec))
     else:
-        for bd, nw, vec in ((32, 4, 8), (32, 8, 8), (16, 4, 4), (64, 8, 8), (16, 8, 8), (32, 4, 4)):
+        for bd, vec in ((16, 4), (32, 8), (32, 4)):
             bd = min(bd, d2)
-            if k * bd <= 32 * 32 * nw:  # more than 32 window elements per thread spill in the backward
-                tiles.append((1, bd, nw, vec))
+            for nw in (2, 4, 8):
+                per_thread = k * bd // (32 * nw)
+                if 16 <= per_thread <= 32:
+                    tiles.append((1, bd, nw, vec))
     if quick:
         tiles = tiles[:2]
     out = {default}
     for br, bd, nw, vec in dict.fromkeys(tiles):
         if direction == "forward":
-            rows_options = [br * m for m in (1, 2, 4, 8)]
+            rows_options = [br * m for m in ((2, 4, 8, 16) if k <= 16 else (1, 2, 4, 8))]
         elif k <= 16:
-            rows_options = [max(br, r) for r in (16, 32, 64)]
+            rows_options = [max(br, r) for r in (8, 16, 32, 64)]
         else:
             rows_options = [4, 8, 16, 32]
         for precise in (True, False):

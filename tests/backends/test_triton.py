@@ -146,19 +146,24 @@ def test_edge_cases_match_reference(case):
     _check(pack, *_run(pack))
 
 
-@pytest.mark.parametrize(
-    "cfg",
-    [
-        # several column blocks (last one partial), row tiles not dividing N, several tiles per program, small sweeps
-        launch.KernelConfig(block_r=2, block_d=16, num_warps=1, rows_per_prog=6, sweep_t=16, sweep_d=16),
-        launch.KernelConfig(block_r=1, block_d=32, num_warps=1, rows_per_prog=1, sweep_t=8, sweep_d=32),
-        launch.KernelConfig(block_r=4, block_d=64, num_warps=1, rows_per_prog=4, sweep_t=128, sweep_d=8),
-    ],
-    ids=["r2d16x6", "r1d32x1", "r4d64x4"],
-)
-@pytest.mark.parametrize("ratio,coff", [(4, 2), (3, 1)])
-def test_explicit_tilings_match_reference(cfg, ratio, coff):
-    pack = _pack((13, 8, 0, 3, 21, 2), 40, ratio, coff, tok_pad=5, comp_pad=3, seed=7)
+TILINGS = [
+    # several column blocks (last one partial), row tiles not dividing N, several tiles per program, small sweeps
+    launch.KernelConfig(block_r=2, block_d=16, num_warps=1, rows_per_prog=6, sweep_t=16, sweep_d=16),
+    launch.KernelConfig(block_r=1, block_d=32, num_warps=1, rows_per_prog=1, sweep_t=8, sweep_d=32),
+    launch.KernelConfig(block_r=4, block_d=64, num_warps=1, rows_per_prog=4, sweep_t=128, sweep_d=8),
+    # the GPU tile families (natively: their layouts, vector widths and multi-warp reductions)
+    launch.KernelConfig(block_r=1, block_d=128, num_warps=1, rows_per_prog=8, vec=4),
+    launch.KernelConfig(block_r=2, block_d=64, num_warps=1, rows_per_prog=16, vec=4),
+    launch.KernelConfig(block_r=1, block_d=16, num_warps=4, rows_per_prog=4, vec=4),
+]
+
+
+@pytest.mark.parametrize("cfg", TILINGS, ids=["r2d16x6", "r1d32x1", "r4d64x4", "r1d128w1", "r2d64w1", "r1d16w4"])
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (3, 1), (16, 2)])
+@pytest.mark.parametrize("seqlens", [(13, 8, 0, 3, 21, 2), (70, 41)], ids=["ragged", "long"])
+def test_explicit_tilings_match_reference(cfg, ratio, coff, seqlens):
+    """Tile shapes other than the defaults; "long" segments take the one-segment-per-program fast path."""
+    pack = _pack(seqlens, 40, ratio, coff, tok_pad=5, comp_pad=3, seed=7)
     _check(pack, *_run(pack, cfg, cfg))
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _load_ape, _load_window, _round, _segment_of, _slot_columns
+from .forward import _load_ape, _program_segment, _round, _segment_of, _slot_columns, _softmax, _tile
 
 
 @triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"])
@@ -64,45 +64,52 @@ def csa_bwd_kernel(
         rp = pid // N_COL
         col_start = (pid % N_COL) * BLOCK_D
         total_real = tl.load(cu_comp_ptr + B)
+        row_base = rp * tiles_per_prog * BLOCK_R
+        uniform, comp0, tok0 = _program_segment(
+            row_base, tiles_per_prog * BLOCK_R, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr
+        )
         ape = _load_ape(ape_ptr, col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
         # dAPE partial kept per (slot, row lane, column); rows are summed once, after the loop.
         dape = tl.zeros([COFF * SP, BLOCK_R, BLOCK_D], dtype=tl.float32)
+        # Tile i + 1 is loaded before tile i is computed (a load always in flight behind the arithmetic).
+        rows, _ro, is_real, cols, col_ok, _so, _v, offs, lmask = _tile(
+            row_base, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
+            RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
+        )  # fmt: skip
+        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
+        # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
+        gmask = is_real[:, None] & col_ok[None, :]
+        g_next = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
         for it in range(tiles_per_prog):
-            row_start = (rp * tiles_per_prog + it) * BLOCK_R
-            v, p, offs, lmask, rows, _row_ok, is_real, cols, col_ok, slot_ok = _load_window(
-                kv_ptr,
-                score_ptr,
-                ape,
-                cu_ptr,
-                cu_comp_ptr,
-                row_start,
-                col_start,
-                N,
-                B,
-                n_iter,
-                total_real,
-                RATIO,
-                SP,
-                COFF,
-                HEAD_DIM,
-                BLOCK_R,
-                BLOCK_D,
-                VEC,
-                PRECISE_EXP,
-            )
-            # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
-            gmask = is_real[:, None] & col_ok[None, :]
-            g = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
-            g = g.to(tl.float32)[None, :, :]
+            kv_cur = kv_next
+            score_cur = score_next
+            g_cur = g_next
+            row_start = row_base + it * BLOCK_R
+            _r, _ro, is_real, _c, _co, slot_ok, valid, offs_cur, lmask_cur = _tile(
+                row_start, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
+                RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
+            )  # fmt: skip
+            rows, row_ok_n, is_real_n, cols, col_ok, _so, _v, offs, lmask = _tile(
+                row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), N, B, n_iter, total_real, uniform,
+                comp0, tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
+            )  # fmt: skip
+            kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+            score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
+            gmask = (is_real_n & row_ok_n)[:, None] & col_ok[None, :]
+            g_next = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
+
+            v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
+            g = g_cur.to(tl.float32)[None, :, :]
             # Reference order: dv = g*p; gv = g*v; dlogit = p*(gv - sum(gv*p)).
             dv = g * p
             gv = g * v
             # Slots s >= ratio do not exist in the reference; keep them out of the sum even for non-finite g.
             gvp = tl.where(slot_ok[:, None, None], gv * p, 0.0)
             dlogit = p * (gv - tl.sum(gvp, axis=0)[None, :, :])
-            smask = lmask & is_real[None, :, None]
-            tl.store(grad_kv_ptr + offs, _round(dv, gdt, MANUAL_RTNE), mask=smask)
-            tl.store(grad_score_ptr + offs, _round(dlogit, gdt, MANUAL_RTNE), mask=smask)
+            smask = lmask_cur & is_real[None, :, None]
+            tl.store(grad_kv_ptr + offs_cur, _round(dv, gdt, MANUAL_RTNE), mask=smask)
+            tl.store(grad_score_ptr + offs_cur, _round(dlogit, gdt, MANUAL_RTNE), mask=smask)
             dape += tl.where(smask, dlogit, 0.0)
         # Slot (s, own) added ape[s, col]: the partial has the same [ratio, coff*d] layout as grad_ape.
         s, _own, slot_ok, cols, col_ok, col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
@@ -143,11 +150,15 @@ def csa_bwd_kernel(
 
 
 @triton.jit(do_not_specialize=["P"])
-def dape_reduce_kernel(ws_ptr, grad_ape_ptr, P, SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    """``grad_ape[i] = sum_{p < P} ws[p, i]``, summed in increasing ``p``: one fixed order."""
+def dape_reduce_kernel(ws_ptr, grad_ape_ptr, P, SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """``grad_ape[i] = sum_{p < P} ws[p, i]``: chunks of ``CHUNK`` partials, each summed as a tile, in increasing
+    chunk order. One fixed order for a given ``P``, so bitwise reproducible."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < SIZE
+    parts = tl.arange(0, CHUNK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for part in range(P):
-        acc += tl.load(ws_ptr + part * SIZE + offs, mask=mask, other=0.0)
+    for first in range(0, P, CHUNK):
+        pmask = (first + parts < P)[:, None] & mask[None, :]
+        tile = tl.load(ws_ptr + (first + parts)[:, None] * SIZE + offs[None, :], mask=pmask, other=0.0)
+        acc += tl.sum(tile, axis=0)
     tl.store(grad_ape_ptr + offs, acc, mask=mask)

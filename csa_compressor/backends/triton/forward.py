@@ -105,18 +105,33 @@ def _load_ape(
 
 
 @triton.jit
-def _load_window(
-    kv_ptr,
-    score_ptr,
-    ape,
-    cu_ptr,
-    cu_comp_ptr,
+def _program_segment(row_first, n_rows, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr):
+    """Whether a program's rows ``[row_first, row_first + n_rows)`` (clipped to N) are real rows of one segment.
+
+    If so (the common case: segments are long), every row's first token is
+    ``tok0 + (r - comp0) * ratio`` and the tiles need no per-row search.
+    """
+    row_last = tl.minimum(row_first + n_rows, N) - 1
+    seg_first = _segment_of(row_first, cu_comp_ptr, B, n_iter)
+    seg_last = _segment_of(row_last, cu_comp_ptr, B, n_iter)
+    uniform = (seg_first == seg_last) & (row_last < total_real)
+    return uniform, tl.load(cu_comp_ptr + seg_first), tl.load(cu_ptr + seg_first)
+
+
+@triton.jit
+def _tile(
     row_start,
     col_start,
+    row_end,
     N,
     B,
     n_iter,
     total_real,
+    uniform,
+    comp0,
+    tok0,
+    cu_ptr,
+    cu_comp_ptr,
     RATIO: tl.constexpr,
     SP: tl.constexpr,
     COFF: tl.constexpr,
@@ -124,38 +139,42 @@ def _load_window(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     VEC: tl.constexpr,
-    PRECISE_EXP: tl.constexpr,
 ):
-    """Window tile of rows ``row_start + [0, BLOCK_R)``, columns ``col_start + [0, BLOCK_D)``.
+    """Rows ``row_start + [0, BLOCK_R)`` x one column block: row indices/masks, slot validity, kv/score offsets.
 
-    The tile is ``[K, BLOCK_R, BLOCK_D]`` with the slots outermost: Triton spreads
-    lanes over columns first, then rows, so for small ratios every slot of a
+    The window tile is ``[K, BLOCK_R, BLOCK_D]`` with the slots outermost: Triton
+    spreads lanes over columns first, then rows, so for small ratios every slot of a
     (row, column) sits in one thread and the softmax reductions are in-thread and
-    sequential (the reference's order). Returns values ``v`` and softmax weights
-    ``p`` (fp32), element offsets into kv/score, the load mask, row/column indices
-    and masks, and per-slot ``slot_ok`` (``s < ratio``).
+    sequential (the reference's order). Rows at or past ``row_end`` (N, or 0 for no tile) are masked.
     """
     W: tl.constexpr = COFF * HEAD_DIM
     rows = row_start + tl.arange(0, BLOCK_R)
-    row_ok = rows < N
+    row_ok = rows < row_end
     is_real = rows < total_real
-    seg = _segment_of(rows, cu_comp_ptr, B, n_iter)
-    j = rows - tl.load(cu_comp_ptr + seg)
-    # Padding rows behave as the first group of a segment starting at token 0.
-    t0 = tl.where(is_real, tl.load(cu_ptr + seg) + j * RATIO, 0)
+    if uniform:
+        j = rows - comp0
+        t0 = tok0 + j * RATIO
+    else:
+        seg = _segment_of(rows, cu_comp_ptr, B, n_iter)
+        j = rows - tl.load(cu_comp_ptr + seg)
+        # Padding rows behave as the first group of a segment starting at token 0.
+        t0 = tl.where(is_real, tl.load(cu_ptr + seg) + j * RATIO, 0)
     has_prev = is_real & (j > 0)
-
     s, own, slot_ok, cols, col_ok, col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
     valid = slot_ok[:, None] & (own[:, None] | has_prev[None, :])  # [K, BLOCK_R]
     tok = t0[None, :] + (s - tl.where(own, 0, RATIO))[:, None]
     tok = tl.where(valid, tok, 0)
     offs = tok[:, :, None] * W + col[:, None, :]
     lmask = (valid & row_ok[None, :])[:, :, None] & col_ok[None, None, :]
+    return rows, row_ok, is_real, cols, col_ok, slot_ok, valid, offs, lmask
 
-    v = tl.load(kv_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
-    sc = tl.load(score_ptr + offs, mask=lmask, other=0.0).to(tl.float32)
-    # Same order as the reference: logit = score + ape, -inf where the slot does not exist.
-    x = tl.where(valid[:, :, None], sc + ape, float("-inf"))
+
+@triton.jit
+def _softmax(kv, score, ape, valid, PRECISE_EXP: tl.constexpr):
+    """Values (fp32) and softmax weights of a loaded tile, in the reference's operation order."""
+    v = kv.to(tl.float32)
+    # logit = score + ape, -inf where the slot does not exist.
+    x = tl.where(valid[:, :, None], score.to(tl.float32) + ape, float("-inf"))
     m = tl.max(x, axis=0)
     e = _exp(x - m[None, :, :], PRECISE_EXP)
     total = tl.sum(e, axis=0)
@@ -164,8 +183,7 @@ def _load_window(
     inv = tl.math.div_rn(tl.full(total.shape, 1.0, tl.float32), total)[None, :, :]
     q = e * inv
     resid = tl.fma(-total[None, :, :], q, e)
-    p = tl.fma(resid, inv, q)
-    return v, p, offs, lmask, rows, row_ok, is_real, cols, col_ok, slot_ok
+    return v, tl.fma(resid, inv, q)
 
 
 @triton.jit(do_not_specialize=["N", "B", "n_iter", "tiles_per_prog"])
@@ -191,35 +209,41 @@ def csa_fwd_kernel(
     PRECISE_EXP: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
 ):
-    """Grid: ``ceil(N / (BLOCK_R * tiles_per_prog)) * N_COL`` programs; neighbours share rows."""
+    """Grid: ``ceil(N / (BLOCK_R * tiles_per_prog)) * N_COL`` programs; neighbours share rows.
+
+    Each program walks ``tiles_per_prog`` row tiles and loads tile ``i + 1`` before
+    computing tile ``i``, so a load is always in flight behind the arithmetic.
+    """
     pid = tl.program_id(0)
     rp = pid // N_COL
     col_start = (pid % N_COL) * BLOCK_D
     total_real = tl.load(cu_comp_ptr + B)
+    row_base = rp * tiles_per_prog * BLOCK_R
+    uniform, comp0, tok0 = _program_segment(
+        row_base, tiles_per_prog * BLOCK_R, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr
+    )
     ape = _load_ape(ape_ptr, col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+    _r, _ro, _ir, _c, _co, _so, _v, offs, lmask = _tile(
+        row_base, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
+        RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
+    )  # fmt: skip
+    kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+    score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
     for it in range(tiles_per_prog):
-        row_start = (rp * tiles_per_prog + it) * BLOCK_R
-        v, p, _offs, _lmask, rows, row_ok, _is_real, cols, col_ok, _slot_ok = _load_window(
-            kv_ptr,
-            score_ptr,
-            ape,
-            cu_ptr,
-            cu_comp_ptr,
-            row_start,
-            col_start,
-            N,
-            B,
-            n_iter,
-            total_real,
-            RATIO,
-            SP,
-            COFF,
-            HEAD_DIM,
-            BLOCK_R,
-            BLOCK_D,
-            VEC,
-            PRECISE_EXP,
-        )
+        kv_cur = kv_next
+        score_cur = score_next
+        row_start = row_base + it * BLOCK_R
+        rows, row_ok, _ir, cols, col_ok, _so, valid, _o, _m = _tile(
+            row_start, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
+            RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
+        )  # fmt: skip
+        _r, _ro, _ir, _c, _co, _so, _v, offs, lmask = _tile(
+            row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), N, B, n_iter, total_real, uniform, comp0,
+            tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
+        )  # fmt: skip
+        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
+        v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
         out = tl.sum(v * p, axis=0)
         omask = row_ok[:, None] & col_ok[None, :]
         optrs = out_ptr + rows[:, None] * HEAD_DIM + cols[None, :]

@@ -149,18 +149,18 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
     if k <= 16:
         # Every slot of a (row, column) in one thread: in-thread, in-order softmax reductions. About 32 window
         # elements per thread (k * vec) keep the backward below 256 registers: 8-byte column accesses at k = 8,
-        # still whole 32-byte sectors per warp.
+        # still whole 32-byte sectors per warp. One warp per program (multi-warp programs measured slower).
         vec = min(8, 32 // k)
         block_d = min(32 * vec, d2)
-        num_warps = 2
+        num_warps = 1
         block_r = max(1, (32 * vec) // block_d) * num_warps
         rows = 8 * block_r if direction == "forward" else max(32, block_r)
     else:
         # Long windows: lanes and warps split the slots, reductions go through shuffles and shared memory.
-        vec = 8
-        block_d = min(32 if k <= 256 else 16, d2)
-        # About 32 window elements per thread (the backward spills past that); 8 warps at most (255 registers).
-        num_warps = max(4, min(8, (k * block_d) // (32 * 32)))
+        # About 32 window elements per thread (the backward has 255 registers).
+        vec = 4
+        block_d = min(16, d2)
+        num_warps = max(1, min(8, (k * block_d) // (32 * 32)))
         block_r = 1
         rows = 4 if direction == "forward" else 16
     return KernelConfig(block_r, block_d, num_warps, rows_per_prog=rows, sweep_t=64, sweep_d=min(256, d2), vec=vec)
@@ -300,9 +300,10 @@ def launch_backward(
         enable_fp_fusion=False,
     )
     size = ratio * width
-    block = min(1024, _pow2(size))
+    block = min(256, _pow2(size))
+    chunk = min(16, _pow2(n_parts))
     bwd_mod.dape_reduce_kernel[(_cdiv(size, block),)](
-        workspace, grad_ape, n_parts, SIZE=size, BLOCK=block, num_warps=4, enable_fp_fusion=False
+        workspace, grad_ape, n_parts, SIZE=size, BLOCK=block, CHUNK=chunk, num_warps=4, enable_fp_fusion=False
     )
 
 
