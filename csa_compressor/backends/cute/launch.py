@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import tempfile
 import threading
 
 import torch
@@ -24,14 +26,17 @@ try:
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
 
-    from .backward import MAX_REGS, backward_schedule, backward_smem_bytes, build_backward
+    from .backward import MAX_REGS, REDUCE_WARPS, backward_schedule, backward_smem_bytes, build_backward
     from .forward import build_forward, forward_schedule, forward_smem_bytes
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
 
 __all__ = ["backward", "compile", "device_unsupported_reason", "forward", "unavailable_reason"]
 
-_FAST = os.environ.get("CSA_CUTE_FAST_LAUNCH", "1") != "0"
+# Launch path: "raw" (driver launches of the compiled cubin, cheapest), "fast" (packed call of the
+# compiled host function), "dsl" (regular compiled-function call). Each falls back to the next.
+_MODE = os.environ.get("CSA_CUTE_LAUNCH", "raw")
+_FAST = _MODE in ("raw", "fast") and os.environ.get("CSA_CUTE_FAST_LAUNCH", "1") != "0"
 _LOCK = threading.Lock()
 _COMPILED: dict[tuple, object] = {}  # key -> compiled function (device independent)
 _LAUNCHERS: dict[tuple, _Launcher] = {}  # (key, device index) -> launcher
@@ -107,8 +112,12 @@ def _fake_ptr(dtype):
     return make_ptr(dtype, 0, AddressSpace.gmem, assumed_align=16)
 
 
+_DUMP_DIR = tempfile.mkdtemp(prefix="csa_cute_")
+
+
 def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch):
-    options = f"--gpu-arch={arch}"
+    # PTX (kernel names and parameter lists) and cubin are kept for the raw driver launch path.
+    options = f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={_DUMP_DIR}"
     if direction == "forward":
         host = build_forward(ratio, coff, head_dim, sch)
         args = [_fake_ptr(t) for t in (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16)]
@@ -119,6 +128,57 @@ def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch)
         args += [_fake_ptr(Float32), _fake_ptr(Float32)]
         args += [Int32(1)] * 5
     return cute.compile(host, *args, cuda.CUstream(0), options=options)
+
+
+_ENTRY_RE = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
+
+
+def _ptx_entries(ptx: str) -> dict[str, str]:
+    """Kernel name -> parameter kinds ('p' for a 64-bit pointer, 'i' for a 32-bit int), from the PTX."""
+    out = {}
+    for name, params in _ENTRY_RE.findall(ptx):
+        kinds = []
+        for line in params.split(","):
+            line = line.strip()
+            if not line:
+                continue
+            if ".u64" in line or ".b64" in line:
+                kinds.append("p")
+            elif ".u32" in line or ".b32" in line or ".s32" in line:
+                kinds.append("i")
+            else:
+                kinds.append("?")
+        out[name] = "".join(kinds)
+    return out
+
+
+_CU_INIT = False
+
+
+class _RawKernel:
+    """One kernel of the cubin loaded in a device's context; parameters live in a reusable ctypes block."""
+
+    def __init__(self, module, name: str, kinds: str, block: int, smem: int):
+        err, self.func = cuda.cuModuleGetFunction(module, name.encode())
+        if err != cuda.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuModuleGetFunction({name}): {err}")
+        cuda.cuFuncSetAttribute(
+            self.func, cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 50
+        )
+        self.vals = [ctypes.c_uint64(0) if k == "p" else ctypes.c_int32(0) for k in kinds]
+        self.params = (ctypes.c_void_p * len(kinds))(*[ctypes.addressof(v) for v in self.vals])
+        self.params_addr = ctypes.addressof(self.params)
+        self.block = block
+        self.smem = smem
+
+    def __call__(self, values, grid, stream_handle: int) -> None:
+        for st, v in zip(self.vals, values, strict=True):
+            st.value = v
+        (err,) = cuda.cuLaunchKernel(
+            self.func, grid[0], grid[1], 1, self.block, 1, 1, self.smem, stream_handle, self.params_addr, 0
+        )
+        if err != cuda.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cute backend: cuLaunchKernel failed: {err}")
 
 
 class _Launcher:
@@ -157,6 +217,15 @@ class _Launcher:
             self.fast = _FAST
         except Exception as exc:  # pragma: no cover - DSL internals changed: use the regular call path
             self.fast_error = f"{type(exc).__name__}: {exc}"
+        self.raw = None
+        self.raw_error: str | None = None
+        self.ape_size = 0
+        if _MODE == "raw":
+            try:
+                self._init_raw(device_index, smem_bytes)
+            except Exception as exc:  # pragma: no cover - falls back to the compiled host function
+                self.raw = None
+                self.raw_error = f"{type(exc).__name__}: {exc}"
         # Resident CTAs per SM of the backward kernel: its launch bounds cap registers at MAX_REGS, so
         # MIN_BLOCKS CTAs fit by registers; shared memory (50% carveout) may allow fewer.
         if direction == "backward":
@@ -164,7 +233,46 @@ class _Launcher:
             by_smem = max(1, (114 * 1024) // (smem_bytes + 1024))
             self.ctas_per_sm = max(1, min(by_regs, by_smem, 2048 // sch.threads))
 
+    def _init_raw(self, device_index: int, smem_bytes: int) -> None:
+        global _CU_INIT
+        art = self.compiled.artifacts
+        ptx, cubin = art.PTX, art.CUBIN
+        if not isinstance(ptx, str) or not isinstance(cubin, (bytes, bytearray)) or not ptx.lstrip().startswith("//"):
+            raise RuntimeError("PTX/cubin artifacts not available")
+        entries = _ptx_entries(ptx)
+        main = [n for n in entries if "reduce_kernel" not in n]
+        red = [n for n in entries if "reduce_kernel" in n]
+        expect = "pppppp" + "ii" if self.direction == "forward" else "p" * 9 + "iiii"
+        if len(main) != 1 or entries[main[0]] != expect:
+            raise RuntimeError(f"unexpected kernel signature {entries}")
+        if self.direction == "backward" and (len(red) != 1 or entries[red[0]] != "ppi"):
+            raise RuntimeError(f"unexpected reduce kernel signature {entries}")
+        if not _CU_INIT:
+            (err,) = cuda.cuInit(0)
+            _CU_INIT = True
+        with torch.cuda.device(device_index):
+            torch.cuda.init()
+            torch.empty(1, device=f"cuda:{device_index}")  # the primary context is current from here on
+            err, module = cuda.cuModuleLoadData(bytes(cubin))
+            if err != cuda.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuModuleLoadData: {err}")
+            self._module = module
+            kernels = [_RawKernel(module, main[0], entries[main[0]], self.sch.threads, smem_bytes)]
+            if self.direction == "backward":
+                kernels.append(_RawKernel(module, red[0], "ppi", REDUCE_WARPS * 32, REDUCE_WARPS * 32 * 4 + 64))
+        self.raw = kernels
+
     def __call__(self, ptrs, ints, stream_handle: int):
+        raw = self.raw
+        if raw is not None:
+            if self.direction == "forward":
+                n = ints[1]
+                raw[0]((*ptrs, *ints), ((n + self.sch.R - 1) // self.sch.R, self.nchunk), stream_handle)
+            else:
+                b, n, t, rows_per_cta, num_ctas = ints
+                raw[0]((*ptrs[:6], *ptrs[6:8], ptrs[9], b, n, t, rows_per_cta), (num_ctas, self.nchunk), stream_handle)
+                raw[1]((ptrs[9], ptrs[8], num_ctas), ((self.ape_size + 31) // 32, 1), stream_handle)
+            return
         if self.fast:
             for st, v in zip(self.ptrs, ptrs, strict=False):
                 st.value = v
@@ -215,15 +323,21 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
             smem = forward_smem_bytes(sch) if direction == "forward" else backward_smem_bytes(sch)
             launcher = _Launcher(compiled, direction, index, sch, num_sms, smem)
             launcher.nchunk = -(-head_dim // (sch.TC * sch.V))
+            launcher.ape_size = ratio * coff * head_dim
             _LAUNCHERS[lk] = launcher
             _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher
     return launcher
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream_handle(stream, device: torch.device) -> int:
-    if stream is None:
-        return torch.cuda.current_stream(device).cuda_stream
-    return stream.cuda_stream
+    if stream is not None:
+        return stream.cuda_stream
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream) -> None:
@@ -291,7 +405,7 @@ def backward(
     rows_per_cta, num_ctas = backward_grid(launcher, n, ape.numel())
     ws = torch.empty(num_ctas * ape.numel(), dtype=torch.float32, device=device)
     handle = _stream_handle(stream, device)
-    if stream is not None and handle != torch.cuda.current_stream(device).cuda_stream:
+    if stream is not None and handle != _stream_handle(None, device):
         ws.record_stream(stream)
     ptrs = (
         kv.data_ptr(),

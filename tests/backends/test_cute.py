@@ -1,0 +1,190 @@
+"""GPU tests of the CuTe-DSL backend (``csa_compressor.backends.cute.launch``) against the references.
+
+Skipped with a reason when there is no CUDA GPU, when nvidia-cutlass-dsl is not importable, or when
+the GPU is not sm_90 / sm_100.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from csa_compressor import reference
+from csa_compressor.testing import bf16_ulp_distance, make_pack, rel_l2
+
+pytestmark = pytest.mark.gpu
+
+
+def _launch_module():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from csa_compressor.backends.cute import launch
+
+    reason = launch.unavailable_reason() or launch.device_unsupported_reason(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+    return launch
+
+
+# (seqlens, head_dim, ratio, coff, token_padding, comp_padding)
+CASES = [
+    ((37, 4, 3, 64, 129, 8), 128, 4, 2, 5, 3),
+    ((37, 4, 3, 64, 129, 8), 128, 4, 1, 0, 2),
+    ((1000, 2, 333), 512, 4, 2, 7, 4),
+    ((515, 1, 1030, 127, 260), 512, 128, 1, 3, 2),
+    ((515, 1, 1030, 127, 260), 128, 128, 2, 0, 3),
+    ((33, 5, 64, 2), 128, 2, 1, 1, 2),
+    ((33, 5, 64, 2), 128, 2, 2, 1, 2),
+    ((81, 7, 40), 128, 8, 1, 2, 1),
+    ((81, 7, 40), 64, 8, 2, 2, 1),
+    ((37, 4, 64, 129), 65, 4, 2, 3, 2),
+    ((37, 4, 64, 129), 36, 4, 1, 0, 1),
+    ((41, 100, 7), 130, 16, 2, 2, 2),
+    ((3, 2), 128, 4, 2, 4, 3),  # no segment reaches ratio: every row is padding
+]
+
+
+def _run(launch, pack, stream=None):
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
+    out = torch.full((n, d), float("nan"), dtype=kv.dtype, device=kv.device)
+    gkv = torch.full_like(kv, float("nan"))
+    gsc = torch.full_like(score, float("nan"))
+    gape = torch.full_like(ape, float("nan"))
+    launch.forward(kv, score, ape, cu, cuc, out, pack.ratio, pack.coff, stream)
+    launch.backward(kv, score, ape, cu, cuc, pack.grad_out, gkv, gsc, gape, pack.ratio, pack.coff, stream)
+    return out, gkv, gsc, gape
+
+
+def _max_ulp(a, b):
+    return int(bf16_ulp_distance(a, b).max()) if a.numel() else 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_numerics_against_references(case):
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=11)
+    out, gkv, gsc, gape = _run(launch, pack)
+    args = (*pack.inputs,)
+    n = pack.total_comp
+    ref = reference.forward(*args, ratio=ratio, coff=coff, total_comp=n, precision="fp32")
+    r64 = reference.forward(*args, ratio=ratio, coff=coff, total_comp=n, precision="fp64")
+    rup = reference.forward(*args, ratio=ratio, coff=coff, total_comp=n, precision="upstream")
+    rkv, rsc, _ = reference.backward(*args, pack.grad_out, ratio=ratio, coff=coff, precision="fp32")
+    _, _, rape64 = reference.backward(*args, pack.grad_out, ratio=ratio, coff=coff, precision="fp64")
+    # NaN canaries: every element was written.
+    for t in (out, gkv, gsc, gape):
+        assert not torch.isnan(t).any()
+    # Forward: no worse than upstream against fp64.
+    assert (out.double() - r64).abs().max() <= (rup.double() - r64).abs().max()
+    assert rel_l2(gape, rape64) <= 1e-5
+    if coff * ratio <= 8:
+        # Small windows follow the fp32 reference's operation order: bitwise.
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+        assert torch.equal(gkv.view(torch.int16), rkv.view(torch.int16))
+        assert torch.equal(gsc.view(torch.int16), rsc.view(torch.int16))
+    else:
+        # Big windows: combined across thread groups in another order. Ulps are counted where the
+        # value is not the result of a cancellation (|x| above 1e-3 of the tensor's scale).
+        for a, e in ((out, ref), (gkv, rkv), (gsc, rsc)):
+            big = e.float().abs() > 1e-3 * e.float().abs().max()
+            assert _max_ulp(a[big], e[big]) <= 1
+
+
+def test_exact_zero_ownership():
+    launch = _launch_module()
+    pack = make_pack((9, 2, 13, 3, 8), 128, 4, 2, token_padding=6, comp_padding=2, device="cuda", seed=3)
+    _, gkv, gsc, _ = _run(launch, pack)
+    rkv, rsc, _ = reference.backward(*pack.inputs, pack.grad_out, ratio=4, coff=2, precision="fp32")
+    zero = rkv == 0
+    assert torch.equal(gkv[zero], torch.zeros_like(gkv[zero]))
+    assert torch.equal(gsc[rsc == 0], torch.zeros_like(gsc[rsc == 0]))
+    assert (gkv[-6:] == 0).all() and (gsc[-6:] == 0).all()
+
+
+def test_determinism():
+    launch = _launch_module()
+    pack = make_pack((700, 300, 2000), 512, 128, 2, token_padding=9, comp_padding=1, device="cuda", seed=5)
+    first = _run(launch, pack)
+    for _ in range(3):
+        again = _run(launch, pack)
+        for a, b in zip(first, again, strict=True):
+            assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                               b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+
+
+def test_cuda_graph_replay_with_smaller_true_row_count():
+    launch = _launch_module()
+    ratio, coff, d = 4, 2, 128
+    big = make_pack((300, 41, 77), d, ratio, coff, token_padding=8, comp_padding=4, device="cuda", seed=1)
+    n = big.total_comp
+    kv, score, ape, cu, cuc = (x.clone() for x in big.inputs)
+    g = big.grad_out.clone()
+    out = torch.empty((n, d), dtype=torch.bfloat16, device="cuda")
+    gkv, gsc, gape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+    launch.compile("forward", ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+    launch.compile("backward", ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
+        launch.backward(kv, score, ape, cu, cuc, g, gkv, gsc, gape, ratio, coff, None)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
+        launch.backward(kv, score, ape, cu, cuc, g, gkv, gsc, gape, ratio, coff, None)
+    small = make_pack((100, 9, 50), d, ratio, coff, device="cuda", seed=2)
+    ts = small.kv.shape[0]
+    kv.zero_()
+    score.zero_()
+    kv[:ts].copy_(small.kv)
+    score[:ts].copy_(small.score)
+    ape.copy_(small.ape)
+    cu.copy_(small.cu_seqlens)
+    cuc.copy_(small.cu_seqlens_comp)
+    g.copy_(torch.randn(n, d, device="cuda").to(torch.bfloat16))
+    gkv.fill_(float("nan"))
+    gsc.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    args = (kv, score, ape, cu, cuc)
+    ref = reference.forward(*args, ratio=ratio, coff=coff, total_comp=n, precision="fp32")
+    rkv, rsc, _ = reference.backward(*args, g, ratio=ratio, coff=coff, precision="fp32")
+    _, _, rape64 = reference.backward(*args, g, ratio=ratio, coff=coff, precision="fp64")
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    assert torch.equal(gkv.view(torch.int16), rkv.view(torch.int16))
+    assert torch.equal(gsc.view(torch.int16), rsc.view(torch.int16))
+    assert rel_l2(gape, rape64) <= 1e-5
+
+
+def test_compile_under_capture_raises():
+    launch = _launch_module()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA-graph capture"), torch.cuda.graph(graph):
+        launch.compile("forward", 4, 2, 88, torch.bfloat16, torch.device("cuda"))
+
+
+def test_explicit_stream():
+    launch = _launch_module()
+    pack = make_pack((200, 77), 128, 4, 2, device="cuda", seed=4)
+    expected = _run(launch, pack)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    got = _run(launch, pack, stream=stream)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_non_current_device():
+    launch = _launch_module()
+    pack = make_pack((200, 77), 128, 4, 2, device="cuda:1", seed=4)
+    with torch.cuda.device(0):
+        out, _, _, _ = _run(launch, pack)
+    torch.cuda.synchronize(1)
+    ref = reference.forward(*pack.inputs, ratio=4, coff=2, total_comp=pack.total_comp, precision="fp32")
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
