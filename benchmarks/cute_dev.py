@@ -64,6 +64,10 @@ CHECKS = [
 ]
 
 
+def _mode(launcher):
+    return "raw" if launcher.raw is not None else ("fast" if launcher.fast else "dsl")
+
+
 def _ulp_stats(actual, expected):
     d = bf16_ulp_distance(actual, expected)
     return int(d.max()) if d.numel() else 0, float((d == 0).float().mean()) if d.numel() else 1.0
@@ -114,22 +118,26 @@ def check_one(seqlens, head_dim, ratio, coff, tp, cp, dev):
     # Regular compiled-function call path must agree bitwise with the fast path.
     lf = launch._FASTMAP[("forward", ratio, coff, head_dim, torch.bfloat16, dev.index)]
     lb = launch._FASTMAP[("backward", ratio, coff, head_dim, torch.bfloat16, dev.index)]
-    rec["fast_path"] = bool(lf.fast and lb.fast)
+    rec["launch_mode"] = [_mode(lf), _mode(lb)]
+    rec["raw_error"] = lf.raw_error or lb.raw_error
     rec["fast_error"] = lf.fast_error or lb.fast_error
-    if lf.fast and lb.fast:
-        lf.fast = lb.fast = False
-        try:
-            out3 = torch.empty_like(out)
-            launch.forward(kv, score, ape, cu, cuc, out3, ratio, coff, None)
-            gkv3, gsc3, gape3 = torch.empty_like(gkv), torch.empty_like(gsc), torch.empty_like(gape)
-            launch.backward(kv, score, ape, cu, cuc, g, gkv3, gsc3, gape3, ratio, coff, None)
-            rec["slow_path_equal"] = bool(
-                torch.equal(out3.view(torch.int16), out.view(torch.int16))
-                and torch.equal(gkv3.view(torch.int16), gkv.view(torch.int16))
-                and torch.equal(gape3.view(torch.int32), gape.view(torch.int32))
-            )
-        finally:
-            lf.fast = lb.fast = True
+    # The regular compiled-function call path must agree bitwise with the launch path in use.
+    saved = (lf.raw, lf.fast, lb.raw, lb.fast)
+    lf.raw = lb.raw = None
+    lf.fast = lb.fast = False
+    try:
+        out3 = torch.empty_like(out)
+        launch.forward(kv, score, ape, cu, cuc, out3, ratio, coff, None)
+        gkv3, gsc3, gape3 = torch.empty_like(gkv), torch.empty_like(gsc), torch.empty_like(gape)
+        launch.backward(kv, score, ape, cu, cuc, g, gkv3, gsc3, gape3, ratio, coff, None)
+        rec["slow_path_equal"] = bool(
+            torch.equal(out3.view(torch.int16), out.view(torch.int16))
+            and torch.equal(gkv3.view(torch.int16), gkv.view(torch.int16))
+            and torch.equal(gsc3.view(torch.int16), gsc.view(torch.int16))
+            and torch.equal(gape3.view(torch.int32), gape.view(torch.int32))
+        )
+    finally:
+        lf.raw, lf.fast, lb.raw, lb.fast = saved
     rec["ok"] = bool(
         rec["fwd_ulp_max"] <= 1
         and rec["dkv_ulp_max"] <= 1
@@ -287,12 +295,11 @@ def time_case(name, dev, reps, only=None):
     rec["bwd_grid"] = [*launch.backward_grid(lb, n, ape.numel()), lb.nchunk, lb.ctas_per_sm]
     lf = launch._FASTMAP[("forward", ratio, coff, d, torch.bfloat16, dev.index)]
     rec["launcher"] = {
-        "fwd_fast": lf.fast,
-        "fwd_error": lf.fast_error,
-        "fwd_ctas_per_sm": lf.ctas_per_sm,
-        "bwd_fast": lb.fast,
-        "bwd_error": lb.fast_error,
-        "occ_error": getattr(lb, "occupancy_error", None),
+        "fwd": _mode(lf),
+        "bwd": _mode(lb),
+        "raw_error": lf.raw_error or lb.raw_error,
+        "fast_error": lf.fast_error or lb.fast_error,
+        "bwd_ctas_per_sm": lb.ctas_per_sm,
     }
     rec["schedules"] = {
         "fwd": launch._FASTMAP[("forward", ratio, coff, d, torch.bfloat16, dev.index)].sch.key(),
