@@ -158,7 +158,7 @@ class Timer:
         if self.flush_mode == "write":
             self.buf.fill_(1)
         else:
-            torch.sum(self.buf.view(torch.int64), out=self.sink)
+            torch.sum(self.buf.view(torch.int64), dim=0, out=self.sink)
 
     def time_us(self, fn):
         fn()  # eager once (loads the module)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _load_ape, _program_segment, _round, _segment_of, _slot_columns, _softmax, _tile
+from .forward import _load_ape, _program_segment, _round, _segment_of, _slot_columns, _softmax, _sum_slots, _tile
 
 
 @triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"])
@@ -56,6 +56,7 @@ def csa_bwd_kernel(
     SWEEP_D: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
+    TORCH_ORDER: tl.constexpr,
 ):
     W: tl.constexpr = COFF * HEAD_DIM
     pid = tl.program_id(0)
@@ -106,7 +107,7 @@ def csa_bwd_kernel(
             gv = g * v
             # Slots s >= ratio do not exist in the reference; keep them out of the sum even for non-finite g.
             gvp = tl.where(slot_ok[:, None, None], gv * p, 0.0)
-            dlogit = p * (gv - tl.sum(gvp, axis=0)[None, :, :])
+            dlogit = p * (gv - _sum_slots(gvp, TORCH_ORDER)[None, :, :])
             smask = lmask_cur & is_real[None, :, None]
             tl.store(grad_kv_ptr + offs_cur, _round(dv, gdt, MANUAL_RTNE), mask=smask)
             tl.store(grad_score_ptr + offs_cur, _round(dlogit, gdt, MANUAL_RTNE), mask=smask)

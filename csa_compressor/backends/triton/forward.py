@@ -170,6 +170,23 @@ def _tile(
 
 
 @triton.jit
+def _sum_slots(x, TORCH_ORDER: tl.constexpr):
+    """Sum over the slot axis of ``[K, BLOCK_R, BLOCK_D]``.
+
+    ``TORCH_ORDER`` (slots in-thread, ``K % 4 == 0``): four interleaved running sums
+    ``acc_i = x_i + x_{i+4} + ...`` combined as ``((acc_0 + acc_1) + acc_2) + acc_3``,
+    the order of PyTorch's CUDA reduction kernel (four accumulators per thread) that
+    the reference's ``.sum(dim=1)`` runs; otherwise Triton's own order.
+    """
+    if TORCH_ORDER:
+        K: tl.constexpr = x.shape[0]
+        parts = tl.sum(tl.reshape(x, [K // 4, 4, x.shape[1], x.shape[2]]), axis=0)
+        return tl.sum(parts, axis=0)
+    else:
+        return tl.sum(x, axis=0)
+
+
+@triton.jit
 def _softmax(kv, score, ape, valid, PRECISE_EXP: tl.constexpr):
     """Values (fp32) and softmax weights of a loaded tile, in the reference's operation order."""
     v = kv.to(tl.float32)
@@ -208,6 +225,7 @@ def csa_fwd_kernel(
     N_COL: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
+    TORCH_ORDER: tl.constexpr,
 ):
     """Grid: ``ceil(N / (BLOCK_R * tiles_per_prog)) * N_COL`` programs; neighbours share rows.
 
@@ -244,7 +262,7 @@ def csa_fwd_kernel(
         kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
         score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
         v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
-        out = tl.sum(v * p, axis=0)
+        out = _sum_slots(v * p, TORCH_ORDER)
         omask = row_ok[:, None] & col_ok[None, :]
         optrs = out_ptr + rows[:, None] * HEAD_DIM + cols[None, :]
         tl.store(optrs, _round(out, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)

@@ -116,20 +116,24 @@ class KernelConfig:
     """Tile shape of one configuration.
 
     ``block_r`` rows x ``block_d`` columns per tile (the window tile is
-    ``[block_r, coff * next_pow2(ratio), block_d]``); ``rows_per_prog`` rows per
-    program (backward: sets the number of dAPE partials); ``sweep_t`` tokens x
-    ``sweep_d`` columns per zero-sweep store.
+    ``[coff * next_pow2(ratio), block_r, block_d]``); ``rows_per_prog`` rows per
+    program, 0 = from the problem size at launch (backward: it also sets the number of
+    dAPE partials); ``sweep_t`` tokens x ``sweep_d`` columns per zero-sweep store;
+    ``vec`` columns per thread and access; ``precise_exp``: libdevice expf (the
+    reference's exp) instead of ex2.approx; ``torch_order``: sum the slots in
+    PyTorch's CUDA reduction order where the slots sit in one thread.
     """
 
     block_r: int
     block_d: int
     num_warps: int
-    rows_per_prog: int = 1
+    rows_per_prog: int = 0
     sweep_t: int = 64
     sweep_d: int = 128
     num_stages: int = 1
     vec: int = 8
     precise_exp: bool = True
+    torch_order: bool = True
 
 
 def _pow2(n: int) -> int:
@@ -149,21 +153,50 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
     if k <= 16:
         # Every slot of a (row, column) in one thread: in-thread, in-order softmax reductions. About 32 window
         # elements per thread (k * vec) keep the backward below 256 registers: 8-byte column accesses at k = 8,
-        # still whole 32-byte sectors per warp. One warp per program (multi-warp programs measured slower).
+        # still whole 32-byte sectors per warp. One warp per program: on the H200 sweep multi-warp programs were
+        # 1.5-4.5x slower at ratio 4.
         vec = min(8, 32 // k)
         block_d = min(32 * vec, d2)
         num_warps = 1
         block_r = max(1, (32 * vec) // block_d) * num_warps
-        rows = 8 * block_r if direction == "forward" else max(32, block_r)
     else:
         # Long windows: lanes and warps split the slots, reductions go through shuffles and shared memory.
-        # About 32 window elements per thread (the backward has 255 registers).
+        # 16 columns x 4 per thread and 4 warps was the fastest long-window tile on the H200 sweep.
         vec = 4
         block_d = min(16, d2)
-        num_warps = max(1, min(8, (k * block_d) // (32 * 32)))
+        num_warps = 4
         block_r = 1
-        rows = 4 if direction == "forward" else 16
-    return KernelConfig(block_r, block_d, num_warps, rows_per_prog=rows, sweep_t=64, sweep_d=min(256, d2), vec=vec)
+    # Forward: summing in PyTorch's order costs the forward ~50 registers (fewer programs in flight); the
+    # backward's register count does not change, and it makes dScore bitwise where dlogit cancels.
+    return KernelConfig(
+        block_r,
+        block_d,
+        num_warps,
+        sweep_t=64,
+        sweep_d=min(256, d2),
+        vec=vec,
+        torch_order=direction == "backward",
+    )
+
+
+def _rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k: int) -> int:
+    """Rows per program: enough programs in flight, and (backward) few enough dAPE partials.
+
+    A partial costs ``1 / (2 * rows_per_prog)`` of the backward's bytes (it is
+    ``[ratio, coff*d]`` fp32 against ``rows * ratio * coff*d`` bf16 read and written
+    twice), so the backward keeps at least 4 rows and grows to 16-32 on big problems.
+    """
+    if cfg.rows_per_prog > 0:
+        return cfg.rows_per_prog
+    one_tile_programs = _cdiv(n_rows, cfg.block_r) * n_col
+    if direction == "forward":
+        target, lo, hi = 4096, 1, 4
+    elif k <= 16:
+        target, lo, hi = 1024, 4, 32
+    else:
+        target, lo, hi = 512, 4, 16
+    tiles = max(lo, min(hi, _pow2(one_tile_programs // target + 1) // 2))
+    return tiles * cfg.block_r
 
 
 @functools.cache
@@ -202,6 +235,12 @@ def _launch_context(tensor: torch.Tensor, stream):
                 yield
 
 
+def _torch_order(cfg: KernelConfig, ratio: int, coff: int) -> bool:
+    """Sum slots in PyTorch's order: only where all slots of a column sit in one thread (small windows)."""
+    k = coff * _pow2(ratio)
+    return cfg.torch_order and k % 4 == 0 and k * cfg.vec <= 32 and cfg.block_d <= 32 * cfg.vec
+
+
 def _search_iters(num_segments: int) -> int:
     return max(0, num_segments - 1).bit_length()
 
@@ -215,7 +254,7 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
     head_dim = out.shape[1]
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
-    tiles = max(1, cfg.rows_per_prog // cfg.block_r)
+    tiles = max(1, _rows_per_prog(cfg, "forward", n_rows, n_col, coff * _pow2(ratio)) // cfg.block_r)
     n_prog = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     fwd_mod.csa_fwd_kernel[(n_prog * n_col,)](
         kv,
@@ -238,6 +277,7 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
         N_COL=n_col,
         PRECISE_EXP=cfg.precise_exp and kv.device.type == "cuda" and not _interpret(),
         MANUAL_RTNE=_interpret(),
+        TORCH_ORDER=_torch_order(cfg, ratio, coff),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # The reference rounds every product before adding: no fused multiply-adds.
@@ -260,7 +300,7 @@ def launch_backward(
     head_dim = width // coff
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
-    tiles = max(1, cfg.rows_per_prog // cfg.block_r)
+    tiles = max(1, _rows_per_prog(cfg, "backward", n_rows, n_col, coff * _pow2(ratio)) // cfg.block_r)
     n_parts = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     n_compute = n_parts * n_col
     n_sweep = _cdiv(tokens, cfg.sweep_t)
@@ -294,6 +334,7 @@ def launch_backward(
         SWEEP_D=cfg.sweep_d,
         PRECISE_EXP=precise,
         MANUAL_RTNE=_interpret(),
+        TORCH_ORDER=_torch_order(cfg, ratio, coff),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         # The reference rounds every product before adding: no fused multiply-adds.
@@ -301,7 +342,8 @@ def launch_backward(
     )
     size = ratio * width
     block = min(256, _pow2(size))
-    chunk = min(16, _pow2(n_parts))
+    # CHUNK must not depend on the problem size: compile() warms up on a tiny problem (capture safety).
+    chunk = 16
     bwd_mod.dape_reduce_kernel[(_cdiv(size, block),)](
         workspace, grad_ape, n_parts, SIZE=size, BLOCK=block, CHUNK=chunk, num_warps=4, enable_fp_fusion=False
     )
