@@ -155,6 +155,29 @@ def _ptx_entries(ptx: str) -> dict[str, str]:
 _CU_INIT = False
 
 
+_LIBCUDA = None
+
+
+def _libcuda_launch():
+    """``cuLaunchKernel`` of the driver through ctypes: a launch then costs about a microsecond of Python
+    (the cuda-python binding measured ~30 us per call here)."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernel
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        fn.restype = ctypes.c_int
+        _LIBCUDA = fn
+    return _LIBCUDA
+
+
+def _handle_value(obj) -> int:
+    try:
+        return int(obj)
+    except TypeError:
+        return ctypes.c_void_p.from_address(obj.getPtr()).value
+
+
 class _RawKernel:
     """One kernel of the cubin loaded in a device's context; parameters live in a reusable ctypes block."""
 
@@ -165,6 +188,10 @@ class _RawKernel:
         cuda.cuFuncSetAttribute(
             self.func, cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 50
         )
+        self.fptr = _handle_value(self.func)
+        if not self.fptr:
+            raise RuntimeError("null CUfunction")
+        self.launch = _libcuda_launch()
         self.vals = [ctypes.c_uint64(0) if k == "p" else ctypes.c_int32(0) for k in kinds]
         self.params = (ctypes.c_void_p * len(kinds))(*[ctypes.addressof(v) for v in self.vals])
         self.params_addr = ctypes.addressof(self.params)
@@ -174,11 +201,11 @@ class _RawKernel:
     def __call__(self, values, grid, stream_handle: int) -> None:
         for st, v in zip(self.vals, values, strict=True):
             st.value = v
-        (err,) = cuda.cuLaunchKernel(
-            self.func, grid[0], grid[1], 1, self.block, 1, 1, self.smem, stream_handle, self.params_addr, 0
+        err = self.launch(
+            self.fptr, grid[0], grid[1], 1, self.block, 1, 1, self.smem, stream_handle, self.params_addr, None
         )
-        if err != cuda.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cute backend: cuLaunchKernel failed: {err}")
+        if err != 0:
+            raise RuntimeError(f"cute backend: cuLaunchKernel failed with CUDA error {err}")
 
 
 class _Launcher:
