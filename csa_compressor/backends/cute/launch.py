@@ -5,7 +5,14 @@ schedule is a pure function of ``(ratio, coff, head_dim)`` so ``compile()`` buil
 later call can pick. The kernels are compiled against raw global pointers and Int32 scalars, so a
 call only converts integers: the fast path keeps one ctypes argument block per (configuration,
 device), writes the pointer/int/stream values into it and calls the compiled host entry point
-directly (``CSA_CUTE_FAST_LAUNCH=0`` falls back to the regular compiled-function call).
+directly. ``CSA_CUTE_LAUNCH=fast|raw|dsl`` picks the path (see ``_MODE``).
+
+Host functions (one per configuration):
+- forward: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, B, N, stream)``;
+- backward: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+  grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)`` (two kernels: main + grad_ape reduction),
+with bf16/fp32/int32 global pointers (16-byte aligned), ``B = len(cu_seqlens) - 1``, ``N = total_comp``,
+``T`` tokens, and the persistent-grid shape of ``backward_grid``.
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 
 __all__ = ["backward", "compile", "device_unsupported_reason", "forward", "unavailable_reason"]
 
-# Launch path: "raw" (driver launches of the compiled cubin, cheapest), "fast" (packed call of the
-# compiled host function), "dsl" (regular compiled-function call). Each falls back to the next.
-_MODE = os.environ.get("CSA_CUTE_LAUNCH", "raw")
+# Launch path: "fast" (default: packed ctypes call of the compiled host function, ~20 us of host time
+# per forward call on the H200 machine), "raw" (cuLaunchKernel of the compiled cubin through libcuda;
+# measured ~40 us there, cause not found, so opt-in), "dsl" (the regular compiled-function call, ~55 us).
+# Each falls back to the next when its set-up fails.
+_MODE = os.environ.get("CSA_CUTE_LAUNCH", "fast")
 _FAST = _MODE in ("raw", "fast") and os.environ.get("CSA_CUTE_FAST_LAUNCH", "1") != "0"
 _LOCK = threading.Lock()
 _COMPILED: dict[tuple, object] = {}  # key -> compiled function (device independent)
@@ -159,8 +168,7 @@ _LIBCUDA = None
 
 
 def _libcuda_launch():
-    """``cuLaunchKernel`` of the driver through ctypes: a launch then costs about a microsecond of Python
-    (the cuda-python binding measured ~30 us per call here)."""
+    """``cuLaunchKernel`` of the driver through ctypes (no per-call argument conversion by cuda-python)."""
     global _LIBCUDA
     if _LIBCUDA is None:
         lib = ctypes.CDLL("libcuda.so.1")
