@@ -167,6 +167,15 @@ def test_explicit_tilings_match_reference(cfg, ratio, coff, seqlens):
     _check(pack, *_run(pack, cfg, cfg))
 
 
+def test_many_dape_partials():
+    """More partials than one reduction step takes (64): the chunked, fixed-order dAPE reduction."""
+    pack = _pack((400, 333), 8, 2, 2, comp_pad=3, seed=4)
+    cfg = launch.KernelConfig(block_r=1, block_d=8, num_warps=1, rows_per_prog=1, sweep_t=64, sweep_d=8)
+    first = _run(pack, cfg, cfg)
+    _check(pack, *first)
+    assert torch.equal(_bits(first[3]), _bits(_run(pack, cfg, cfg)[3]))
+
+
 def test_bitwise_at_ratio_4_on_this_device():
     """SPEC goal: forward, dKV and dScore bitwise equal to the fp32 reference at ratio 4 (1 ulp is the contract)."""
     pack = _pack((24, 13, 9), 16, 4, 2, 2, 1, seed=3)

@@ -341,9 +341,10 @@ def launch_backward(
         enable_fp_fusion=False,
     )
     size = ratio * width
-    block = min(256, _pow2(size))
-    # CHUNK must not depend on the problem size: compile() warms up on a tiny problem (capture safety).
-    chunk = 16
+    # [64 partials, 64 entries] per step: a short dependent chain (P / 64 steps) and many programs.
+    # Neither constexpr depends on the problem size: compile() warms up on a tiny problem (capture safety).
+    block = min(64, _pow2(size))
+    chunk = 64
     bwd_mod.dape_reduce_kernel[(_cdiv(size, block),)](
         workspace, grad_ape, n_parts, SIZE=size, BLOCK=block, CHUNK=chunk, num_warps=4, enable_fp_fusion=False
     )
