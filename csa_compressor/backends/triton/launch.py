@@ -166,8 +166,9 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
         block_d = min(16, d2)
         num_warps = 4
         block_r = 1
-    # Slot sums in PyTorch's order (small windows): same registers and instructions with Triton 3.6 for sm_90,
-    # and the results match the CUDA reference bitwise where sum(p*v) or dlogit cancel.
+    # Slot sums in PyTorch's CUDA reduction order (small windows): same registers and instructions with Triton
+    # 3.6 for sm_90. It aims at bitwise equality with the CUDA reference where sum(p*v) or dlogit cancel; not yet
+    # measured on the GPU (the sweep of commit 6a984c6 summed in slot order: dKV bitwise, dScore/forward not).
     return KernelConfig(block_r, block_d, num_warps, sweep_t=64, sweep_d=min(256, d2), vec=vec)
 
 
