@@ -8,7 +8,7 @@ import torch
 
 from .thd import compute_cu_seqlens_comp
 
-__all__ = ["Pack", "bf16_ulp_distance", "make_pack", "rel_l2"]
+__all__ = ["Pack", "assert_contract", "bf16_ulp_distance", "contract_report", "make_pack", "rel_l2"]
 
 
 @dataclass
@@ -97,3 +97,95 @@ def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if den == 0:
         return float(num)
     return float(num / den)
+
+
+# ---------------------------------------------------------------- the SPEC section 3 contract
+
+FP32_SLACK_ULPS = 16  # fp32 rounding noise allowed where a result cancels, in fp32 ulps of the magnitudes summed
+
+
+def _cancellation_scales(pack: Pack):
+    """Magnitudes whose fp32 rounding noise bounds each result, and the consumed-position mask.
+
+    ``out = sum p*v`` and ``dlogit = p*(g*v - sum p*g*v)`` can cancel to nearly zero; there two correct
+    fp32 evaluations in different orders (the reference, a kernel) differ by many bf16 ulps of a tiny
+    value. The contract is then read as: as close as fp32 arithmetic can be, i.e. within
+    ``FP32_SLACK_ULPS`` fp32 ulps of the summed magnitudes ``sum p*|v|`` and ``p*(|g*v| + sum p*|g*v|)``.
+    """
+    from . import reference
+
+    ratio, coff = pack.ratio, pack.coff
+    tokens, width = pack.kv.shape
+    win = reference._window(pack.cu_seqlens, pack.cu_seqlens_comp, pack.total_comp, tokens, ratio, coff)
+    values, logits = reference._windows(pack.kv.double(), pack.score, pack.ape, win, ratio, coff, torch.float64)
+    p = torch.softmax(logits, dim=1)
+    out_scale = (p * values.abs()).sum(dim=1)
+    g = torch.where(win.is_real[:, None], pack.grad_out.double(), 0.0)[:, None, :]
+    gv = (g * values).abs()
+    score_scale = p * (gv + (gv * p).sum(dim=1, keepdim=True))
+    used = torch.where((win.valid & win.is_real[:, None])[:, :, None], torch.ones_like(p), 0.0)
+    score_scale = reference._scatter(score_scale, win.scatter_idx, tokens, width, ratio, coff)
+    consumed = reference._scatter(used, win.scatter_idx, tokens, width, ratio, coff) > 0
+    return out_scale, score_scale, consumed
+
+
+def _beyond(actual, expected, scale, max_ulp: int) -> tuple[int, int]:
+    """(max ulp distance, count of elements beyond ``max_ulp`` and outside the fp32 slack)."""
+    if actual.numel() == 0:
+        return 0, 0
+    ulps = bf16_ulp_distance(actual, expected)
+    diff = (actual.detach().double() - expected.detach().double()).abs().cpu()
+    slack = diff <= FP32_SLACK_ULPS * 2.0**-24 * scale.detach().cpu()
+    return int(ulps.max()), int(((ulps > max_ulp) & ~slack).sum())
+
+
+def contract_report(pack: Pack, out=None, grads=None, max_ulp: int = 1) -> dict:
+    """Check kernel results against SPEC section 3 and return the measured figures with ``ok``.
+
+    - forward: within ``max_ulp`` bf16 ulp of the fp32 reference (or within fp32 noise where the sum
+      cancels), and its max error vs the fp64 oracle no larger than the upstream reference's;
+    - grad_kv: within ``max_ulp`` ulp (``g*p`` cannot cancel); grad_score like the forward;
+    - unconsumed positions of grad_kv/grad_score are exact +0;
+    - grad_ape: relative L2 error vs the fp64 oracle <= 1e-5.
+    """
+    from . import reference
+
+    kw = dict(ratio=pack.ratio, coff=pack.coff)
+    out_scale, score_scale, consumed = _cancellation_scales(pack)
+    report: dict = {"ok": True}
+    if out is not None:
+        ref32 = reference.forward(*pack.inputs, total_comp=pack.total_comp, precision="fp32", **kw)
+        ref64 = reference.forward(*pack.inputs, total_comp=pack.total_comp, precision="fp64", **kw)
+        up = reference.forward(*pack.inputs, total_comp=pack.total_comp, precision="upstream", **kw)
+        report["fwd_ulp"], report["fwd_beyond"] = _beyond(out, ref32, out_scale, max_ulp)
+        report["fwd_bitwise"] = bool(torch.equal(out.view(torch.int16), ref32.view(torch.int16)))
+        if out.numel():
+            report["fwd_err"] = float((out.double() - ref64).abs().max())
+            report["upstream_err"] = float((up.double() - ref64).abs().max())
+        else:
+            report["fwd_err"] = report["upstream_err"] = 0.0
+        report["ok"] &= report["fwd_beyond"] == 0 and report["fwd_err"] <= report["upstream_err"]
+        report["ok"] &= not bool(torch.isnan(out).any()) or bool(torch.isnan(ref32).any())
+    if grads is not None:
+        grad_kv, grad_score, grad_ape = grads
+        g32 = reference.backward(*pack.inputs, pack.grad_out, precision="fp32", **kw)
+        g64 = reference.backward(*pack.inputs, pack.grad_out, precision="fp64", **kw)
+        report["dkv_ulp"] = int(bf16_ulp_distance(grad_kv, g32[0]).max()) if grad_kv.numel() else 0
+        report["dscore_ulp"], report["dscore_beyond"] = _beyond(grad_score, g32[1], score_scale, max_ulp)
+        report["dkv_bitwise"] = bool(torch.equal(grad_kv.view(torch.int16), g32[0].view(torch.int16)))
+        report["dscore_bitwise"] = bool(torch.equal(grad_score.view(torch.int16), g32[1].view(torch.int16)))
+        mask = consumed.to(grad_kv.device)
+        zeros_exact = all(not bool(t.view(torch.int16)[~mask].any()) for t in (grad_kv, grad_score))
+        report["zeros_exact"] = zeros_exact
+        report["dape_rel"] = rel_l2(grad_ape, g64[2])
+        report["ok"] &= (
+            report["dkv_ulp"] <= max_ulp and report["dscore_beyond"] == 0 and zeros_exact and report["dape_rel"] <= 1e-5
+        )
+    return report
+
+
+def assert_contract(pack: Pack, out=None, grads=None, max_ulp: int = 1) -> dict:
+    """``contract_report`` that raises AssertionError (with the figures) when the contract is broken."""
+    report = contract_report(pack, out, grads, max_ulp)
+    assert report["ok"], f"numerics contract broken: {report}"
+    return report
