@@ -28,9 +28,10 @@ CASES = [
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
+    parser.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
     opts = parser.parse_args()
     ok = True
-    for ratio, coff, head_dim, seqlens, tok_pad, comp_pad in CASES:
+    for ratio, coff, head_dim, seqlens, tok_pad, comp_pad in CASES[: opts.cases]:
         p = make_pack(seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, device="cuda")
         kw = dict(ratio=ratio, coff=coff, backend=opts.backend)
         out = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]

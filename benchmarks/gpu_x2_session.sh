@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Two calls on a two-GPU machine (nvidia-h200-x2), each inside the 10-minute limit of a device call:
+#   PHASE=1: GPU 0 runs the benchmark (alone on its GPU, timing-sensitive) while GPU 1 runs the full test suite;
+#   PHASE=2: the non-current-device tests on both GPUs, then compute-sanitizer memcheck/racecheck (GPU 1)
+#            beside the self-check (GPU 0).
+# Logs come back as one tarball (the device tool returns at most 8 files).
+set -uo pipefail
+RESULT_DIR=${OUT:-/tmp/csa_out}
+LOGS=/tmp/csa_logs
+mkdir -p "$LOGS" "$RESULT_DIR"
+if [ -d .cutedsl ]; then
+    mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
+fi
+export PYTHONPATH=/tmp/cutedsl/nvidia_cutlass_dsl/dsl_packages:/tmp/cutedsl:$PWD
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/gpu.txt"
+python3 -c "import torch, triton, cutlass; print('torch', torch.__version__, 'triton', triton.__version__, 'cutlass-dsl', cutlass.__version__)" | tee -a "$LOGS/gpu.txt"
+
+if [ "${PHASE:-1}" = 1 ]; then
+    # GPU 1: the full test suite. GPU 0: the benchmark, alone on its GPU.
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=15 >"$LOGS/pytest.log" 2>&1
+        echo "pytest rc=$?" >>"$LOGS/pytest.log"
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout ${BENCH_TIMEOUT:-420} python3 -m csa_compressor bench --out "$LOGS/bench" ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
+        echo "bench rc=$?" >>"$LOGS/bench.txt"
+    ) &
+    wait
+else
+    # Both GPUs: the non-current-device tests; then sanitizers on GPU 1 and the self-check on GPU 0.
+    timeout 120 python3 -m pytest tests -q -ra -p no:cacheprovider -k "non_current" >"$LOGS/pytest_two_gpus.log" 2>&1
+    echo "rc=$?" >>"$LOGS/pytest_two_gpus.log"
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        for spec in "cute memcheck" "triton memcheck" "cute racecheck" "triton racecheck"; do
+            set -- $spec
+            timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool "$2" --error-exitcode 9 \
+                python3 tests/sanitize_cases.py --backend "$1" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_$1_$2.log" 2>&1
+            echo "rc=$?" >>"$LOGS/sanitize_$1_$2.log"
+        done
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout 150 python3 -m csa_compressor >"$LOGS/selfcheck.txt" 2>&1
+        echo "selfcheck rc=$?" >>"$LOGS/selfcheck.txt"
+    ) &
+    wait
+fi
+
+tar czf "$RESULT_DIR/logs_phase${PHASE:-1}.tar.gz" -C "$LOGS" .
+if [ "${PHASE:-1}" = 1 ]; then
+    echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 3 "$LOGS/pytest.log"
+    echo "==== bench"; tail -n 70 "$LOGS/bench.txt"
+else
+    echo "==== two GPUs"; tail -n 3 "$LOGS/pytest_two_gpus.log"
+    echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
+    echo "==== self-check"; tail -n 16 "$LOGS/selfcheck.txt"
+fi
