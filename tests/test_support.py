@@ -212,12 +212,31 @@ def test_execute_rechecks_per_call_tensors():
         op.execute(*other)
 
 
+def test_unsupported_gpu_is_a_runtime_error(monkeypatch):
+    """Dispatch turns a backend's "cannot run on this GPU" into RuntimeError (host tensors: ValueError)."""
+
+    class OldGpuOnly:
+        @staticmethod
+        def device_unsupported_reason(device):
+            return "needs compute capability >= 9.0, this GPU has 7.5"
+
+    monkeypatch.setattr(dispatch, "_load", lambda name: (OldGpuOnly, None))
+    with pytest.raises(RuntimeError, match="backend 'cute' cannot run on cuda:0 tensors: needs compute capability"):
+        dispatch.resolve_backend("cute", torch.device("cuda:0"), 4, 2, 128)
+    with pytest.raises(ValueError, match="backend 'cute' cannot run on cpu tensors"):
+        dispatch.resolve_backend("cute", torch.device("cpu"), 4, 2, 128)
+
+
 @pytest.mark.gpu
-def test_rejects_unsupported_gpu(monkeypatch):
-    args, _ = _fwd_args(device="cuda")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    for name in dispatch.available_backends("cuda"):
-        if name == "reference":
-            continue
-        with pytest.raises(RuntimeError, match="cannot run on cuda"):
-            CSACompressorForward(*args, ratio=4, coff=2, backend=name).check_support()
+def test_backends_name_the_architectures_they_reject(monkeypatch):
+    if dispatch.unavailable_reason("cute") is None:
+        from csa_compressor.backends.cute import launch as cute
+
+        assert cute._arch_of((9, 0)) == "sm_90a" and cute._arch_of((10, 0)) == "sm_100a"
+        assert cute._arch_of((8, 0)) is None and cute._arch_of((9, 1)) is None
+        assert cute.device_unsupported_reason(torch.device("cuda")) is None  # the H200 here
+    if dispatch.unavailable_reason("triton") is None:
+        from csa_compressor.backends.triton import launch as triton_launch
+
+        monkeypatch.setattr(triton_launch, "_capability", lambda index: (7, 5))
+        assert ">= 8.0" in triton_launch.device_unsupported_reason(torch.device("cuda"))
