@@ -37,7 +37,7 @@ else
         export CUDA_VISIBLE_DEVICES=1
         for spec in "cute memcheck" "triton memcheck" "cute racecheck" "triton racecheck"; do
             set -- $spec
-            timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool "$2" --error-exitcode 9 \
+            timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool "$2" --report-api-errors no --error-exitcode 9 \
                 python3 tests/sanitize_cases.py --backend "$1" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_$1_$2.log" 2>&1
             echo "rc=$?" >>"$LOGS/sanitize_$1_$2.log"
         done
