@@ -2,7 +2,9 @@
 # Two calls on a two-GPU machine (nvidia-h200-x2), each inside the 10-minute limit of a device call:
 #   PHASE=1: GPU 0 runs the benchmark (alone on its GPU, timing-sensitive) while GPU 1 runs the full test suite;
 #   PHASE=2: the non-current-device tests on both GPUs, then compute-sanitizer memcheck/racecheck (GPU 1)
-#            beside the self-check (GPU 0).
+#            beside the self-check (GPU 0);
+#   PHASE=3: after a change, in one call: the test suite (GPU 1) beside the benchmark, the launch-overhead
+#            breakdown and memcheck (GPU 0).
 # Logs come back as one tarball (the device tool returns at most 8 files).
 set -uo pipefail
 RESULT_DIR=${OUT:-/tmp/csa_out}
@@ -29,6 +31,26 @@ if [ "${PHASE:-1}" = 1 ]; then
         echo "bench rc=$?" >>"$LOGS/bench.txt"
     ) &
     wait
+elif [ "${PHASE:-1}" = 3 ]; then
+    # One call for everything after a change: tests on GPU 1; on GPU 0 the benchmark, the launch-overhead
+    # breakdown and compute-sanitizer memcheck of both GPU backends.
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout ${TEST_TIMEOUT:-330} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest.log" 2>&1
+        echo "pytest rc=$?" >>"$LOGS/pytest.log"
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout ${BENCH_TIMEOUT:-240} python3 -m csa_compressor bench --out "$LOGS/bench" ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
+        echo "bench rc=$?" >>"$LOGS/bench.txt"
+        timeout 60 python3 benchmarks/launch_overhead.py --out "$LOGS/launch_overhead.json" >"$LOGS/launch_overhead.txt" 2>&1
+        for backend in cute triton; do
+            timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+                python3 tests/sanitize_cases.py --backend "$backend" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_${backend}_memcheck.log" 2>&1
+            echo "rc=$?" >>"$LOGS/sanitize_${backend}_memcheck.log"
+        done
+    ) &
+    wait
 else
     # Both GPUs: the non-current-device tests; then sanitizers on GPU 1 and the self-check on GPU 0.
     timeout 120 python3 -m pytest tests -q -ra -p no:cacheprovider -k "non_current" >"$LOGS/pytest_two_gpus.log" 2>&1
@@ -51,7 +73,12 @@ else
 fi
 
 tar czf "$RESULT_DIR/logs_phase${PHASE:-1}.tar.gz" -C "$LOGS" .
-if [ "${PHASE:-1}" = 1 ]; then
+if [ "${PHASE:-1}" = 3 ]; then
+    echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 2 "$LOGS/pytest.log"
+    echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
+    echo "==== launch overhead"; cat "$LOGS/launch_overhead.txt"
+    echo "==== bench"; grep -E "cute|triton|^\| case|^###" "$LOGS/bench.txt" | head -n 60
+elif [ "${PHASE:-1}" = 1 ]; then
     echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 3 "$LOGS/pytest.log"
     echo "==== bench"; tail -n 70 "$LOGS/bench.txt"
 else
