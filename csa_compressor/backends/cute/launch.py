@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import struct
 import tempfile
 import threading
 
@@ -187,28 +188,51 @@ def _handle_value(obj) -> int:
 
 
 class _RawKernel:
-    """One kernel of the cubin loaded in a device's context; parameters live in a reusable ctypes block."""
+    """One kernel of the cubin loaded in a device's context; parameters live in one reusable 8-byte-slot block.
 
-    def __init__(self, module, name: str, kinds: str, block: int, smem: int):
+    Attributes mirror what the DSL's CUDA-dialect loader (``cuda_load_to_device``) sets on its own copy:
+    non-portable cluster sizes allowed and the opt-in dynamic shared memory limit minus static shared
+    memory; no carveout (the DSL records ``preferred_smem_carveout`` in ``kernel_info`` only, which its
+    CUDA-dialect executor does not apply).
+    """
+
+    def __init__(self, module, name: str, kinds: str, block: int, smem: int, device_index: int):
         err, self.func = cuda.cuModuleGetFunction(module, name.encode())
         if err != cuda.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuModuleGetFunction({name}): {err}")
-        cuda.cuFuncSetAttribute(
-            self.func, cuda.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 50
+        attr = cuda.CUfunction_attribute
+        err, optin = cuda.cuDeviceGetAttribute(
+            cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, cuda.CUdevice(device_index)
         )
+        if err != cuda.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuDeviceGetAttribute: {err}")
+        err, static = cuda.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.func)
+        if err != cuda.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuFuncGetAttribute: {err}")
+        for key, value in (
+            (attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static),
+            (attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+        ):
+            (err,) = cuda.cuFuncSetAttribute(self.func, key, value)
+            if err != cuda.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuFuncSetAttribute({key}): {err}")
         self.fptr = _handle_value(self.func)
         if not self.fptr:
             raise RuntimeError("null CUfunction")
         self.launch = _libcuda_launch()
-        self.vals = [ctypes.c_uint64(0) if k == "p" else ctypes.c_int32(0) for k in kinds]
-        self.params = (ctypes.c_void_p * len(kinds))(*[ctypes.addressof(v) for v in self.vals])
+        if "?" in kinds:
+            raise RuntimeError(f"unsupported kernel parameter kinds {kinds}")
+        # The driver copies each parameter's size (8 for pointers, 4 for Int32) from its slot.
+        self.slots = (ctypes.c_uint64 * len(kinds))()
+        base = ctypes.addressof(self.slots)
+        self.params = (ctypes.c_void_p * len(kinds))(*[base + 8 * i for i in range(len(kinds))])
         self.params_addr = ctypes.addressof(self.params)
+        self._pack = struct.Struct("=" + "".join("Q" if k == "p" else "i4x" for k in kinds)).pack_into
         self.block = block
         self.smem = smem
 
     def __call__(self, values, grid, stream_handle: int) -> None:
-        for st, v in zip(self.vals, values, strict=True):
-            st.value = v
+        self._pack(self.slots, 0, *values)
         err = self.launch(
             self.fptr, grid[0], grid[1], 1, self.block, 1, 1, self.smem, stream_handle, self.params_addr, None
         )
@@ -224,21 +248,26 @@ class _Launcher:
         self.direction = direction
         self.sch = sch
         self.num_sms = num_sms
-        self.fast = False
+        # `fast` and `raw` are properties: assigning either re-binds `launch` (the dev script flips them).
+        self._fast = False
+        self._raw = None
+        self.launch = self._launch_slow
         self.fast_error: str | None = None
         self.ctas_per_sm = 2
         self.nchunk = 1
         try:
             ex = compiled.to(device_index)
             self._ex = ex
-            self.ptrs = [ctypes.c_void_p(0) for _ in range(_N_PTR[direction])]
-            self.ints = [ctypes.c_int32(0) for _ in range(_N_INT[direction])]
-            self.stream = ctypes.c_void_p(0)
-            storages = [*self.ptrs, *self.ints, self.stream]
-            n = len(storages)
+            # One 8-byte slot per host-function argument (pointers, Int32 scalars, stream), written by a
+            # single struct.pack_into per call; the packed array holds the slot addresses, then the DSL's
+            # extra arguments (the CUDA-result cell, kernel handles on the non-CUDA-dialect executor).
+            n_ptr, n_int = _N_PTR[direction], _N_INT[direction]
+            n = n_ptr + n_int + 1
+            self.slots = (ctypes.c_uint64 * n)()
+            base = ctypes.addressof(self.slots)
             packed = (ctypes.c_void_p * (n + ex._num_extra_args))()
-            for i, st in enumerate(storages):
-                packed[i] = ctypes.addressof(st)
+            for i in range(n):
+                packed[i] = base + 8 * i
             idx = n
             if ex._has_cuda_result:
                 packed[idx] = ex._cuda_result_addr
@@ -246,11 +275,19 @@ class _Launcher:
             for kp in ex._kernel_ptrs or []:
                 packed[idx] = kp.value if isinstance(kp, ctypes.c_void_p) else kp
                 idx += 1
+            if idx != len(packed):
+                raise RuntimeError(f"packed argument count {idx} != {len(packed)}")
+            if ex.cuda_result is None:
+                raise RuntimeError("compiled host function has no CUDA result cell")
+            # Int32 scalars: native int32 + 4 pad bytes (the host function reads 4 bytes at the
+            # slot address); out-of-range values raise instead of wrapping.
+            self._pack = struct.Struct("=" + "Q" * n_ptr + "i4x" * n_int + "Q").pack_into
             self.packed = packed
             self.capi = ex.capi_func
             self.cuda_result = ex.cuda_result
             self.fast = _FAST
         except Exception as exc:  # pragma: no cover - DSL internals changed: use the regular call path
+            self.fast = False
             self.fast_error = f"{type(exc).__name__}: {exc}"
         self.raw = None
         self.raw_error: str | None = None
@@ -267,6 +304,28 @@ class _Launcher:
             by_regs = max(1, 65536 // (sch.threads * MAX_REGS))
             by_smem = max(1, (114 * 1024) // (smem_bytes + 1024))
             self.ctas_per_sm = max(1, min(by_regs, by_smem, 2048 // sch.threads))
+
+    @property
+    def fast(self) -> bool:
+        return self._fast
+
+    @fast.setter
+    def fast(self, value: bool) -> None:
+        self._fast = bool(value)
+        self._bind()
+
+    @property
+    def raw(self):
+        return self._raw
+
+    @raw.setter
+    def raw(self, value) -> None:
+        self._raw = value
+        self._bind()
+
+    def _bind(self) -> None:
+        # The packed host-function call is taken directly only when nothing else is selected.
+        self.launch = self._launch_fast if self._fast and self._raw is None else self._launch_slow
 
     def _init_raw(self, device_index: int, smem_bytes: int) -> None:
         global _CU_INIT
@@ -292,10 +351,22 @@ class _Launcher:
             if err != cuda.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"cuModuleLoadData: {err}")
             self._module = module
-            kernels = [_RawKernel(module, main[0], entries[main[0]], self.sch.threads, smem_bytes)]
+            kernels = [_RawKernel(module, main[0], entries[main[0]], self.sch.threads, smem_bytes, device_index)]
             if self.direction == "backward":
-                kernels.append(_RawKernel(module, red[0], "ppi", REDUCE_WARPS * 32, REDUCE_WARPS * 32 * 4 + 64))
+                red_smem = REDUCE_WARPS * 32 * 4 + 64
+                kernels.append(_RawKernel(module, red[0], "ppi", REDUCE_WARPS * 32, red_smem, device_index))
         self.raw = kernels
+
+    def _launch_fast(self, args) -> None:
+        """``args``: the host function's arguments in order (pointers, Int32 scalars, stream handle)."""
+        self._pack(self.slots, 0, *args)
+        self.capi(self.packed)
+        if self.cuda_result.value != 0:
+            raise RuntimeError(f"cute backend: kernel launch failed with CUDA error {self.cuda_result.value}")
+
+    def _launch_slow(self, args) -> None:
+        n_ptr = _N_PTR[self.direction]
+        self(args[:n_ptr], args[n_ptr:-1], args[-1])
 
     def __call__(self, ptrs, ints, stream_handle: int):
         raw = self.raw
@@ -309,14 +380,7 @@ class _Launcher:
                 raw[1]((ptrs[9], ptrs[8], num_ctas), ((self.ape_size + 31) // 32, 1), stream_handle)
             return
         if self.fast:
-            for st, v in zip(self.ptrs, ptrs, strict=False):
-                st.value = v
-            for st, v in zip(self.ints, ints, strict=False):
-                st.value = v
-            self.stream.value = stream_handle
-            self.capi(self.packed)
-            if self.cuda_result is not None and self.cuda_result.value != 0:
-                raise RuntimeError(f"cute backend: kernel launch failed with CUDA error {self.cuda_result.value}")
+            self._launch_fast((*ptrs, *ints, stream_handle))
             return
         dts = (
             (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16)
@@ -365,6 +429,9 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# Current device without torch.cuda.current_device()'s lazy-init check (a launcher exists only after
+# _device_info initialised CUDA).
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def _stream_handle(stream, device: torch.device) -> int:
@@ -376,33 +443,41 @@ def _stream_handle(stream, device: torch.device) -> int:
 
 
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream) -> None:
-    device = kv.device
     n = out.shape[0]
     if n == 0:
         return
-    head_dim = out.shape[1]
-    launcher = _FASTMAP.get(("forward", ratio, coff, head_dim, kv.dtype, device.index))
+    device = kv.device
+    index = device.index
+    launcher = _FASTMAP.get(("forward", ratio, coff, out.shape[1], kv.dtype, index))
     if launcher is None:
-        launcher = _get_launcher("forward", ratio, coff, head_dim, kv.dtype, device)
-    ptrs = (
+        launcher = _get_launcher("forward", ratio, coff, out.shape[1], kv.dtype, device)
+    args = (
         kv.data_ptr(),
         score.data_ptr(),
         ape.data_ptr(),
         cu_seqlens.data_ptr(),
         cu_seqlens_comp.data_ptr(),
         out.data_ptr(),
+        cu_seqlens.shape[0] - 1,
+        n,
+        _stream_handle(stream, device),
     )
-    ints = (cu_seqlens.shape[0] - 1, n)
-    _launch_on(device, launcher, ptrs, ints, _stream_handle(stream, device))
+    # Kernels launch into the current CUDA context: switch only when the tensors live elsewhere.
+    if index is None or index == _GET_DEVICE():
+        launcher.launch(args)
+    else:
+        with torch.cuda.device(index):
+            launcher.launch(args)
 
 
 def _launch_on(device: torch.device, launcher: _Launcher, ptrs, ints, stream_handle: int) -> None:
-    # Kernels launch into the current CUDA context: switch only when the tensors live elsewhere.
-    if device.index is not None and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device.index):
-            launcher(ptrs, ints, stream_handle)
+    """Compatibility entry (ptrs, ints, stream) of the launch helpers; forward/backward call launcher.launch."""
+    args = (*ptrs, *ints, stream_handle)
+    if device.index is None or device.index == _GET_DEVICE():
+        launcher.launch(args)
     else:
-        launcher(ptrs, ints, stream_handle)
+        with torch.cuda.device(device.index):
+            launcher.launch(args)
 
 
 WS_CAP_BYTES = 8 << 20  # grad_ape partial slabs stay L2-resident between the two kernels
@@ -442,7 +517,7 @@ def backward(
     handle = _stream_handle(stream, device)
     if stream is not None and handle != _stream_handle(None, device):
         ws.record_stream(stream)
-    ptrs = (
+    args = (
         kv.data_ptr(),
         score.data_ptr(),
         ape.data_ptr(),
@@ -453,6 +528,100 @@ def backward(
         grad_score.data_ptr(),
         grad_ape.data_ptr(),
         ws.data_ptr(),
+        cu_seqlens.shape[0] - 1,
+        n,
+        kv.shape[0],
+        rows_per_cta,
+        num_ctas,
+        handle,
     )
-    ints = (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas)
-    _launch_on(device, launcher, ptrs, ints, handle)
+    index = device.index
+    if index is None or index == _GET_DEVICE():
+        launcher.launch(args)
+    else:
+        with torch.cuda.device(index):
+            launcher.launch(args)
+
+
+def _probe(reps: int = 2000) -> dict[str, float]:
+    """Host microseconds per call of each launch path on cuda:0 (development aid; needs a GPU).
+
+    ``python -m csa_compressor.backends.cute.launch``: back-to-back mean over ``reps`` calls (host time only,
+    the queue never fills with these tiny kernels) and the median of single calls started on an idle device,
+    for a plain torch op, the bare packed host function (no Python argument work), the fast path, the
+    regular compiled call and the raw cuLaunchKernel path.
+    """
+    import statistics
+    import time
+
+    from csa_compressor.testing import make_pack
+
+    dev = torch.device("cuda", 0)
+    p = make_pack((8192,), 128, 4, 2, device=dev, seed=0)
+    kv, score, ape, cu, cuc = p.inputs
+    out = torch.empty((p.total_comp, 128), dtype=torch.bfloat16, device=dev)
+    gkv, gsc, gape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+    x = torch.zeros(1, device=dev)
+    compile("forward", 4, 2, 128, torch.bfloat16, dev)
+    compile("backward", 4, 2, 128, torch.bfloat16, dev)
+    lf = _FASTMAP[("forward", 4, 2, 128, torch.bfloat16, 0)]
+    lb = _FASTMAP[("backward", 4, 2, 128, torch.bfloat16, 0)]
+
+    def fwd():
+        forward(kv, score, ape, cu, cuc, out, 4, 2, None)
+
+    def bwd():
+        backward(kv, score, ape, cu, cuc, p.grad_out, gkv, gsc, gape, 4, 2, None)
+
+    def timed(fn) -> tuple[float, float]:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        loop = (time.perf_counter() - t0) / reps * 1e6
+        torch.cuda.synchronize()
+        single = []
+        for _ in range(100):
+            torch.cuda.synchronize()
+            time.sleep(0.0002)
+            h0 = time.perf_counter()
+            fn()
+            single.append((time.perf_counter() - h0) * 1e6)
+        torch.cuda.synchronize()
+        return loop, statistics.median(single)
+
+    res = {}
+    res["torch x.add_(1)"] = timed(lambda: x.add_(1))
+    fwd()  # fills the packed argument slots of the forward launcher
+    res["bare packed host function, forward"] = timed(lambda: lf.capi(lf.packed))
+    bwd()
+    if lb.fast:
+        # Only the main kernel's slots are meaningful again; ws was freed, so launch with a live buffer.
+        ws = torch.empty(lb.slots[-2] * ape.numel(), dtype=torch.float32, device=dev)
+        lb.slots[9] = ws.data_ptr()
+        res["bare packed host function, backward"] = timed(lambda: lb.capi(lb.packed))
+    for mode in ("fast", "dsl", "raw"):
+        saved = (lf.fast, lb.fast, lf.raw, lb.raw)
+        try:
+            if mode == "dsl":
+                lf.fast = lb.fast = False
+            if mode == "raw":
+                for la in (lf, lb):
+                    if la.raw is None:
+                        la._init_raw(0, forward_smem_bytes(la.sch) if la is lf else backward_smem_bytes(la.sch))
+            res[f"{mode}: forward"] = timed(fwd)
+            res[f"{mode}: backward"] = timed(bwd)
+        except Exception as exc:  # report and go on with the other paths
+            res[f"{mode}: error {type(exc).__name__}: {exc}"] = (0.0, 0.0)
+        finally:
+            lf.fast, lb.fast, lf.raw, lb.raw = saved
+    torch.cuda.synchronize()
+    return res
+
+
+if __name__ == "__main__":  # pragma: no cover - development aid
+    print(f"{'path':45s} {'back-to-back us':>16s} {'single us':>10s}")
+    for name, (loop, single) in _probe().items():
+        print(f"{name:45s} {loop:16.1f} {single:10.1f}")
