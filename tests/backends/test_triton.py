@@ -125,10 +125,21 @@ def test_explicit_tilings_match_reference(cfg, ratio, coff, seqlens):
     _check(pack, *_run(pack, cfg, cfg))
 
 
-def test_many_dape_partials():
-    """More partials than one reduction step takes (64): the chunked, fixed-order dAPE reduction."""
+@pytest.mark.parametrize("dape_block,dape_chunk", [(64, 64), (8, 32)], ids=["b64c64", "b8c32"])
+def test_many_dape_partials(dape_block, dape_chunk):
+    """More partials than one reduction step takes: the chunked, fixed-order dAPE reduction (the GPU's small-window
+    shape, few entries x many partials per step, scaled down)."""
     pack = _pack((150, 131), 8, 2, 2, comp_pad=3, seed=4)
-    cfg = launch.KernelConfig(block_r=1, block_d=8, num_warps=1, rows_per_prog=1, sweep_t=128, sweep_d=8)
+    cfg = launch.KernelConfig(
+        block_r=1,
+        block_d=8,
+        num_warps=1,
+        rows_per_prog=1,
+        sweep_t=128,
+        sweep_d=8,
+        dape_block=dape_block,
+        dape_chunk=dape_chunk,
+    )
     dflt = launch.choose_config("forward", 2, 2, 8, not HAS_CUDA)
     first = _run(pack, dflt, cfg)
     _check(pack, *first)

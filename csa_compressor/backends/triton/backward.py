@@ -152,14 +152,19 @@ def csa_bwd_kernel(
 
 @triton.jit(do_not_specialize=["P"])
 def dape_reduce_kernel(ws_ptr, grad_ape_ptr, P, SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """``grad_ape[i] = sum_{p < P} ws[p, i]``: chunks of ``CHUNK`` partials, each summed as a tile, in increasing
-    chunk order. One fixed order for a given ``P``, so bitwise reproducible."""
+    """``grad_ape[i] = sum_{p < P} ws[p, i]``: lane ``c`` of a ``[CHUNK, BLOCK]`` accumulator sums partials
+    ``c, c + CHUNK, ...`` in increasing order, then the ``CHUNK`` lanes are summed as a tile. One fixed order for a
+    given ``P``, so bitwise reproducible.
+
+    No cross-thread sum (shuffles, barriers) inside the loop: a step is its loads and adds. Per step ptxas keeps
+    about three of a thread's LDG.128 in flight (sm_90), so the chain is ~3 L2 round trips x ``P / CHUNK`` steps:
+    the launcher sizes ``CHUNK`` to keep ``P / CHUNK`` at 1-3 steps on common problems.
+    """
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < SIZE
     parts = tl.arange(0, CHUNK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([CHUNK, BLOCK], dtype=tl.float32)
     for first in range(0, P, CHUNK):
         pmask = (first + parts < P)[:, None] & mask[None, :]
-        tile = tl.load(ws_ptr + (first + parts)[:, None] * SIZE + offs[None, :], mask=pmask, other=0.0)
-        acc += tl.sum(tile, axis=0)
-    tl.store(grad_ape_ptr + offs, acc, mask=mask)
+        acc += tl.load(ws_ptr + (first + parts)[:, None] * SIZE + offs[None, :], mask=pmask, other=0.0)
+    tl.store(grad_ape_ptr + offs, tl.sum(acc, axis=0), mask=mask)

@@ -30,6 +30,8 @@ __all__ = [
 
 MAX_RATIO = 256
 _SMS_DEFAULT = 132
+# Resident small-window backward programs per SM (1 warp, 244 registers with Triton 3.6 for sm_90 at ratio 4).
+_SMALL_BWD_RESIDENT = 8
 
 
 def unavailable_reason() -> str | None:
@@ -83,6 +85,10 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -121,7 +127,8 @@ class KernelConfig:
     dAPE partials); ``sweep_t`` tokens x ``sweep_d`` columns per zero-sweep store;
     ``vec`` columns per thread and access; ``precise_exp``: libdevice expf (the
     reference's exp) instead of ex2.approx; ``torch_order``: sum the slots in
-    PyTorch's CUDA reduction order where the slots sit in one thread.
+    PyTorch's CUDA reduction order where the slots sit in one thread; ``dape_block`` entries x
+    ``dape_chunk`` partials per step of the dAPE reduction (compile-time, never from the problem size).
     """
 
     block_r: int
@@ -134,6 +141,8 @@ class KernelConfig:
     vec: int = 8
     precise_exp: bool = True
     torch_order: bool = True
+    dape_block: int = 64
+    dape_chunk: int = 64
 
 
 def _pow2(n: int) -> int:
@@ -159,6 +168,9 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
         block_d = min(32 * vec, d2)
         num_warps = 1
         block_r = max(1, (32 * vec) // block_d) * num_warps
+        # dAPE reduction: small windows make many partials (N / 2..32 rows of [ratio, coff*d]); 512 partials per
+        # step keep its serial chain at P / 512 steps, 8 fp32 entries (one 32-byte sector per partial) per program.
+        dape_block, dape_chunk = 8, 512
     else:
         # Long windows: lanes and warps split the slots, reductions go through shuffles and shared memory.
         # 16 columns x 4 per thread and 4 warps was the fastest long-window tile on the H200 sweep.
@@ -166,18 +178,28 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
         block_d = min(16, d2)
         num_warps = 4
         block_r = 1
+        dape_block, dape_chunk = 64, 64
     # Slot sums in PyTorch's CUDA reduction order (small windows): same registers and instructions with Triton
     # 3.6 for sm_90. It aims at bitwise equality with the CUDA reference where sum(p*v) or dlogit cancel; not yet
     # measured on the GPU (the sweep of commit 6a984c6 summed in slot order: dKV bitwise, dScore/forward not).
-    return KernelConfig(block_r, block_d, num_warps, sweep_t=64, sweep_d=min(256, d2), vec=vec)
+    return KernelConfig(
+        block_r,
+        block_d,
+        num_warps,
+        sweep_t=64,
+        sweep_d=min(256, d2),
+        vec=vec,
+        dape_block=dape_block,
+        dape_chunk=dape_chunk,
+    )
 
 
-def _rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k: int) -> int:
+def _rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k: int, device) -> int:
     """Rows per program: enough programs in flight, and (backward) few enough dAPE partials.
 
     A partial costs ``1 / (2 * rows_per_prog)`` of the backward's bytes (it is
     ``[ratio, coff*d]`` fp32 against ``rows * ratio * coff*d`` bf16 read and written
-    twice), so the backward keeps at least 4 rows and grows to 16-32 on big problems.
+    twice), so the long-window backward keeps at least 4 rows and grows to 16 on big problems.
     """
     if cfg.rows_per_prog > 0:
         return cfg.rows_per_prog
@@ -185,7 +207,14 @@ def _rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k
     if direction == "forward":
         target, lo, hi = 4096, 1, 4
     elif k <= 16:
-        target, lo, hi = 1024, 4, 32
+        # Small-window backward programs are latency bound (one warp, ~240 registers: 8 resident per SM; every
+        # program first pays its segment search, then one load round trip per tile). Exactly one wave of programs,
+        # each with the fewest tiles that cover the problem, finishes soonest; 2 tiles at least, so the next
+        # tile's load is in flight behind the current one. (Was: 4-32 tiles for ~1024 programs, i.e. 1.5 waves on
+        # 3x8192 d128, and P = N/4 partials.)
+        slots = _SMS_DEFAULT if device.type != "cuda" else _sm_count(_device_index(device))
+        tiles = max(2, min(32, _cdiv(one_tile_programs, slots * _SMALL_BWD_RESIDENT)))
+        return tiles * cfg.block_r
     else:
         target, lo, hi = 512, 4, 16
     tiles = max(lo, min(hi, _pow2(one_tile_programs // target + 1) // 2))
@@ -247,7 +276,7 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
     head_dim = out.shape[1]
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
-    tiles = max(1, _rows_per_prog(cfg, "forward", n_rows, n_col, coff * _pow2(ratio)) // cfg.block_r)
+    tiles = max(1, _rows_per_prog(cfg, "forward", n_rows, n_col, coff * _pow2(ratio), kv.device) // cfg.block_r)
     n_prog = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     fwd_mod.csa_fwd_kernel[(n_prog * n_col,)](
         kv,
@@ -293,7 +322,7 @@ def launch_backward(
     head_dim = width // coff
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
-    tiles = max(1, _rows_per_prog(cfg, "backward", n_rows, n_col, coff * _pow2(ratio)) // cfg.block_r)
+    tiles = max(1, _rows_per_prog(cfg, "backward", n_rows, n_col, coff * _pow2(ratio), kv.device) // cfg.block_r)
     n_parts = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     n_compute = n_parts * n_col
     n_sweep = _cdiv(tokens, cfg.sweep_t)
@@ -334,10 +363,10 @@ def launch_backward(
         enable_fp_fusion=False,
     )
     size = ratio * width
-    # [64 partials, 64 entries] per step: a short dependent chain (P / 64 steps) and many programs.
-    # Neither constexpr depends on the problem size: compile() warms up on a tiny problem (capture safety).
-    block = min(64, _pow2(size))
-    chunk = 64
+    # [dape_chunk partials, dape_block entries] per step: a short dependent chain (P / dape_chunk steps) and many
+    # programs. Neither constexpr depends on the problem size: compile() warms up on a tiny problem (capture safety).
+    block = min(cfg.dape_block, _pow2(size))
+    chunk = cfg.dape_chunk
     bwd_mod.dape_reduce_kernel[(_cdiv(size, block),)](
         workspace, grad_ape, n_parts, SIZE=size, BLOCK=block, CHUNK=chunk, num_warps=4, enable_fp_fusion=False
     )
