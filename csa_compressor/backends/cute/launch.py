@@ -3,9 +3,19 @@
 Compiled kernels are cached by ``(direction, ratio, coff, head_dim, dtype, arch, schedule)``; the
 schedule is a pure function of ``(ratio, coff, head_dim)`` so ``compile()`` builds everything a
 later call can pick. The kernels are compiled against raw global pointers and Int32 scalars, so a
-call only converts integers: the fast path keeps one ctypes argument block per (configuration,
-device), writes the pointer/int/stream values into it and calls the compiled host entry point
-directly. ``CSA_CUTE_LAUNCH=fast|raw|dsl`` picks the path (see ``_MODE``).
+call only converts integers: the fast path keeps one block of 8-byte argument slots per
+(configuration, device), fills it with one ``struct.pack_into`` and calls the compiled host
+function's packed C entry point directly. ``CSA_CUTE_LAUNCH=fast|raw|dsl`` picks the path (see
+``_MODE``); ``python -m csa_compressor.backends.cute.launch`` times every path on a GPU.
+
+What the compiled host function does per call (its lowered LLVM IR, nvidia-cutlass-dsl 4.8.1): fill a
+``cudaLaunchConfig_t`` on the stack (grid, block, dynamic smem, stream, two launch attributes:
+programmatic stream serialization 0 and cooperative 0), then one ``_cudaLaunchKernelEx`` per kernel
+with the ``cudaKernel_t`` resolved once by ``compiled.to()`` (``cudaLibraryGetKernel`` plus the
+kernel attributes, at load time only). No module loading, function lookup, attribute setting, error
+query or stream query per call. ``_cudaLaunchKernelEx`` is a tail jump into a CUDA runtime linked
+statically into ``libcute_dsl_runtime.so`` (a second runtime instance beside torch's), which ends
+in the driver's launch.
 
 Host functions (one per configuration):
 - forward: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, B, N, stream)``;
@@ -41,10 +51,11 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 
 __all__ = ["backward", "compile", "device_unsupported_reason", "forward", "unavailable_reason"]
 
-# Launch path: "fast" (default: packed ctypes call of the compiled host function, ~20 us of host time
-# per forward call on the H200 machine), "raw" (cuLaunchKernel of the compiled cubin through libcuda;
-# measured ~40 us there, cause not found, so opt-in), "dsl" (the regular compiled-function call, ~55 us).
-# Each falls back to the next when its set-up fails.
+# Launch path: "fast" (default: packed ctypes call of the compiled host function; measured ~20 us of
+# host time per forward call on the H200 machine before the single-pack_into rewrite), "raw"
+# (cuLaunchKernel of the compiled cubin through ctypes libcuda; measured ~40 us there with the previous
+# per-argument ctypes writes and a 50 % carveout on every kernel, cause not found, so opt-in), "dsl" (the
+# regular compiled-function call, ~55 us). Each falls back to the next when its set-up fails.
 _MODE = os.environ.get("CSA_CUTE_LAUNCH", "fast")
 _FAST = _MODE in ("raw", "fast") and os.environ.get("CSA_CUTE_FAST_LAUNCH", "1") != "0"
 _LOCK = threading.Lock()
@@ -228,14 +239,16 @@ class _RawKernel:
         self.params = (ctypes.c_void_p * len(kinds))(*[base + 8 * i for i in range(len(kinds))])
         self.params_addr = ctypes.addressof(self.params)
         self._pack = struct.Struct("=" + "".join("Q" if k == "p" else "i4x" for k in kinds)).pack_into
+        self._call_lock = threading.Lock()
         self.block = block
         self.smem = smem
 
     def __call__(self, values, grid, stream_handle: int) -> None:
-        self._pack(self.slots, 0, *values)
-        err = self.launch(
-            self.fptr, grid[0], grid[1], 1, self.block, 1, 1, self.smem, stream_handle, self.params_addr, None
-        )
+        with self._call_lock:  # the slots are shared across threads; the driver copies them at launch
+            self._pack(self.slots, 0, *values)
+            err = self.launch(
+                self.fptr, grid[0], grid[1], 1, self.block, 1, 1, self.smem, stream_handle, self.params_addr, None
+            )
         if err != 0:
             raise RuntimeError(f"cute backend: cuLaunchKernel failed with CUDA error {err}")
 
@@ -251,6 +264,7 @@ class _Launcher:
         # `fast` and `raw` are properties: assigning either re-binds `launch` (the dev script flips them).
         self._fast = False
         self._raw = None
+        self._call_lock = threading.Lock()
         self.launch = self._launch_slow
         self.fast_error: str | None = None
         self.ctas_per_sm = 2
@@ -359,10 +373,14 @@ class _Launcher:
 
     def _launch_fast(self, args) -> None:
         """``args``: the host function's arguments in order (pointers, Int32 scalars, stream handle)."""
-        self._pack(self.slots, 0, *args)
-        self.capi(self.packed)
-        if self.cuda_result.value != 0:
-            raise RuntimeError(f"cute backend: kernel launch failed with CUDA error {self.cuda_result.value}")
+        # The slots and the result cell are shared by every thread using this launcher, and ctypes drops
+        # the GIL during the call: the lock keeps another thread's arguments out until they are consumed.
+        with self._call_lock:
+            self._pack(self.slots, 0, *args)
+            self.capi(self.packed)
+            err = self.cuda_result.value
+        if err != 0:
+            raise RuntimeError(f"cute backend: kernel launch failed with CUDA error {err}")
 
     def _launch_slow(self, args) -> None:
         n_ptr = _N_PTR[self.direction]
@@ -543,7 +561,7 @@ def backward(
             launcher.launch(args)
 
 
-def _probe(reps: int = 2000) -> dict[str, float]:
+def _probe(reps: int = 2000) -> dict[str, tuple[float, float]]:
     """Host microseconds per call of each launch path on cuda:0 (development aid; needs a GPU).
 
     ``python -m csa_compressor.backends.cute.launch``: back-to-back mean over ``reps`` calls (host time only,
@@ -592,19 +610,29 @@ def _probe(reps: int = 2000) -> dict[str, float]:
         torch.cuda.synchronize()
         return loop, statistics.median(single)
 
-    res = {}
+    res: dict[str, tuple[float, float]] = {}
     res["torch x.add_(1)"] = timed(lambda: x.add_(1))
-    fwd()  # fills the packed argument slots of the forward launcher
-    res["bare packed host function, forward"] = timed(lambda: lf.capi(lf.packed))
-    bwd()
-    if lb.fast:
-        # Only the main kernel's slots are meaningful again; ws was freed, so launch with a live buffer.
-        ws = torch.empty(lb.slots[-2] * ape.numel(), dtype=torch.float32, device=dev)
-        lb.slots[9] = ws.data_ptr()
-        res["bare packed host function, backward"] = timed(lambda: lb.capi(lb.packed))
+    stream = _stream_handle(None, dev)
+    b = cu.shape[0] - 1
+    rows_per_cta, num_ctas = backward_grid(lb, p.total_comp, ape.numel())
+    ws = torch.empty(num_ctas * ape.numel(), dtype=torch.float32, device=dev)
+    bare = (
+        (lf, (kv, score, ape, cu, cuc, out), (b, p.total_comp)),
+        (
+            lb,
+            (kv, score, ape, cu, cuc, p.grad_out, gkv, gsc, gape, ws),
+            (b, p.total_comp, kv.shape[0], rows_per_cta, num_ctas),
+        ),
+    )
+    for la, tensors, ints in bare:
+        if la.fast:  # the bare packed host function on fixed, live arguments: no Python argument work
+            la._pack(la.slots, 0, *[t.data_ptr() for t in tensors], *ints, stream)
+            res[f"bare packed host function, {la.direction}"] = timed(lambda la=la: la.capi(la.packed))
     for mode in ("fast", "dsl", "raw"):
         saved = (lf.fast, lb.fast, lf.raw, lb.raw)
         try:
+            if mode != "raw":
+                lf.raw = lb.raw = None
             if mode == "dsl":
                 lf.fast = lb.fast = False
             if mode == "raw":
