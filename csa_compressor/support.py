@@ -8,7 +8,7 @@ can change between calls (sizes, contiguity, alignment, device).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +35,18 @@ class Config:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    # Derived once, for the per-call rechecks.
+    width: int = field(init=False, compare=False)
+    ape_shape: tuple[int, int] = field(init=False, compare=False)
+    device_index: int = field(init=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "width", self.coff * self.head_dim)
+        object.__setattr__(self, "ape_shape", (self.ratio, self.coff * self.head_dim))
+        index = self.device.index if self.device.type == "cuda" else -1
+        if self.device.type == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        object.__setattr__(self, "device_index", index)
 
 
 def _fail(bound: str, detail: str):
@@ -145,92 +157,121 @@ def check_backward(
     return cfg
 
 
-def _recheck(cfg: Config, tensors) -> None:
-    # Cheap per-call check; on any doubt fall through to the full checks for the message.
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device != cfg.device or not t.is_contiguous():
-            raise _Mismatch
-        if t.data_ptr() & 15 and t.dtype != torch.int32:
-            raise _Mismatch
+_F32, _I32 = torch.float32, torch.int32
 
 
-class _Mismatch(Exception):
-    pass
+def _same_device(cfg: Config, tensors) -> bool:
+    index = cfg.device_index
+    return all(t.get_device() == index for t in tensors) and tensors[0].device.type == cfg.device.type
 
 
 def recheck_forward(cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out) -> None:
-    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+    """Cheap per-call check (about 30 attribute reads); anything unexpected reruns the full checks for the message."""
     try:
-        _recheck(cfg, tensors)
-        width = cfg.coff * cfg.head_dim
-        tokens = kv.shape[0]
-        rows = out.shape[0]
-        if (
-            kv.dtype != cfg.dtype
-            or score.dtype != cfg.dtype
-            or out.dtype != cfg.dtype
-            or kv.shape[1] != width
-            or score.shape != kv.shape
-            or ape.shape != (cfg.ratio, width)
-            or ape.dtype != torch.float32
-            or out.dim() != 2
-            or out.shape[1] != cfg.head_dim
-            or cu_seqlens.dtype != torch.int32
-            or cu_seqlens_comp.shape != cu_seqlens.shape
-            or cu_seqlens_comp.dtype != torch.int32
-            or tokens * width >= INT32_LIMIT
-            or rows * cfg.head_dim >= INT32_LIMIT
-            or (rows > 0 and tokens < cfg.ratio)
-        ):
-            raise _Mismatch
-    except _Mismatch:
+        tokens, width = kv.shape
+        rows, head_dim = out.shape
+        dtype = cfg.dtype
+        ok = (
+            width == cfg.width
+            and head_dim == cfg.head_dim
+            and kv.dtype is dtype
+            and score.dtype is dtype
+            and out.dtype is dtype
+            and ape.dtype is _F32
+            and cu_seqlens.dtype is _I32
+            and cu_seqlens_comp.dtype is _I32
+            and score.shape == kv.shape
+            and ape.shape == cfg.ape_shape
+            and cu_seqlens.dim() == 1
+            and cu_seqlens.shape[0] >= 2
+            and cu_seqlens_comp.shape == cu_seqlens.shape
+            and kv.is_contiguous()
+            and score.is_contiguous()
+            and ape.is_contiguous()
+            and out.is_contiguous()
+            and cu_seqlens.is_contiguous()
+            and cu_seqlens_comp.is_contiguous()
+            and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr() | out.data_ptr()) & 15
+            and not (cu_seqlens.data_ptr() | cu_seqlens_comp.data_ptr()) & 3
+            and tokens * width < INT32_LIMIT
+            and rows * head_dim < INT32_LIMIT
+            and (rows == 0 or tokens >= cfg.ratio)
+            and _same_device(cfg, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
+        )
+    except (AttributeError, TypeError, ValueError):  # not tensors, wrong ranks
+        ok = False
+    if not ok:
         check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=cfg.ratio, coff=cfg.coff)
-        _check_same_config(cfg, kv)
+        _check_same_config(cfg, kv, out)
 
 
 def recheck_backward(
     cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape
 ) -> None:
-    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+    """The backward's cheap per-call check; see ``recheck_forward``."""
     try:
-        _recheck(cfg, tensors)
-        width = cfg.coff * cfg.head_dim
-        tokens = kv.shape[0]
-        rows = grad_out.shape[0]
-        if (
-            kv.dtype != cfg.dtype
-            or kv.shape[1] != width
-            or score.shape != kv.shape
-            or score.dtype != cfg.dtype
-            or grad_kv.shape != kv.shape
-            or grad_kv.dtype != cfg.dtype
-            or grad_score.shape != kv.shape
-            or grad_score.dtype != cfg.dtype
-            or ape.shape != (cfg.ratio, width)
-            or ape.dtype != torch.float32
-            or grad_ape.shape != ape.shape
-            or grad_ape.dtype != torch.float32
-            or grad_out.dim() != 2
-            or grad_out.shape[1] != cfg.head_dim
-            or grad_out.dtype != cfg.dtype
-            or cu_seqlens.dtype != torch.int32
-            or cu_seqlens_comp.shape != cu_seqlens.shape
-            or cu_seqlens_comp.dtype != torch.int32
-            or tokens * width >= INT32_LIMIT
-            or rows * cfg.head_dim >= INT32_LIMIT
-            or (rows > 0 and tokens < cfg.ratio)
-        ):
-            raise _Mismatch
-    except _Mismatch:
-        check_backward(*tensors, ratio=cfg.ratio, coff=cfg.coff)
-        _check_same_config(cfg, kv)
-
-
-def _check_same_config(cfg: Config, kv: torch.Tensor) -> None:
-    width = cfg.coff * cfg.head_dim
-    if kv.shape[1] != width or kv.dtype != cfg.dtype or kv.device != cfg.device:
-        _fail(
-            "execute() tensors must match the configuration compiled for",
-            f"compiled for head_dim={cfg.head_dim}, coff={cfg.coff}, {cfg.dtype} on {cfg.device}; "
-            f"got kv {tuple(kv.shape)} {kv.dtype} on {kv.device}",
+        tokens, width = kv.shape
+        rows, head_dim = grad_out.shape
+        dtype = cfg.dtype
+        ok = (
+            width == cfg.width
+            and head_dim == cfg.head_dim
+            and kv.dtype is dtype
+            and score.dtype is dtype
+            and grad_out.dtype is dtype
+            and grad_kv.dtype is dtype
+            and grad_score.dtype is dtype
+            and ape.dtype is _F32
+            and grad_ape.dtype is _F32
+            and cu_seqlens.dtype is _I32
+            and cu_seqlens_comp.dtype is _I32
+            and score.shape == kv.shape
+            and grad_kv.shape == kv.shape
+            and grad_score.shape == kv.shape
+            and ape.shape == cfg.ape_shape
+            and grad_ape.shape == cfg.ape_shape
+            and cu_seqlens.dim() == 1
+            and cu_seqlens.shape[0] >= 2
+            and cu_seqlens_comp.shape == cu_seqlens.shape
+            and kv.is_contiguous()
+            and score.is_contiguous()
+            and ape.is_contiguous()
+            and grad_out.is_contiguous()
+            and grad_kv.is_contiguous()
+            and grad_score.is_contiguous()
+            and grad_ape.is_contiguous()
+            and cu_seqlens.is_contiguous()
+            and cu_seqlens_comp.is_contiguous()
+            and not (
+                kv.data_ptr()
+                | score.data_ptr()
+                | ape.data_ptr()
+                | grad_out.data_ptr()
+                | grad_kv.data_ptr()
+                | grad_score.data_ptr()
+                | grad_ape.data_ptr()
+            )
+            & 15
+            and not (cu_seqlens.data_ptr() | cu_seqlens_comp.data_ptr()) & 3
+            and tokens * width < INT32_LIMIT
+            and rows * head_dim < INT32_LIMIT
+            and (rows == 0 or tokens >= cfg.ratio)
+            and _same_device(
+                cfg, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+            )
         )
+    except (AttributeError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+        check_backward(*tensors, ratio=cfg.ratio, coff=cfg.coff)
+        _check_same_config(cfg, kv, grad_out)
+
+
+def _check_same_config(cfg: Config, kv: torch.Tensor, rows: torch.Tensor) -> None:
+    """The full checks passed, so what differs from the compiled configuration is the configuration itself."""
+    _fail(
+        "execute() tensors must match the configuration compiled for",
+        f"compiled for head_dim={cfg.head_dim}, coff={cfg.coff}, {cfg.dtype} on {cfg.device}; "
+        f"got kv {tuple(kv.shape)} {kv.dtype} on {kv.device}, rows {tuple(rows.shape)}",
+    )
