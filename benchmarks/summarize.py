@@ -12,16 +12,7 @@ import json
 import sys
 from collections import defaultdict
 
-# SPEC section 6: the seed's own kernels on an H200, cold kernel time (us), forward / backward.
-SEED_COLD = {
-    "1x8192-d128-r4-c2": (6.9, 17.1),
-    "3x8192-d128-r4-c2": (14.3, 27.6),
-    "1x8192-d512-r4-c2": (17.5, 29.6),
-    "3x8192-d512-r4-c2": (43.3, 76.0),
-    "1x8192-d128-r128-c1": (11.8, 12.7),
-    "1x65536-d512-r128-c2": (98.1, 260.0),
-    "3x8192-d512-r128-c1": (28.6, 57.1),
-}
+from csa_compressor.bench import SPEC_H200  # SPEC section 6: the seed's kernels on an H200
 
 
 def summarize(records: list[dict], backend: str) -> str:
@@ -42,7 +33,8 @@ def summarize(records: list[dict], backend: str) -> str:
         tc = rows.get(("torch.compile", "fwd+bwd"))
         if not f or not b:
             continue
-        seed = SEED_COLD.get(case, (float("nan"), float("nan")))
+        spec = SPEC_H200.get(case, {})
+        seed = (spec.get("seed_fwd_cold", float("nan")), spec.get("seed_bwd_cold", float("nan")))
         ours = f["kernel_us_cold"] + b["kernel_us_cold"]
         vs_tc = f"{tc['kernel_us_cold'] / ours:.1f}x" if tc else "-"
         lines.append(
