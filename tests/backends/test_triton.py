@@ -264,7 +264,13 @@ if given is not None:
         return _pack(tuple(seqlens), head_dim, ratio, coff, tok_pad, comp_pad, seed=seed)
 
     # Each new (ratio, coff, head_dim) compiles on a GPU; the interpreter pays per example instead.
-    @settings(max_examples=8 if HAS_CUDA else 60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    # CI draws the same examples every run (a red CI must be reproducible); elsewhere hypothesis explores.
+    @settings(
+        max_examples=8 if HAS_CUDA else 60,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+        derandomize=bool(os.environ.get("CI")),
+    )
     @given(pack=_packs())
     def test_property_random_packs_match_reference(pack):
         _check(pack, *_run(pack))
