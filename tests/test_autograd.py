@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from csa_compressor import CompressorPool, available_backends, compressor_pool, reference
+from csa_compressor import CompressorPool, available_backends, compressor_pool, compute_cu_seqlens_comp, reference
 from csa_compressor.testing import bf16_ulp_distance, make_pack, rel_l2
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,7 +48,8 @@ def test_torch_compile_fullgraph_matches_eager(backend):
     p = make_pack((17, 3, 8), 8, 4, 2, token_padding=2, comp_padding=1, device=DEVICE, seed=3)
 
     def region(kv, score, ape):
-        out = compressor_pool(kv, score, ape, p.cu_seqlens, p.cu_seqlens_comp, 4, 2, p.total_comp, backend)
+        cu_seqlens_comp = compute_cu_seqlens_comp(p.cu_seqlens, 4)  # traced too: device-side, no sync
+        out = compressor_pool(kv, score, ape, p.cu_seqlens, cu_seqlens_comp, 4, 2, p.total_comp, backend)
         return (out.float() * 2.0).to(out.dtype)  # some surrounding graph to fuse around the opaque op
 
     compiled = torch.compile(region, fullgraph=True)
