@@ -7,8 +7,10 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    # Must be set before triton is first imported anywhere.
+    # Must be set before triton / CuTe-DSL are first imported anywhere: the Triton kernels run in the
+    # interpreter, and CuTe-DSL compiles (but cannot run) for sm_90a without a driver.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
 def pytest_collection_modifyitems(config, items):

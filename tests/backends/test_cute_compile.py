@@ -1,0 +1,56 @@
+"""The cute kernels build for Hopper and Blackwell without a GPU (CuTe-DSL compiles with ``CUTE_DSL_ARCH``).
+
+Runs wherever nvidia-cutlass-dsl is installed, CI included: every configuration class compiles to
+PTX with the expected kernels and parameter lists, and no kernel keeps an array in local memory
+(a run-time-indexed register array would land there and cost DRAM traffic). Running the kernels
+needs the GPU: tests/backends/test_cute.py.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+
+cute_launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
+if cute_launch.unavailable_reason() is not None:
+    pytest.skip(f"cute backend unavailable: {cute_launch.unavailable_reason()}", allow_module_level=True)
+
+# (ratio, coff, head_dim): the SPEC configurations, odd and tiny head_dims, short and long windows.
+CONFIGS = [
+    (4, 2, 512),
+    (4, 2, 128),
+    (4, 1, 65),
+    (2, 2, 7),
+    (8, 2, 64),
+    (16, 2, 130),
+    (128, 1, 512),
+    (128, 2, 128),
+    (256, 2, 8),
+]
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("ratio,coff,head_dim", CONFIGS, ids=[f"r{r}c{c}d{d}" for r, c, d in CONFIGS])
+def test_compiles_for_sm90_without_local_memory(direction, ratio, coff, head_dim):
+    _, sch = cute_launch._key(direction, ratio, coff, head_dim, torch.bfloat16, "sm_90a")
+    compiled = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch)
+    ptx = compiled.artifacts.PTX
+    assert ".target sm_90a" in ptx
+    entries = cute_launch._ptx_entries(ptx)
+    main = [name for name in entries if "reduce_kernel" not in name]
+    assert len(main) == 1, entries
+    # pointers then int32 scalars, as launch.py packs them
+    assert entries[main[0]] == ("pppppp" + "ii" if direction == "forward" else "p" * 9 + "iiii")
+    if direction == "backward":
+        assert [entries[n] for n in entries if "reduce_kernel" in n] == ["ppi"]
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_compiles_for_sm100(direction):
+    _, sch = cute_launch._key(direction, 4, 2, 512, torch.bfloat16, "sm_100a")
+    compiled = cute_launch._build(direction, 4, 2, 512, "sm_100a", sch)
+    assert ".target sm_100a" in compiled.artifacts.PTX
