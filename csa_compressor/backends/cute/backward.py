@@ -335,7 +335,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
         nreal = cuc_t[B]
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sm_red = smem.allocate_tensor(Float32, cute.make_layout(NT * V), byte_alignment=16)
         sm_a = sm_red
         sm_b = sm_red
@@ -430,7 +430,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         lane = tidx % 32
         w = tidx // 32
         e = bx * 32 + lane
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32), byte_alignment=16)
         ws_t = cute.make_tensor(ws, cute.make_layout(num_ctas * APE_SIZE))
         acc = Float32(0.0)

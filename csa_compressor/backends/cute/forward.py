@@ -308,7 +308,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             if active:
                 vec_view(out, r * D + c, V).store(res.load().to(BFloat16))
         else:
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             sm_m = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_l = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_a = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
