@@ -40,12 +40,10 @@ from .forward import (
     NEG_INF,
     Schedule,
     add_rn,
-    combine_lanes,
     ex2,
     find_segment,
     make_schedule,
     mul_rn,
-    safe_max,
     sub_rn,
     torch_order_sum,
     vec_view,
@@ -95,7 +93,6 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     APE_SIZE = ratio * WIDTH
     # Register cap: ptxas otherwise spends ~150 registers on ILP; 128 per thread keeps 512 threads per SM.
     MIN_BLOCKS = max(1, 65536 // (NT * MAX_REGS))
-    J = combine_lanes(sch)
 
     @cute.jit
     def store_slot(gkv, gsc, dvo, dlo, t0, s, valid, c):
@@ -204,41 +201,18 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             vec_view(sm_a.iterator, base, V).store(vm.load())
             vec_view(sm_b.iterator, base, V).store(vs.load())
             cute.arch.sync_threads()
-            if cutlass.const_expr(J > 1):
-                # J consecutive lanes per (row lane, column) fold G/J groups each, then a butterfly.
-                q = tidx // J
-                jq = tidx % J
-                qb = (q // CW) * SMEM_ROW + q % CW + jq * (G // J) * CW
-                mx = sm_a[qb]
-                for h in cutlass.range_constexpr(1, G // J):
-                    mx = cute.arch.fmax(mx, sm_a[qb + h * CW], nan=True)
-                mxs = safe_max(mx)
+            # Column-parallel combine (groups in a fixed order): row max and 1/sum.
+            for qa in cutlass.range(tidx, R * CW, NT):
+                qab = (qa // CW) * SMEM_ROW + qa % CW
+                mx = sm_a[qab]
+                for h in cutlass.range_constexpr(1, G):
+                    mx = cute.arch.fmax(mx, sm_a[qab + h * CW], nan=True)
+                mxl = mx * LOG2E
                 total = Float32(0.0)
-                for h in cutlass.range_constexpr(G // J):
-                    total = total + sm_b[qb + h * CW] * ex2(sm_a[qb + h * CW] * LOG2E - mxs * LOG2E)
-                for step in cutlass.range_constexpr(J.bit_length() - 1):
-                    mo = cute.arch.shuffle_sync_bfly(mx, offset=1 << step)
-                    to = cute.arch.shuffle_sync_bfly(total, offset=1 << step)
-                    mn = cute.arch.fmax(mx, mo, nan=True)
-                    mns = safe_max(mn)
-                    total = total * ex2(mx * LOG2E - mns * LOG2E) + to * ex2(mo * LOG2E - mns * LOG2E)
-                    mx = mn
-                if jq == 0:
-                    sm_res[q] = mx * LOG2E
-                    sm_res[R * CW + q] = Float32(1.0) / total
-            else:
-                # Column-parallel combine (groups in a fixed order): row max and 1/sum.
-                for qa in cutlass.range(tidx, R * CW, NT):
-                    qab = (qa // CW) * SMEM_ROW + qa % CW
-                    mx = sm_a[qab]
-                    for h in cutlass.range_constexpr(1, G):
-                        mx = cute.arch.fmax(mx, sm_a[qab + h * CW], nan=True)
-                    mxl = mx * LOG2E
-                    total = Float32(0.0)
-                    for h in cutlass.range_constexpr(G):
-                        total = total + sm_b[qab + h * CW] * ex2(sm_a[qab + h * CW] * LOG2E - mxl)
-                    sm_res[qa] = mxl
-                    sm_res[R * CW + qa] = Float32(1.0) / total
+                for h in cutlass.range_constexpr(G):
+                    total = total + sm_b[qab + h * CW] * ex2(sm_a[qab + h * CW] * LOG2E - mxl)
+                sm_res[qa] = mxl
+                sm_res[R * CW + qa] = Float32(1.0) / total
             cute.arch.sync_threads()
             # Pass 2: the group's share of S = sum(gv * p).
             resb = rl * CW + tc * V
@@ -254,24 +228,12 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 dvo[i] = ssum
             vec_view(sm_a.iterator, base, V).store(dvo.load())
             cute.arch.sync_threads()
-            if cutlass.const_expr(J > 1):
-                q = tidx // J
-                jq = tidx % J
-                qb = (q // CW) * SMEM_ROW + q % CW + jq * (G // J) * CW
-                ssum = sm_a[qb]
-                for h in cutlass.range_constexpr(1, G // J):
-                    ssum = ssum + sm_a[qb + h * CW]
-                for step in cutlass.range_constexpr(J.bit_length() - 1):
-                    ssum = ssum + cute.arch.shuffle_sync_bfly(ssum, offset=1 << step)
-                if jq == 0:
-                    sm_res[2 * R * CW + q] = ssum
-            else:
-                for qs in cutlass.range(tidx, R * CW, NT):
-                    qsb = (qs // CW) * SMEM_ROW + qs % CW
-                    ssum = sm_a[qsb]
-                    for h in cutlass.range_constexpr(1, G):
-                        ssum = ssum + sm_a[qsb + h * CW]
-                    sm_res[2 * R * CW + qs] = ssum
+            for qs in cutlass.range(tidx, R * CW, NT):
+                qsb = (qs // CW) * SMEM_ROW + qs % CW
+                ssum = sm_a[qsb]
+                for h in cutlass.range_constexpr(1, G):
+                    ssum = ssum + sm_a[qsb + h * CW]
+                sm_res[2 * R * CW + qs] = ssum
             cute.arch.sync_threads()
             for i in cutlass.range_constexpr(V):
                 vl[i] = sm_res[2 * R * CW + resb + i]

@@ -184,30 +184,6 @@ def vec_view(ptr: cute.Pointer, off, V: int) -> cute.Tensor:
     return cute.make_tensor(ptr + cute.assume(off, divby=V), cute.make_layout(V))
 
 
-# The butterfly combine (G/V lanes per column) measured no faster than one thread per column on
-# the H200 (NOTES_cute.md, run 4), so it is off; the code path stays for other GPUs.
-BUTTERFLY_COMBINE = False
-
-
-def combine_lanes(sch: Schedule) -> int:
-    """Lanes that combine one (row, column) across the G groups: G/V when that tiles the CTA exactly."""
-    if not BUTTERFLY_COMBINE or sch.G < 2 or sch.G % sch.V != 0:
-        return 1
-    j = sch.G // sch.V
-    if j & (j - 1) or j > 32:
-        return 1
-    return j
-
-
-@cute.jit
-def safe_max(m: Float32) -> Float32:
-    """A running max usable as an exp offset: 0 where every slot so far is masked (-inf)."""
-    out = m
-    if m == Float32(NEG_INF):
-        out = Float32(0.0)
-    return out
-
-
 def forward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
     return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
@@ -229,7 +205,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     COLS_EXACT = D % CW == 0
     assert G * SG == W
     SMEM_ROW = G * CW  # floats per (quantity, row lane)
-    J = combine_lanes(sch)
 
     @cute.kernel
     def kernel(
@@ -338,64 +313,29 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             vec_view(sm_l.iterator, base, V).store(vl.load())
             vec_view(sm_a.iterator, base, V).store(res.load())
             cute.arch.sync_threads()
-            if cutlass.const_expr(J > 1):
-                # J consecutive lanes per (row lane, column): each folds G/J groups, then a butterfly.
-                q = tidx // J
-                jq = tidx % J
-                qb = (q // CW) * SMEM_ROW + q % CW + jq * (G // J) * CW
-                mx = sm_m[qb]
-                for h in cutlass.range_constexpr(1, G // J):
-                    mx = cute.arch.fmax(mx, sm_m[qb + h * CW], nan=True)
-                mxs = safe_max(mx)
-                total = Float32(0.0)
-                acc = Float32(0.0)
-                for h in cutlass.range_constexpr(G // J):
-                    scale = ex2(sm_m[qb + h * CW] * LOG2E - mxs * LOG2E)
-                    total = total + sm_l[qb + h * CW] * scale
-                    acc = acc + sm_a[qb + h * CW] * scale
-                for step in cutlass.range_constexpr(J.bit_length() - 1):
-                    mo = cute.arch.shuffle_sync_bfly(mx, offset=1 << step)
-                    to = cute.arch.shuffle_sync_bfly(total, offset=1 << step)
-                    ao = cute.arch.shuffle_sync_bfly(acc, offset=1 << step)
-                    mn = cute.arch.fmax(mx, mo, nan=True)
-                    mns = safe_max(mn)
-                    s1 = ex2(mx * LOG2E - mns * LOG2E)
-                    s2 = ex2(mo * LOG2E - mns * LOG2E)
-                    total = total * s1 + to * s2
-                    acc = acc * s1 + ao * s2
-                    mx = mn
-                row = bx * R + q // CW
-                col = by * CW + q % CW
-                ok = (row < N) & (jq == 0)
+            # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
+            for q in cutlass.range(tidx, R * CW, NT):
+                rq = q // CW
+                cq = q % CW
+                row = bx * R + rq
+                col = by * CW + cq
+                ok = row < N
                 if cutlass.const_expr(not COLS_EXACT):
                     ok = ok & (col < D)
                 if ok:
+                    qb = rq * SMEM_ROW + cq
+                    mx = sm_m[qb]
+                    for h in cutlass.range_constexpr(1, G):
+                        mx = cute.arch.fmax(mx, sm_m[qb + h * CW], nan=True)
+                    mxl = mx * LOG2E
+                    total = Float32(0.0)
+                    acc = Float32(0.0)
+                    for h in cutlass.range_constexpr(G):
+                        scale = ex2(sm_m[qb + h * CW] * LOG2E - mxl)
+                        total = total + sm_l[qb + h * CW] * scale
+                        acc = acc + sm_a[qb + h * CW] * scale
                     out_t = cute.make_tensor(out, cute.make_layout(N * D))
                     out_t[row * D + col] = BFloat16(acc / total)
-            else:
-                # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
-                for q in cutlass.range(tidx, R * CW, NT):
-                    rq = q // CW
-                    cq = q % CW
-                    row = bx * R + rq
-                    col = by * CW + cq
-                    ok = row < N
-                    if cutlass.const_expr(not COLS_EXACT):
-                        ok = ok & (col < D)
-                    if ok:
-                        qb = rq * SMEM_ROW + cq
-                        mx = sm_m[qb]
-                        for h in cutlass.range_constexpr(1, G):
-                            mx = cute.arch.fmax(mx, sm_m[qb + h * CW], nan=True)
-                        mxl = mx * LOG2E
-                        total = Float32(0.0)
-                        acc = Float32(0.0)
-                        for h in cutlass.range_constexpr(G):
-                            scale = ex2(sm_m[qb + h * CW] * LOG2E - mxl)
-                            total = total + sm_l[qb + h * CW] * scale
-                            acc = acc + sm_a[qb + h * CW] * scale
-                        out_t = cute.make_tensor(out, cute.make_layout(N * D))
-                        out_t[row * D + col] = BFloat16(acc / total)
 
     smem_bytes = forward_smem_bytes(sch)
 
