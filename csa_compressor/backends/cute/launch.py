@@ -27,9 +27,11 @@ with bf16/fp32/int32 global pointers (16-byte aligned), ``B = len(cu_seqlens) - 
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import re
+import shutil
 import struct
 import tempfile
 import threading
@@ -133,12 +135,21 @@ def _fake_ptr(dtype):
     return make_ptr(dtype, 0, AddressSpace.gmem, assumed_align=16)
 
 
-_DUMP_DIR = tempfile.mkdtemp(prefix="csa_cute_")
+_DUMP_DIR: str | None = None
+
+
+def _dump_dir() -> str:
+    """Scratch directory for the DSL's PTX/cubin files: made on the first build, removed at exit."""
+    global _DUMP_DIR
+    if _DUMP_DIR is None:
+        _DUMP_DIR = tempfile.mkdtemp(prefix="csa_cute_")
+        atexit.register(shutil.rmtree, _DUMP_DIR, ignore_errors=True)
+    return _DUMP_DIR
 
 
 def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch):
     # PTX (kernel names and parameter lists) and cubin are kept for the raw driver launch path.
-    options = f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={_DUMP_DIR}"
+    options = f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={_dump_dir()}"
     if direction == "forward":
         host = build_forward(ratio, coff, head_dim, sch)
         args = [_fake_ptr(t) for t in (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16)]
