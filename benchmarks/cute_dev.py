@@ -309,11 +309,69 @@ def time_case(name, dev, reps, only=None):
 
 
 VARIANTS = {
-    # case: [(direction, Schedule(V, TC, G, SG, R)), ...]
-    "3x8192-d512-r4-c2": [("bwd", (2, 64, 1, 8, 4)), ("fwd", (4, 64, 1, 8, 2))],
-    "3x8192-d512-r128-c1": [("fwd", (4, 8, 16, 8, 2)), ("bwd", (2, 8, 16, 8, 2))],
-    "1x65536-d512-r128-c2": [("fwd", (4, 8, 32, 8, 1)), ("bwd", (2, 16, 32, 8, 1))],
+    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD)), ...]
+    "3x8192-d512-r4-c2": [
+        ("fwd", (4, 128, 1, 8, 1, 1, 0, 1)),
+        ("fwd", (4, 128, 1, 8, 1, 1, 0, 0)),
+        ("fwd", (8, 64, 1, 8, 1, 1, 0, 1)),
+        ("bwd", (2, 64, 1, 8, 2, 1, 0, 1)),
+        ("bwd", (2, 64, 1, 8, 2, 1, 0, 0)),
+    ],
+    "1x8192-d128-r128-c1": [
+        ("fwd", (8, 16, 8, 4, 2, 4, 1, 0)),
+        ("fwd", (4, 16, 8, 16, 2, 1, 0, 0)),
+        ("fwd", (8, 8, 8, 4, 1, 4, 1, 0)),
+        ("fwd", (8, 16, 8, 4, 1, 4, 1, 0)),
+    ],
+    "1x65536-d512-r128-c2": [
+        ("fwd", (8, 32, 8, 4, 1, 8, 1, 0)),
+        ("fwd", (4, 8, 32, 8, 1, 1, 0, 0)),
+        ("fwd", (4, 8, 32, 8, 1, 1, 1, 0)),
+        ("fwd", (8, 32, 8, 4, 1, 8, 0, 0)),
+        ("fwd", (8, 16, 16, 4, 1, 4, 1, 0)),
+        ("fwd", (4, 32, 8, 8, 1, 4, 1, 0)),
+        ("fwd", (8, 64, 4, 4, 1, 16, 1, 0)),
+        ("fwd", (8, 8, 32, 4, 1, 2, 1, 0)),
+        ("fwd", (8, 16, 8, 4, 1, 8, 1, 0)),
+        ("bwd", (2, 8, 32, 8, 1, 1, 0, 0)),
+        ("bwd", (2, 16, 32, 8, 1, 1, 0, 0)),
+    ],
+    "3x8192-d512-r128-c1": [
+        ("fwd", (8, 32, 8, 4, 1, 4, 1, 0)),
+        ("fwd", (4, 16, 8, 16, 2, 1, 0, 0)),
+        ("fwd", (4, 16, 8, 16, 2, 1, 1, 0)),
+        ("fwd", (8, 16, 16, 4, 1, 2, 1, 0)),
+        ("fwd", (8, 16, 8, 4, 2, 4, 1, 0)),
+        ("fwd", (8, 8, 16, 4, 1, 2, 1, 0)),
+        ("fwd", (8, 16, 8, 4, 1, 4, 1, 0)),
+        ("fwd", (4, 16, 16, 8, 1, 1, 1, 0)),
+        ("bwd", (2, 16, 16, 8, 1, 1, 0, 0)),
+        ("bwd", (2, 8, 16, 8, 2, 1, 0, 0)),
+        ("bwd", (4, 8, 32, 4, 1, 1, 0, 0)),
+        ("bwd", (4, 8, 32, 4, 2, 1, 0, 0)),
+    ],
 }
+
+# Ragged pack (seqlens, token padding, comp padding) on which every variant's numerics are checked.
+VARIANT_PACK = ((700, 300, 2000, 5, 0, 257), 9, 2)
+
+
+def variant_numerics(ratio, coff, d, direction, dev):
+    from csa_compressor.testing import contract_report
+
+    seqlens, tp, cp = VARIANT_PACK
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device=dev, seed=11)
+    kv, score, ape, cu, cuc = pack.inputs
+    n = pack.total_comp
+    if direction == "fwd":
+        out = torch.full((n, d), float("nan"), dtype=torch.bfloat16, device=dev)
+        launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
+        rep = contract_report(pack, out=out)
+    else:
+        gkv, gsc, gape = (torch.full_like(t, float("nan")) for t in (kv, score, ape))
+        launch.backward(kv, score, ape, cu, cuc, pack.grad_out, gkv, gsc, gape, ratio, coff, None)
+        rep = contract_report(pack, grads=(gkv, gsc, gape))
+    return {k: v for k, v in rep.items() if isinstance(v, (bool, int, float))}
 
 
 def time_variants(name, dev, reps):
@@ -325,9 +383,13 @@ def time_variants(name, dev, reps):
     d = int(name.split("-d")[1].split("-")[0])
     for direction, key in VARIANTS.get(name, []):
         full = "forward" if direction == "fwd" else "backward"
-        launch.SCHEDULE_OVERRIDE[(full, ratio, coff, d)] = Schedule(*key)
+        extra = dict(zip(("NB", "CM", "MD"), (key[5], bool(key[6]), bool(key[7])))) if len(key) > 5 else {}
+        launch.SCHEDULE_OVERRIDE[(full, ratio, coff, d)] = Schedule(*key[:5], **extra)
         launch._FASTMAP.pop((full, ratio, coff, d, torch.bfloat16, dev.index), None)
         try:
+            launch.compile(full, ratio, coff, d, torch.bfloat16, dev)
+            lau = launch._FASTMAP[(full, ratio, coff, d, torch.bfloat16, dev.index)]
+            num = variant_numerics(ratio, coff, d, direction, dev)
             rec = time_case(name, dev, reps, only=direction)
             out.append(
                 {
@@ -336,6 +398,8 @@ def time_variants(name, dev, reps):
                     "schedule": key,
                     "cold": rec[direction]["cold"],
                     "warm": rec[direction]["warm"],
+                    "ctas_per_sm": getattr(lau, "ctas_per_sm", None),
+                    "numerics": num,
                 }
             )
         except Exception as exc:

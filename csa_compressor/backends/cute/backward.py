@@ -41,6 +41,7 @@ from .forward import (
     Schedule,
     add_rn,
     ex2,
+    exact_quotients,
     find_segment,
     make_schedule,
     mul_rn,
@@ -61,7 +62,7 @@ def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
     """
     W = coff * ratio
     if W <= 8:
-        return make_schedule(ratio, coff, head_dim, vcap=2, threads=128, cols_cap=128)
+        return make_schedule(ratio, coff, head_dim, vcap=2, threads=128, cols_cap=128, md=True)
     return make_schedule(ratio, coff, head_dim, vcap=2, threads=256, cols_cap=32)
 
 
@@ -79,7 +80,8 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``; ``rows_per_cta`` is a multiple of R,
     ``num_ctas * rows_per_cta >= N``, ``ws`` holds ``num_ctas * ratio * coff * head_dim`` fp32.
     """
-    V, TC, G, SG, R = sch.V, sch.TC, sch.G, sch.SG, sch.R
+    V, TC, G, SG, R, MD = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.MD
+    assert sch.NB == 1 and not sch.CM, "the backward streams rows, not slot batches"
     W = coff * ratio
     D = head_dim
     WIDTH = coff * head_dim
@@ -136,7 +138,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
     @cute.jit
     def compute_row(
-        ape, gkv, gsc, kvf, scf, gb, apf, pf, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
+        ape, gkv, gsc, kvf, scf, gb, apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
         sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
     ):  # fmt: skip
         """Gradients of one row from the thread's registers; stores; exact zeros of a segment's last group."""
@@ -154,6 +156,8 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
         if cutlass.const_expr(G == 1):
             # Pass A (per column): p = expf(x - max) / sum and S, the reference's operation order.
+            es = []
+            totals = []
             for i in cutlass.range_constexpr(V):
                 x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
                 m = x[0]
@@ -163,8 +167,12 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 total = e[0]
                 for k in cutlass.range_constexpr(1, SG):
                     total = add_rn(total, e[k])
+                es.append(e)
+                totals.append(total)
+            exact_quotients(es, totals, pq, first, V, SG, ratio, coff, MD)
+            for i in cutlass.range_constexpr(V):
                 gi = gf[i]
-                p = [e[k] / total for k in range(SG)]
+                p = [pq[i * SG + k] for k in range(SG)]
                 gvp = [mul_rn(mul_rn(gi, Float32(kvf[k][i])), p[k]) for k in range(SG)]
                 ssum = torch_order_sum(gvp)
                 for k in cutlass.range_constexpr(SG):
@@ -319,6 +327,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
         # G == 1 keeps p per (slot, column); G > 1 keeps the fp32 logits (score + ape) instead.
         pf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G == 1 else 0)]
+        pq = cute.make_rmem_tensor(cute.make_layout(V * SG if G == 1 else 1), Float32)
         xf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G > 1 else 0)]
         gf = cute.make_rmem_tensor(cute.make_layout(V), Float32)
         vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
@@ -344,7 +353,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     col_ok & (rn < row_lim), g, c,
                 )  # fmt: skip
                 compute_row(
-                    ape, gkv, gsc, kvb[ph], scb[ph], gbb[ph], apf, pf, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
+                    ape, gkv, gsc, kvb[ph], scb[ph], gbb[ph], apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
                     sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
                 )  # fmt: skip
                 active = n_active

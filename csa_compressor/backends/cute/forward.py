@@ -83,6 +83,82 @@ def ex2(a, *, loc=None, ip=None) -> Float32:
     )
 
 
+@dsl_user_op
+def rcp_rn(a, *, loc=None, ip=None) -> Float32:
+    """Correctly rounded 1/a (``rcp.rn.f32``)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip)],
+            "rcp.rn.f32 $0, $1;",
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def div_markstein(a, b, y, *, loc=None, ip=None) -> Float32:
+    """a / b correctly rounded, given y = RN(1/b): q = RN(a*y), r = a - b*q (exact by fma),
+    RN(q + r*y) (Markstein's theorem; needs no underflow, i.e. a not tiny)."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, y)],
+            "{\n.reg .f32 %mq, %mr;\nmul.rn.f32 %mq, $1, $3;\nneg.f32 %mr, %mq;\n"
+            "fma.rn.f32 %mr, %mr, $2, $1;\nfma.rn.f32 $0, %mr, $3, %mq;\n}",
+            "=f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+# Below this numerator Markstein's remainder could underflow: the exact IEEE division is used.
+MARKSTEIN_MIN = 2.0**-100
+
+
+@cute.jit
+def exact_quotients(e, total, pq, first, V: cutlass.Constexpr, SG: cutlass.Constexpr, ratio: cutlass.Constexpr,
+                    coff: cutlass.Constexpr, md: cutlass.Constexpr):  # fmt: skip
+    """pq[i * SG + k] = e[i][k] / total[i], correctly rounded (bitwise the IEEE division); slot k of the window.
+
+    With ``md`` one ``rcp.rn`` per column and three instructions per quotient replace the full
+    division (~10 instructions with its range check and slow-path call); a thread whose
+    numerators include a tiny nonzero one (e < 2**-100, i.e. x - max < -69) takes the plain
+    division. Masked slots (the previous half of a segment's first group) hold e = 0, which
+    Markstein's sequence divides exactly, so they are left out of that test.
+    """
+    if cutlass.const_expr(md):
+        emin = Float32(1.0)
+        emin_prev = Float32(1.0)
+        for i in cutlass.range_constexpr(V):
+            for k in cutlass.range_constexpr(SG):
+                if cutlass.const_expr(coff == 2 and k < ratio):
+                    emin_prev = cute.arch.fmin(emin_prev, e[i][k])
+                else:
+                    emin = cute.arch.fmin(emin, e[i][k])
+        if cutlass.const_expr(coff == 2):
+            if not first:
+                emin = cute.arch.fmin(emin, emin_prev)
+        if emin >= Float32(MARKSTEIN_MIN):
+            for i in cutlass.range_constexpr(V):
+                y = rcp_rn(total[i])
+                for k in cutlass.range_constexpr(SG):
+                    pq[i * SG + k] = div_markstein(e[i][k], total[i], y)
+        else:
+            for i in cutlass.range_constexpr(V):
+                for k in cutlass.range_constexpr(SG):
+                    pq[i * SG + k] = e[i][k] / total[i]
+    else:
+        for i in cutlass.range_constexpr(V):
+            for k in cutlass.range_constexpr(SG):
+                pq[i * SG + k] = e[i][k] / total[i]
+
+
 def torch_order_sum(vals):
     """Sum in the order of torch's CUDA reduction of a short dimension: accumulator a of four takes
     elements a, a+4, ... (starting from 0), then the accumulators are added left to right."""
@@ -98,20 +174,31 @@ def torch_order_sum(vals):
 
 @dataclass(frozen=True)
 class Schedule:
-    """Compile-time launch shape. ``TC*G*R`` threads per CTA, ``V`` columns per thread."""
+    """Compile-time launch shape. ``TC*G*R`` threads per CTA, ``V`` columns per thread.
+
+    A group streams its ``SG * NB`` slots in ``NB`` batches of ``SG`` (the next batch's loads are
+    issued before the current one is used; an online max/sum carries across batches). ``CM``
+    (chunk-major) makes the column chunks of one row block adjacent CTAs, so that the pieces of a
+    token row are read at about the same time. ``MD`` replaces the IEEE division of each
+    ``e / sum`` by Markstein's sequence around one ``rcp.rn`` per column (same result, see
+    ``exact_quotients``).
+    """
 
     V: int  # columns per thread (vector width in elements)
     TC: int  # column threads per CTA
     G: int  # slot groups per row
-    SG: int  # slots per group (G * SG == coff * ratio)
+    SG: int  # slots per batch
     R: int  # rows per CTA (concurrently)
+    NB: int = 1  # batches per group (G * SG * NB == coff * ratio)
+    CM: bool = False  # chunk-major CTA order
+    MD: bool = False  # G == 1: divide by the row sum through its correctly rounded reciprocal (Markstein)
 
     @property
     def threads(self) -> int:
         return self.TC * self.G * self.R
 
     def key(self) -> tuple:
-        return (self.V, self.TC, self.G, self.SG, self.R)
+        return (self.V, self.TC, self.G, self.SG, self.R, self.NB, self.CM, self.MD)
 
 
 def vector_width(head_dim: int, cap: int = 8) -> int:
@@ -131,7 +218,7 @@ def slots_per_group(window: int, cap: int = 8) -> int:
 
 
 def make_schedule(
-    ratio: int, coff: int, head_dim: int, vcap: int, threads: int, cols_cap: int, sg_cap: int = 8
+    ratio: int, coff: int, head_dim: int, vcap: int, threads: int, cols_cap: int, sg_cap: int = 8, md: bool = False
 ) -> Schedule:
     """``threads`` per CTA; at most ``cols_cap`` columns per CTA; V <= vcap; SG <= sg_cap slots per group."""
     V = vector_width(head_dim, vcap)
@@ -147,17 +234,32 @@ def make_schedule(
     R = 1
     while TC * G * R * 2 <= threads:
         R *= 2
-    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R)
+    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R, MD=md and G == 1)
+
+
+def streaming_schedule(ratio: int, coff: int, head_dim: int, threads: int = 256, cols_cap: int = 256) -> Schedule:
+    """Long windows: 16-byte column vectors, wide column chunks (up to ``cols_cap``), at most 8 slot
+    groups each streaming batches of 4 slots, chunk-major CTA order."""
+    W = coff * ratio
+    V = vector_width(head_dim, 8)
+    SG = slots_per_group(W, 4)
+    batches = W // SG
+    G = max(g for g in range(1, 9) if batches % g == 0)
+    col_threads = -(-head_dim // V)
+    TC = 1
+    while TC * 2 <= col_threads and TC * 2 * G <= threads and TC * 2 * V <= cols_cap:
+        TC *= 2
+    R = 1
+    while TC * G * R * 2 <= threads:
+        R *= 2
+    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R, NB=batches // G, CM=True)
 
 
 def forward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
     W = coff * ratio
     if W <= 8:
-        return make_schedule(ratio, coff, head_dim, vcap=4, threads=128, cols_cap=512)
-    if W < 256:
-        # 16 slots per thread: half the groups to combine, twice the columns per CTA (measured best at W=128).
-        return make_schedule(ratio, coff, head_dim, vcap=4, threads=256, cols_cap=64, sg_cap=16)
-    return make_schedule(ratio, coff, head_dim, vcap=4, threads=256, cols_cap=32)
+        return make_schedule(ratio, coff, head_dim, vcap=4, threads=128, cols_cap=512, md=True)
+    return streaming_schedule(ratio, coff, head_dim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,7 +297,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     Signature: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, B, N, stream)``
     with bf16/fp32/int32 global pointers, ``B`` segments and ``N = total_comp`` rows.
     """
-    V, TC, G, SG, R = sch.V, sch.TC, sch.G, sch.SG, sch.R
+    V, TC, G, SG, R, NB, CM = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.NB, sch.CM
     W = coff * ratio
     D = head_dim
     WIDTH = coff * head_dim
@@ -203,7 +305,8 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     CW = TC * V  # columns per CTA
     NCHUNK = -(-D // CW)
     COLS_EXACT = D % CW == 0
-    assert G * SG == W
+    SPG = SG * NB  # slots per group
+    assert G * SPG == W and (G > 1 or NB == 1)
     SMEM_ROW = G * CW  # floats per (quantity, row lane)
 
     @cute.kernel
@@ -219,11 +322,16 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
+        chunk = by
+        rblk = bx
+        if cutlass.const_expr(CM):
+            chunk = bx % NCHUNK
+            rblk = bx // NCHUNK
         tc = tidx % TC
         g = (tidx // TC) % G
         rl = tidx // (TC * G)
-        c = (by * TC + tc) * V
-        r = bx * R + rl
+        c = (chunk * TC + tc) * V
+        r = rblk * R + rl
         cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
         cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
 
@@ -242,33 +350,45 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             t0 = cu_t[b] + j * ratio
             first = j == 0
 
-        # Issue every DRAM load of the group before any use.
-        kvf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
-        scf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
-        for k in cutlass.range_constexpr(SG):
-            s = g * SG + k
-            half = s // ratio
-            tok = t0 - (coff - 1) * ratio + s
-            valid = active
-            if cutlass.const_expr(coff == 2):
-                valid = active & ((half == 1) | (not first))
-            kvf[k].fill(0.0)
-            scf[k].fill(NEG_INF)
-            if valid:
-                off = tok * WIDTH + half * D + c
-                kvf[k].store(vec_view(kv, off, V).load())
-                scf[k].store(vec_view(score, off, V).load())
+        # Two register buffers of one batch: batch i + 1 is in flight while batch i is used.
+        kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
+        scb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
-        for k in cutlass.range_constexpr(SG):
-            s = g * SG + k
-            apf[k].fill(0.0)
-            if col_ok:
-                apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+
+        def issue(bi):
+            # Every DRAM load (kv and score) of batch bi, issued before any use.
+            kvf, scf = kvb[bi % 2], scb[bi % 2]
+            for k in cutlass.range_constexpr(SG):
+                s = g * SPG + bi * SG + k
+                half = s // ratio
+                tok = t0 - (coff - 1) * ratio + s
+                valid = active
+                if cutlass.const_expr(coff == 2):
+                    valid = active & ((half == 1) | (not first))
+                kvf[k].fill(0.0)
+                scf[k].fill(NEG_INF)
+                if valid:
+                    off = tok * WIDTH + half * D + c
+                    kvf[k].store(vec_view(kv, off, V).load())
+                    scf[k].store(vec_view(score, off, V).load())
+
+        def load_ape(bi):
+            # ape is small and L1/L2-resident: loaded after the DRAM loads are in flight.
+            for k in cutlass.range_constexpr(SG):
+                s = g * SPG + bi * SG + k
+                apf[k].fill(0.0)
+                if col_ok:
+                    apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
 
         res = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        issue(0)
         if cutlass.const_expr(G == 1):
+            load_ape(0)
+            kvf, scf = kvb[0], scb[0]
             # The fp32 reference's exact operation order: p = expf(x - max) / sum (IEEE division),
             # out = sum(p * v) in the order of torch's reduction (four strided accumulators).
+            es = []
+            totals = []
             for i in cutlass.range_constexpr(V):
                 x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
                 m = x[0]
@@ -278,7 +398,12 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 total = e[0]
                 for k in cutlass.range_constexpr(1, SG):
                     total = add_rn(total, e[k])
-                pv = [mul_rn(e[k] / total, Float32(kvf[k][i])) for k in range(SG)]
+                es.append(e)
+                totals.append(total)
+            pq = cute.make_rmem_tensor(cute.make_layout(V * SG), Float32)
+            exact_quotients(es, totals, pq, first, V, SG, ratio, coff, sch.MD)
+            for i in cutlass.range_constexpr(V):
+                pv = [mul_rn(pq[i * SG + k], Float32(kvf[k][i])) for k in range(SG)]
                 res[i] = torch_order_sum(pv)
             if active:
                 vec_view(out, r * D + c, V).store(res.load().to(BFloat16))
@@ -287,27 +412,38 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             sm_m = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_l = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_a = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
+            # Online (max, sum e, sum e*v) per column in the log2 domain, carried across batches.
             vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
             vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-            for i in cutlass.range_constexpr(V):
-                x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
-                m = x[0]
-                for k in cutlass.range_constexpr(1, SG):
-                    m = cute.arch.fmax(m, x[k], nan=True)
-                # A group whose slots are all masked (previous half of a first group) has m = -inf.
-                msafe = m
-                if m == Float32(NEG_INF):
-                    msafe = Float32(0.0)
-                ml = msafe * LOG2E
-                total = Float32(0.0)
-                acc = Float32(0.0)
-                for k in cutlass.range_constexpr(SG):
-                    e = ex2(x[k] * LOG2E - ml)
-                    total = total + e
-                    acc = acc + e * Float32(kvf[k][i])
-                vm[i] = m
-                vl[i] = total
-                res[i] = acc
+            for bi in cutlass.range_constexpr(NB):
+                if cutlass.const_expr(bi + 1 < NB):
+                    issue(bi + 1)
+                load_ape(bi)
+                kvf, scf = kvb[bi % 2], scb[bi % 2]
+                for i in cutlass.range_constexpr(V):
+                    y = [(Float32(scf[k][i]) + apf[k][i]) * LOG2E for k in range(SG)]
+                    m = y[0]
+                    for k in cutlass.range_constexpr(1, SG):
+                        m = cute.arch.fmax(m, y[k], nan=True)
+                    if cutlass.const_expr(bi > 0):
+                        m = cute.arch.fmax(m, vm[i], nan=True)
+                    # All slots masked so far (previous half of a first group): m = -inf, keep e = 0.
+                    msafe = m
+                    if m == Float32(NEG_INF):
+                        msafe = Float32(0.0)
+                    total = Float32(0.0)
+                    acc = Float32(0.0)
+                    if cutlass.const_expr(bi > 0):
+                        carry = ex2(vm[i] - msafe)
+                        total = vl[i] * carry
+                        acc = res[i] * carry
+                    for k in cutlass.range_constexpr(SG):
+                        e = ex2(y[k] - msafe)
+                        total = total + e
+                        acc = acc + e * Float32(kvf[k][i])
+                    vm[i] = m
+                    vl[i] = total
+                    res[i] = acc
             base = rl * SMEM_ROW + g * CW + tc * V
             vec_view(sm_m.iterator, base, V).store(vm.load())
             vec_view(sm_l.iterator, base, V).store(vl.load())
@@ -317,8 +453,8 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             for q in cutlass.range(tidx, R * CW, NT):
                 rq = q // CW
                 cq = q % CW
-                row = bx * R + rq
-                col = by * CW + cq
+                row = rblk * R + rq
+                col = chunk * CW + cq
                 ok = row < N
                 if cutlass.const_expr(not COLS_EXACT):
                     ok = ok & (col < D)
@@ -327,17 +463,21 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     mx = sm_m[qb]
                     for h in cutlass.range_constexpr(1, G):
                         mx = cute.arch.fmax(mx, sm_m[qb + h * CW], nan=True)
-                    mxl = mx * LOG2E
                     total = Float32(0.0)
                     acc = Float32(0.0)
                     for h in cutlass.range_constexpr(G):
-                        scale = ex2(sm_m[qb + h * CW] * LOG2E - mxl)
+                        scale = ex2(sm_m[qb + h * CW] - mx)
                         total = total + sm_l[qb + h * CW] * scale
                         acc = acc + sm_a[qb + h * CW] * scale
                     out_t = cute.make_tensor(out, cute.make_layout(N * D))
                     out_t[row * D + col] = BFloat16(acc / total)
 
     smem_bytes = forward_smem_bytes(sch)
+    # Long windows: at most 128 registers per thread (two 256-thread CTAs per SM); G == 1 is unbounded.
+    # (A carveout hint must come with min_blocks_per_mp > 1, or the DSL queries the device at compile time.)
+    LAUNCH_BOUNDS = {}
+    if G > 1:
+        LAUNCH_BOUNDS = dict(min_blocks_per_mp=max(1, 65536 // (NT * 128)), preferred_smem_carveout=50)
 
     @cute.jit
     def host(
@@ -351,8 +491,11 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         N: Int32,
         stream: cuda.CUstream,
     ):
+        grid = [(N + R - 1) // R, NCHUNK, 1]
+        if cutlass.const_expr(CM):
+            grid = [(N + R - 1) // R * NCHUNK, 1, 1]
         kernel(kv, score, ape, cu, cuc, out, B, N).launch(
-            grid=[(N + R - 1) // R, NCHUNK, 1], block=[NT, 1, 1], smem=smem_bytes, stream=stream
+            grid=grid, block=[NT, 1, 1], smem=smem_bytes, stream=stream, **LAUNCH_BOUNDS
         )
 
     return host
