@@ -383,13 +383,13 @@ def time_variants(name, dev, reps):
     d = int(name.split("-d")[1].split("-")[0])
     for direction, key in VARIANTS.get(name, []):
         full = "forward" if direction == "fwd" else "backward"
-        extra = dict(zip(("NB", "CM", "MD"), (key[5], bool(key[6]), bool(key[7])))) if len(key) > 5 else {}
+        extra = {"NB": key[5], "CM": bool(key[6]), "MD": bool(key[7])} if len(key) > 5 else {}
         launch.SCHEDULE_OVERRIDE[(full, ratio, coff, d)] = Schedule(*key[:5], **extra)
         launch._FASTMAP.pop((full, ratio, coff, d, torch.bfloat16, dev.index), None)
         try:
             launch.compile(full, ratio, coff, d, torch.bfloat16, dev)
-            lau = launch._FASTMAP[(full, ratio, coff, d, torch.bfloat16, dev.index)]
             num = variant_numerics(ratio, coff, d, direction, dev)
+            lau = launch._FASTMAP[(full, ratio, coff, d, torch.bfloat16, dev.index)]
             rec = time_case(name, dev, reps, only=direction)
             out.append(
                 {

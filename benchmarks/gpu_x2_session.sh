@@ -4,7 +4,9 @@
 #   PHASE=2: the non-current-device tests on both GPUs, then compute-sanitizer memcheck/racecheck (GPU 1)
 #            beside the self-check (GPU 0);
 #   PHASE=3: after a change, in one call: the test suite (GPU 1) beside the benchmark, the launch-overhead
-#            breakdown and memcheck (GPU 0).
+#            breakdown and memcheck (GPU 0);
+#   PHASE=dev: development: the test suite (GPU 1) beside benchmarks/cute_dev.py timing + schedule variants
+#            and an optional $DEV_EXTRA command (GPU 0).
 # Logs come back as one tarball (the device tool returns at most 8 files).
 set -uo pipefail
 RESULT_DIR=${OUT:-/tmp/csa_out}
@@ -18,7 +20,20 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/gpu.txt"
 python3 -c "import torch, triton, cutlass; print('torch', torch.__version__, 'triton', triton.__version__, 'cutlass-dsl', cutlass.__version__)" | tee -a "$LOGS/gpu.txt"
 
-if [ "${PHASE:-1}" = 1 ]; then
+if [ "${PHASE:-1}" = dev ]; then
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 ${PYTEST_ARGS:-} >"$LOGS/pytest.log" 2>&1
+        echo "pytest rc=$?" >>"$LOGS/pytest.log"
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout ${DEV_TIMEOUT:-300} python3 benchmarks/cute_dev.py --only-time --variants --reps 10 --out "$LOGS" >"$LOGS/cute_dev.txt" 2>&1
+        echo "cute_dev rc=$?" >>"$LOGS/cute_dev.txt"
+        if [ -n "${DEV_EXTRA:-}" ]; then bash -c "$DEV_EXTRA" >"$LOGS/dev_extra.txt" 2>&1; echo "rc=$?" >>"$LOGS/dev_extra.txt"; fi
+    ) &
+    wait
+elif [ "${PHASE:-1}" = 1 ]; then
     # GPU 1: the full test suite. GPU 0: the benchmark, alone on its GPU.
     (
         export CUDA_VISIBLE_DEVICES=1
@@ -74,7 +89,11 @@ else
 fi
 
 tar czf "$RESULT_DIR/logs_phase${PHASE:-1}.tar.gz" -C "$LOGS" .
-if [ "${PHASE:-1}" = 3 ]; then
+if [ "${PHASE:-1}" = dev ]; then
+    echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 2 "$LOGS/pytest.log"
+    echo "==== cute_dev"; grep -E '^\| |^\{"case.*"dir"|rc=' "$LOGS/cute_dev.txt" | sed -E 's/"(numerics)": \{[^}]*"ok": (true|false)[^}]*\}/"ok": \2/' | cut -c1-230
+    [ -f "$LOGS/dev_extra.txt" ] && tail -n 40 "$LOGS/dev_extra.txt"
+elif [ "${PHASE:-1}" = 3 ]; then
     echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 2 "$LOGS/pytest.log"
     echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
     echo "==== launch overhead"; cat "$LOGS/launch_overhead.txt"; tail -n 25 "$LOGS/cute_launch_probe.txt"

@@ -1,16 +1,42 @@
-"""Host overhead of one call, broken down: a plain torch op, a bare backend launch, the class API, the wrapper.
+"""Host overhead of one call, layer by layer: bare backend launch, class ``execute``, wrapper, autograd op.
 
-    python3 benchmarks/launch_overhead.py [--out FILE.json]
+GPU (one H200; measuring takes about 10 s, the rest is compiling the kernels of the two cases; no new
+case starts after ``--budget-s``, 75 s by default, and skipped cases are listed)::
 
-Wall time = CUDA events around one call started on an idle device (median of 200), so it is host time
-plus the (tiny) kernel. Puts the SPEC target (kernel + 10 us forward, + 15 us backward) in the context of
-what a single launch costs on the machine at hand.
+    python3 benchmarks/launch_overhead.py --out $OUT/launch_overhead.json
+
+For each available GPU backend (cute, triton) and each case (1x8192 d128 r4 c2, 1x8192 d128 r128 c1)
+it reports, per layer, the median over ``--calls`` calls (after warm-up) of
+
+- ``host``: ``time.perf_counter`` around the call (no synchronisation inside);
+- ``wall``: CUDA events recorded right before and right after the call;
+
+in two modes: ``b2b`` (back-to-back calls, the events of each call timed afterwards) and ``idle``
+(each call started on an idle device: synchronise, sleep 200 us, call). ``kernel`` is the summed CUDA
+kernel time per call of the bare launch (torch.profiler, warm L2, back-to-back) so that
+``wall - kernel`` is what the host adds; the SPEC target is wrapper wall <= kernel + 10 us (forward),
++ 15 us (backward).
+
+Layers: ``bare`` (the backend's ``forward``/``backward`` on preallocated buffers), ``execute``
+(``CSACompressorForward/Backward.execute``), ``wrapper`` (``csa_compressor_*_wrapper`` with
+``total_comp``, allocating its outputs), ``autograd fwd`` (``compressor_pool`` on leaves that require
+grad), ``autograd fwd+bwd`` (the same plus ``torch.autograd.grad``).
+
+CPU mock (no GPU needed; the backend launch is replaced by a no-op, so only the Python layers are
+timed, best of ``--repeat`` rounds of ``--number`` calls)::
+
+    python3 benchmarks/launch_overhead.py --cpu-mock [--out FILE.json]
 """
+
+from __future__ import annotations
 
 import argparse
 import json
 import statistics
 import sys
+import time
+import timeit
+import types
 
 import torch
 
@@ -18,71 +44,242 @@ from csa_compressor import (
     CSACompressorBackward,
     CSACompressorForward,
     available_backends,
+    compressor_pool,
     csa_compressor_backward_wrapper,
     csa_compressor_forward_wrapper,
     dispatch,
 )
 from csa_compressor.testing import make_pack
 
+CASES = ((4, 2), (128, 1))  # (ratio, coff) at 1x8192 tokens, head_dim 128
 
-def wall_us(fn, calls: int = 200) -> float:
-    for _ in range(10):
+
+def _layers(p, backend: str, module, device) -> dict:
+    """name -> zero-argument callable for every layer, on pack ``p``."""
+    ratio, coff, head_dim, rows = p.ratio, p.coff, p.head_dim, p.total_comp
+    inputs = p.inputs
+    out = torch.empty(rows, head_dim, dtype=p.kv.dtype, device=device)
+    grads = [torch.empty_like(p.kv), torch.empty_like(p.score), torch.empty_like(p.ape)]
+    fwd = CSACompressorForward(*inputs, out, ratio=ratio, coff=coff, backend=backend)
+    bwd = CSACompressorBackward(*inputs, p.grad_out, *grads, ratio=ratio, coff=coff, backend=backend)
+    fwd.compile()
+    bwd.compile()
+    leaves = [t.detach().clone().requires_grad_(True) for t in (p.kv, p.score, p.ape)]
+    cu, cuc, g = p.cu_seqlens, p.cu_seqlens_comp, p.grad_out
+    kv, score, ape = inputs[:3]
+
+    def autograd_fwd():
+        return compressor_pool(*leaves, cu, cuc, ratio, coff, rows, backend)
+
+    def autograd_fwd_bwd():
+        y = compressor_pool(*leaves, cu, cuc, ratio, coff, rows, backend)
+        return torch.autograd.grad(y, leaves, g)
+
+    return {
+        "bare fwd": lambda: module.forward(kv, score, ape, cu, cuc, out, ratio, coff, None),
+        "execute fwd": lambda: fwd.execute(kv, score, ape, cu, cuc, out),
+        "wrapper fwd": lambda: csa_compressor_forward_wrapper(
+            kv, score, ape, cu, cuc, ratio=ratio, coff=coff, total_comp=rows, backend=backend
+        ),
+        "bare bwd": lambda: module.backward(kv, score, ape, cu, cuc, g, *grads, ratio, coff, None),
+        "execute bwd": lambda: bwd.execute(kv, score, ape, cu, cuc, g, *grads),
+        "wrapper bwd": lambda: csa_compressor_backward_wrapper(
+            kv, score, ape, cu, cuc, g, ratio=ratio, coff=coff, backend=backend
+        ),
+        "autograd fwd": autograd_fwd,
+        "autograd fwd+bwd": autograd_fwd_bwd,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- CPU mock
+
+
+def _noop_backend() -> types.ModuleType:
+    mod = types.ModuleType("csa_compressor_noop_backend")
+    mod.unavailable_reason = lambda: None
+    mod.device_unsupported_reason = lambda device: None
+    mod.config_unsupported_reason = lambda ratio, coff, head_dim: None
+    mod.compile = lambda direction, ratio, coff, head_dim, dtype, device: None
+
+    def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None):
+        return None
+
+    def backward(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream=None
+    ):
+        return None
+
+    mod.forward, mod.backward = forward, backward
+    return mod
+
+
+def cpu_mock(opts) -> dict:
+    """Per-call Python overhead of each layer with a no-op backend standing in for "reference" (CPU tensors)."""
+    noop = _noop_backend()
+    real_load = dispatch._load
+    dispatch._load = lambda name: (noop, None) if name == "reference" else real_load(name)
+    device = torch.device("cpu")
+    x = torch.zeros(1)
+    kv = torch.empty(8192, 256, dtype=torch.bfloat16)
+    results: dict[str, dict[str, float]] = {}
+
+    def best_us(fn) -> float:
         fn()
-    times = []
-    for _ in range(calls):
+        return min(timeit.repeat(fn, number=opts.number, repeat=opts.repeat)) / opts.number * 1e6
+
+    results["torch"] = {
+        "x.add_(1)": best_us(lambda: x.add_(1)),
+        "torch.empty_like(kv 8192x256 bf16)": best_us(lambda: torch.empty_like(kv)),
+        "no-op python call": best_us(lambda: noop.forward(0, 0, 0, 0, 0, 0, 4, 2, None)),
+    }
+    for ratio, coff in CASES:
+        p = make_pack((8192,), 128, ratio, coff, device=device, seed=0)
+        layers = _layers(p, "reference", noop, device)
+        results[f"r{ratio}c{coff}"] = {name: best_us(fn) for name, fn in layers.items()}
+    print(f"CPU mock: best of {opts.repeat} x {opts.number} calls, us per call (no-op backend launch)")
+    for group, rows in results.items():
+        print(f"  [{group}]")
+        for name, us in rows.items():
+            print(f"    {name:36s} {us:8.2f}")
+    return {"mode": "cpu-mock", "torch_version": torch.__version__, "us_per_call": results}
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+def _kernel_us(fn, calls: int = 50) -> float | None:
+    """Summed CUDA kernel time per call (torch.profiler, as csa_compressor.bench does), None if nothing recorded."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        total = sum(
+            e.time_range.elapsed_us()
+            for e in prof.events()
+            if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+        )
+        return total / calls if total > 0 else None
+    except Exception as exc:  # report and go on
+        print(f"  (profiler failed: {type(exc).__name__}: {exc})")
+        return None
+
+
+def _time_gpu(fn, calls: int, warmup: int = 20) -> dict[str, float]:
+    for _ in range(warmup):
         fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    host = []
+    for i in range(calls):  # back-to-back
+        starts[i].record()
+        h0 = time.perf_counter()
+        fn()
+        h1 = time.perf_counter()
+        ends[i].record()
+        host.append((h1 - h0) * 1e6)
+    torch.cuda.synchronize()
+    b2b_wall = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
+    idle_host, idle_wall = [], []
+    for i in range(calls):  # one call on an idle device
+        torch.cuda.synchronize()
+        time.sleep(0.0002)
+        starts[i].record()
+        h0 = time.perf_counter()
+        fn()
+        h1 = time.perf_counter()
+        ends[i].record()
+        ends[i].synchronize()
+        idle_host.append((h1 - h0) * 1e6)
+        idle_wall.append(starts[i].elapsed_time(ends[i]) * 1e3)
+    med = statistics.median
+    return {
+        "b2b_host": med(host),
+        "b2b_wall": med(b2b_wall),
+        "idle_host": med(idle_host),
+        "idle_wall": med(idle_wall),
+    }
+
+
+def gpu(opts) -> dict:
+    device = torch.device("cuda", torch.cuda.current_device())
+    t_start = time.perf_counter()
+    x = torch.zeros(1, device=device)
+    result: dict = {"device": torch.cuda.get_device_name(device), "torch_version": torch.__version__}
+    result["calls"] = opts.calls
+    result["torch"] = {
+        "x.add_(1)": _time_gpu(lambda: x.add_(1), opts.calls),
+        "torch.empty(1)+add_": _time_gpu(lambda: torch.empty(1, device=device).add_(1), opts.calls),
+    }
+    backends = [b for b in available_backends(device) if b != "reference"]
+    if opts.backends:
+        backends = [b for b in backends if b in opts.backends.split(",")]
+    skipped = result["skipped"] = []
+    for backend in backends:
+        module = dispatch.backend_module(backend)
+        for ratio, coff in CASES:
+            case = f"{backend} 1x8192 d128 r{ratio} c{coff}"
+            if time.perf_counter() - t_start > opts.budget_s:
+                skipped.append(case)
+                print(f"[{case}] skipped: past the --budget-s of {opts.budget_s:.0f} s")
+                continue
+            t0 = time.perf_counter()
+            try:
+                p = make_pack((8192,), 128, ratio, coff, device=device, seed=0)
+                layers = _layers(p, backend, module, device)
+                compile_s = time.perf_counter() - t0
+                rows = {name: _time_gpu(fn, opts.calls) for name, fn in layers.items()}
+                kernel = {"fwd": _kernel_us(layers["bare fwd"]), "bwd": _kernel_us(layers["bare bwd"])}
+            except Exception as exc:  # report and go on with the other cases
+                result[case] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"[{case}] error: {type(exc).__name__}: {exc}")
+                continue
+            result[case] = {"compile_s": compile_s, "kernel_us": kernel, "layers": rows}
+            shown = {k: "n/a" if v is None else f"{v:.1f}" for k, v in kernel.items()}
+            print(f"[{case}] (set-up {compile_s:.1f} s) kernel fwd {shown['fwd']} us, bwd {shown['bwd']} us")
+            print(f"  {'layer':18s} {'b2b host':>9s} {'b2b wall':>9s} {'idle host':>10s} {'idle wall':>10s}")
+            for name, r in rows.items():
+                print(
+                    f"  {name:18s} {r['b2b_host']:9.1f} {r['b2b_wall']:9.1f} {r['idle_host']:10.1f} {r['idle_wall']:10.1f}"
+                )
+            for direction, layer, slack in (("fwd", "wrapper fwd", 10.0), ("bwd", "wrapper bwd", 15.0)):
+                k = kernel[direction]
+                if k is not None:
+                    wall = rows[layer]["idle_wall"]
+                    verdict = "meets" if wall <= k + slack else "misses"
+                    print(f"  target {layer}: idle wall {wall:.1f} <= kernel {k:.1f} + {slack:.0f}: {verdict}")
+    for name, r in result["torch"].items():
+        print(f"  {name:18s} {r['b2b_host']:9.1f} {r['b2b_wall']:9.1f} {r['idle_host']:10.1f} {r['idle_wall']:10.1f}")
+    result["runtime_s"] = time.perf_counter() - t_start
+    print(f"total {result['runtime_s']:.1f} s")
+    return result
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--cpu-mock", action="store_true", help="time the Python layers over a no-op backend")
+    parser.add_argument("--calls", type=int, default=200, help="GPU: timed calls per layer and mode")
+    parser.add_argument("--backends", help="GPU: comma-separated subset of the GPU backends")
+    parser.add_argument("--budget-s", type=float, default=75.0, help="GPU: start no new case after this many seconds")
+    parser.add_argument("--number", type=int, default=2000, help="CPU mock: calls per round")
+    parser.add_argument("--repeat", type=int, default=7, help="CPU mock: rounds (the best is kept)")
     opts = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
+    if opts.cpu_mock:
+        result = cpu_mock(opts)
+    elif not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure (use --cpu-mock for the Python layers)")
         return 0
-    p = make_pack((8192,), 128, 4, 2, device="cuda")
-    x = torch.zeros(1, device="cuda")
-    rows = {
-        "torch x.add_(1)": wall_us(lambda: x.add_(1)),
-        "torch.empty(1) + add_": wall_us(lambda: torch.empty(1, device="cuda").add_(1)),
-    }
-    out = torch.empty(p.total_comp, 128, dtype=torch.bfloat16, device="cuda")
-    grads = [torch.empty_like(p.kv), torch.empty_like(p.score), torch.empty_like(p.ape)]
-    for name in available_backends("cuda"):
-        if name == "reference":
-            continue
-        module = dispatch.backend_module(name)
-        fwd = CSACompressorForward(*p.inputs, out, ratio=4, coff=2, backend=name)
-        bwd = CSACompressorBackward(*p.inputs, p.grad_out, *grads, ratio=4, coff=2, backend=name)
-        fwd.compile()
-        bwd.compile()
-        rows[f"{name}: bare launch, forward"] = wall_us(lambda m=module: m.forward(*p.inputs, out, 4, 2, None))
-        rows[f"{name}: class execute, forward"] = wall_us(lambda f=fwd: f.execute(*p.inputs, out))
-        rows[f"{name}: wrapper, forward"] = wall_us(
-            lambda n=name: csa_compressor_forward_wrapper(
-                *p.inputs, ratio=4, coff=2, total_comp=p.total_comp, backend=n
-            )
-        )
-        rows[f"{name}: bare launch, backward"] = wall_us(
-            lambda m=module: m.backward(*p.inputs, p.grad_out, *grads, 4, 2, None)
-        )
-        rows[f"{name}: class execute, backward"] = wall_us(lambda b=bwd: b.execute(*p.inputs, p.grad_out, *grads))
-        rows[f"{name}: wrapper, backward"] = wall_us(
-            lambda n=name: csa_compressor_backward_wrapper(*p.inputs, p.grad_out, ratio=4, coff=2, backend=n)
-        )
-    print(f"wall us per call, {torch.cuda.get_device_name()} (1x8192 d128 r4 c2):")
-    for key, value in rows.items():
-        print(f"  {key:40s} {value:8.1f}")
+    else:
+        result = gpu(opts)
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "wall_us": rows}, f, indent=1)
+            json.dump(result, f, indent=1)
     return 0
 
 

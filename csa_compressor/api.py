@@ -55,6 +55,9 @@ class _Op:
         self.backend: str | None = None
         self.config: Config | None = None
         self._module = None
+        # Per-call fast path, bound by compile(): the backend's launch function and the scalars it takes.
+        self._launch = None
+        self._ratio = self._coff = self._head_dim = 0
 
     def _check(self) -> Config:
         raise NotImplementedError
@@ -73,30 +76,28 @@ class _Op:
         """Build the kernels for this configuration, so that later calls (and graph capture) never compile."""
         self.check_support()
         key = (self.backend, self.direction, self.config)
-        if key in _COMPILED:
-            return
         cfg = self.config
-        if _capturing(cfg.device):
-            raise RuntimeError(
-                f"csa_compressor: the {self.backend} {self.direction} kernel for ratio={cfg.ratio}, coff={cfg.coff}, "
-                f"head_dim={cfg.head_dim} would be compiled during CUDA-graph capture; call compile() "
-                "(or run the op once) before capturing"
-            )
-        if cfg.device.type != "meta":
-            self._module.compile(self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
-            _COMPILED.add(key)
+        if key not in _COMPILED:
+            if _capturing(cfg.device):
+                raise RuntimeError(
+                    f"csa_compressor: the {self.backend} {self.direction} kernel for ratio={cfg.ratio}, "
+                    f"coff={cfg.coff}, head_dim={cfg.head_dim} would be compiled during CUDA-graph capture; "
+                    "call compile() (or run the op once) before capturing"
+                )
+            if cfg.device.type != "meta":
+                self._module.compile(self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
+                _COMPILED.add(key)
+        # From here on execute() goes straight to the backend: nothing it does can compile.
+        self._ratio, self._coff, self._head_dim = cfg.ratio, cfg.coff, cfg.head_dim
+        self._launch = getattr(self._module, self.direction)
 
     def _release_samples(self) -> None:
         self._samples = None
 
-    def _ready(self) -> None:
-        if self.config is None or (self.backend, self.direction, self.config) not in _COMPILED:
-            self.compile()
-
 
 def _keep_alive(stream, tensors) -> None:
     # The caller may free its tensors before the kernel on `stream` has run; record the use.
-    if stream is not None and stream != torch.cuda.current_stream(stream.device):
+    if stream != torch.cuda.current_stream(stream.device):
         for t in tensors:
             if t.device.type == "cuda":
                 t.record_stream(stream)
@@ -127,15 +128,25 @@ class CSACompressorForward(_Op):
         return support.check_forward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
 
     def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None):
-        self._ready()
-        support.recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
-        if out.shape[0] == 0:
+        # Hot path: one attribute test, the attribute-only recheck, the backend call.
+        launch = self._launch
+        if launch is None:
+            self.compile()
+            launch = self._launch
+        if _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out) == 0:
             return out
-        _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
-        self._module.forward(
-            kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self.config.ratio, self.config.coff, stream
-        )
+        if stream is not None:
+            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
+        launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream)
         return out
+
+    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream) -> None:
+        """``execute`` of a compiled op for the wrappers, whose ``out`` is ``kv.new_empty((rows, head_dim))``."""
+        if _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, True) == 0:
+            return
+        if stream is not None:
+            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
+        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream)
 
 
 class CSACompressorBackward(_Op):
@@ -178,21 +189,44 @@ class CSACompressorBackward(_Op):
     def execute(
         self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream=None
     ):
-        self._ready()
-        tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
-        support.recheck_backward(self.config, *tensors)
-        if grad_out.shape[0] == 0:
+        if self._launch is None:
+            self.compile()
+        return self._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream)
+
+    def _run(
+        self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, fresh=False
+    ):
+        """``execute`` of a compiled op; ``fresh``: the gradients are ``torch.empty_like`` of kv, score, ape."""
+        rows = _recheck_backward(
+            self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, fresh
+        )
+        if rows == 0:
             # Nothing consumed anything: the gradients are exact zeros.
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 grad_kv.zero_()
                 grad_score.zero_()
                 grad_ape.zero_()
             return grad_kv, grad_score, grad_ape
-        _keep_alive(stream, tensors)
-        cfg = self.config
-        self._module.backward(*tensors, cfg.ratio, cfg.coff, stream)
+        if stream is not None:
+            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape))
+        self._launch(
+            kv,
+            score,
+            ape,
+            cu_seqlens,
+            cu_seqlens_comp,
+            grad_out,
+            grad_kv,
+            grad_score,
+            grad_ape,
+            self._ratio,
+            self._coff,
+            stream,
+        )
         return grad_kv, grad_score, grad_ape
 
+
+_recheck_forward, _recheck_backward = support.recheck_forward, support.recheck_backward
 
 # ---------------------------------------------------------------- wrappers
 
@@ -211,9 +245,16 @@ def _head_dim(kv: torch.Tensor, ratio: int, coff: int, head_dim: int | None) -> 
     return kv.shape[-1] // coff
 
 
-# Wrapper ops per configuration, built from the first call's tensors. Samples are dropped
-# after compile so that the cache holds no device memory.
+# Wrapper ops, compiled on the first call of a configuration (samples dropped after compile, so the cache
+# holds no device memory). Two levels:
+# - _OPS: the full key (direction, ratio, coff, head_dim, dtype, device, resolved backend request);
+# - _FWD_FAST / _BWD_FAST: the wrapper's raw arguments (ratio, coff, head_dim or None, kv width, backend
+#   argument, raw $CSA_COMPRESSOR_BACKEND, dtype, device) -> op, filled after a successful slow call. A hit
+#   skips argument normalisation; execute() still rechecks every tensor against the op's configuration.
 _OPS: dict[tuple, _Op] = {}
+_FWD_FAST: dict[tuple, _Op] = {}
+_BWD_FAST: dict[tuple, _Op] = {}
+_env_token = dispatch.env_token
 
 
 def _op(cls, direction: str, tensors, ratio, coff, head_dim, backend) -> _Op:
@@ -226,6 +267,60 @@ def _op(cls, direction: str, tensors, ratio, coff, head_dim, backend) -> _Op:
         op._release_samples()
         _OPS[key] = op
     return op
+
+
+def _fast_key(kv, ratio, coff, head_dim, backend):
+    """The fast-cache key of a wrapper call, or None when an argument needs the full (validating) path."""
+    if type(ratio) is not int or type(coff) is not int or not (head_dim is None or type(head_dim) is int):
+        return None  # 4.0 == 4 and True == 1 as dict keys: floats and bools must reach check_config
+    try:
+        return (ratio, coff, head_dim, kv.shape[-1], backend, _env_token(), kv.dtype, kv.device)
+    except (AttributeError, IndexError, TypeError):  # not a tensor, rank 0, unhashable backend
+        return None
+
+
+def _pool_forward(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim=None, stream=None
+):
+    """The forward wrapper without the TupleDict: returns ``out`` (also the autograd op's eager path)."""
+    rows = total_comp if type(total_comp) is int else _total_comp(cu_seqlens_comp, total_comp)
+    key = _fast_key(kv, ratio, coff, head_dim, backend)
+    op = _FWD_FAST.get(key) if key is not None else None
+    if op is None:  # first call of this configuration, or arguments that need normalising
+        head_dim = _head_dim(kv, ratio, coff, head_dim)
+        sample_out = kv.new_empty((rows, head_dim))
+        op = _op(
+            CSACompressorForward,
+            "forward",
+            (kv, score, ape, cu_seqlens, cu_seqlens_comp, sample_out),
+            ratio,
+            coff,
+            head_dim,
+            backend,
+        )
+        if key is not None:
+            _FWD_FAST[key] = op
+    # Allocated on the current stream; with an explicit `stream`, execute() records the use there.
+    out = kv.new_empty((rows, op._head_dim))
+    op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream)
+    return out
+
+
+def _pool_backward(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim=None, stream=None
+):
+    """The backward wrapper without the TupleDict: returns ``(grad_kv, grad_score, grad_ape)``."""
+    # The kernel writes every element: uninitialised buffers, one allocation each.
+    grad_kv, grad_score, grad_ape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+    key = _fast_key(kv, ratio, coff, head_dim, backend)
+    op = _BWD_FAST.get(key) if key is not None else None
+    if op is None:
+        head_dim = _head_dim(kv, ratio, coff, head_dim)
+        tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+        op = _op(CSACompressorBackward, "backward", tensors, ratio, coff, head_dim, backend)
+        if key is not None:
+            _BWD_FAST[key] = op
+    return op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, True)
 
 
 def csa_compressor_forward_wrapper(
@@ -242,12 +337,7 @@ def csa_compressor_forward_wrapper(
     backend: str | None = "auto",
 ) -> TupleDict:
     """Allocate ``out`` and run the forward. ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` (one host sync)."""
-    head_dim = _head_dim(kv, ratio, coff, head_dim)
-    rows = _total_comp(cu_seqlens_comp, total_comp)
-    out = torch.empty((rows, head_dim), dtype=kv.dtype, device=kv.device)
-    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
-    op = _op(CSACompressorForward, "forward", tensors, ratio, coff, head_dim, backend)
-    op.execute(*tensors, stream=stream)
+    out = _pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim, stream)
     return TupleDict(out=out)
 
 
@@ -266,15 +356,11 @@ def csa_compressor_backward_wrapper(
     backend: str | None = "auto",
 ) -> TupleDict:
     """Allocate and compute ``grad_kv``, ``grad_score`` (``empty``: the kernel writes every element) and ``grad_ape``."""
-    head_dim = _head_dim(kv, ratio, coff, head_dim)
     if total_comp is not None and int(total_comp) != grad_out.shape[0]:
         raise ValueError(
             f"csa_compressor: total_comp must equal grad_out.shape[0]: got {total_comp} vs {grad_out.shape[0]}"
         )
-    grad_kv = torch.empty_like(kv)
-    grad_score = torch.empty_like(score)
-    grad_ape = torch.empty_like(ape)
-    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
-    op = _op(CSACompressorBackward, "backward", tensors, ratio, coff, head_dim, backend)
-    op.execute(*tensors, stream=stream)
+    grad_kv, grad_score, grad_ape = _pool_backward(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim, stream
+    )
     return TupleDict(grad_kv=grad_kv, grad_score=grad_score, grad_ape=grad_ape)

@@ -2,8 +2,9 @@
 
 ``check_forward`` / ``check_backward`` run once per configuration (``check_support``);
 ``recheck_forward`` / ``recheck_backward`` are the cheap per-call versions used by
-``execute``: they assume the configuration already passed and look only at what
-can change between calls (sizes, contiguity, alignment, device).
+``execute``: one pass of attribute reads (no torch op, no CUDA query) that compares every
+tensor against the compiled configuration. Any mismatch reruns the full checks, so a bad
+tensor gets the same error on every call as from ``check_support``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Config:
     width: int = field(init=False, compare=False)
     ape_shape: tuple[int, int] = field(init=False, compare=False)
     device_index: int = field(init=False, compare=False)
+    is_cuda: bool = field(init=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "width", self.coff * self.head_dim)
@@ -47,6 +49,7 @@ class Config:
         if self.device.type == "cuda" and index is None:
             index = torch.cuda.current_device()
         object.__setattr__(self, "device_index", index)
+        object.__setattr__(self, "is_cuda", self.device.type == "cuda")
 
 
 def _fail(bound: str, detail: str):
@@ -158,114 +161,175 @@ def check_backward(
 
 
 _F32, _I32 = torch.float32, torch.int32
+_PER_CALL_ERRORS = (AttributeError, TypeError, ValueError)
 
 
-def _same_device(cfg: Config, tensors) -> bool:
-    index = cfg.device_index
-    return all(t.get_device() == index for t in tensors) and tensors[0].device.type == cfg.device.type
+def _on_device(device: torch.device, tensors) -> bool:
+    # Off CUDA, get_device() is -1 for CPU and meta alike: compare the devices themselves.
+    for t in tensors:
+        if t.device != device:
+            return False
+    return True
 
 
-def recheck_forward(cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out) -> None:
-    """Cheap per-call check (about 30 attribute reads); anything unexpected reruns the full checks for the message."""
+def recheck_forward(cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, fresh: bool = False) -> int:
+    """Cheap per-call check; returns ``out.shape[0]``. Anything unexpected reruns the full checks for the message.
+
+    One pass of plain attribute reads (no torch op, no device or stream query): the sizes that may
+    change per call are compared against the compiled configuration; dtype, contiguity, 16/4-byte
+    alignment, the int32 bounds, ``T >= ratio`` and the device are read from every tensor.
+    ``fresh=True`` (the wrappers): ``out`` is ``kv.new_empty((rows, head_dim))``, so its dtype, device,
+    contiguity and (allocator) alignment follow from kv's and are not read again; its shape is.
+    """
     try:
-        tokens, width = kv.shape
+        shape = kv.shape
+        tokens, width = shape
         rows, head_dim = out.shape
+        cu_shape = cu_seqlens.shape
         dtype = cfg.dtype
-        ok = (
+        index = cfg.device_index
+        if (
             width == cfg.width
             and head_dim == cfg.head_dim
             and kv.dtype is dtype
             and score.dtype is dtype
-            and out.dtype is dtype
             and ape.dtype is _F32
             and cu_seqlens.dtype is _I32
             and cu_seqlens_comp.dtype is _I32
-            and score.shape == kv.shape
+            and score.shape == shape
             and ape.shape == cfg.ape_shape
-            and cu_seqlens.dim() == 1
-            and cu_seqlens.shape[0] >= 2
-            and cu_seqlens_comp.shape == cu_seqlens.shape
+            and len(cu_shape) == 1
+            and cu_shape[0] >= 2
+            and cu_seqlens_comp.shape == cu_shape
             and kv.is_contiguous()
             and score.is_contiguous()
             and ape.is_contiguous()
-            and out.is_contiguous()
             and cu_seqlens.is_contiguous()
             and cu_seqlens_comp.is_contiguous()
-            and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr() | out.data_ptr()) & 15
+            and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr()) & 15
             and not (cu_seqlens.data_ptr() | cu_seqlens_comp.data_ptr()) & 3
             and tokens * width < INT32_LIMIT
             and rows * head_dim < INT32_LIMIT
             and (rows == 0 or tokens >= cfg.ratio)
-            and _same_device(cfg, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
-        )
-    except (AttributeError, TypeError, ValueError):  # not tensors, wrong ranks
-        ok = False
-    if not ok:
-        check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=cfg.ratio, coff=cfg.coff)
-        _check_same_config(cfg, kv, out)
+            and (
+                # CUDA: one index read per tensor (CPU and meta tensors read -1).
+                kv.is_cuda
+                and kv.get_device() == index
+                and score.get_device() == index
+                and ape.get_device() == index
+                and cu_seqlens.get_device() == index
+                and cu_seqlens_comp.get_device() == index
+                if cfg.is_cuda
+                else _on_device(cfg.device, (kv, score, ape, cu_seqlens, cu_seqlens_comp))
+            )
+            and (
+                fresh
+                or (
+                    out.dtype is dtype
+                    and out.is_contiguous()
+                    and not out.data_ptr() & 15
+                    and (out.get_device() == index if cfg.is_cuda else out.device == cfg.device)
+                )
+            )
+        ):
+            return rows
+    except _PER_CALL_ERRORS:  # not tensors, wrong ranks
+        pass
+    check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=cfg.ratio, coff=cfg.coff)
+    _check_same_config(cfg, kv, out)
 
 
 def recheck_backward(
-    cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape
-) -> None:
-    """The backward's cheap per-call check; see ``recheck_forward``."""
+    cfg: Config,
+    kv,
+    score,
+    ape,
+    cu_seqlens,
+    cu_seqlens_comp,
+    grad_out,
+    grad_kv,
+    grad_score,
+    grad_ape,
+    fresh: bool = False,
+) -> int:
+    """The backward's cheap per-call check (returns ``grad_out.shape[0]``); see ``recheck_forward``.
+
+    ``fresh=True`` (the wrappers): the three gradients are ``torch.empty_like`` of kv, score and ape,
+    which this check finds contiguous, so nothing of theirs is read.
+    """
     try:
-        tokens, width = kv.shape
+        shape = kv.shape
+        tokens, width = shape
         rows, head_dim = grad_out.shape
+        cu_shape = cu_seqlens.shape
+        ape_shape = cfg.ape_shape
         dtype = cfg.dtype
-        ok = (
+        index = cfg.device_index
+        if (
             width == cfg.width
             and head_dim == cfg.head_dim
             and kv.dtype is dtype
             and score.dtype is dtype
             and grad_out.dtype is dtype
-            and grad_kv.dtype is dtype
-            and grad_score.dtype is dtype
             and ape.dtype is _F32
-            and grad_ape.dtype is _F32
             and cu_seqlens.dtype is _I32
             and cu_seqlens_comp.dtype is _I32
-            and score.shape == kv.shape
-            and grad_kv.shape == kv.shape
-            and grad_score.shape == kv.shape
-            and ape.shape == cfg.ape_shape
-            and grad_ape.shape == cfg.ape_shape
-            and cu_seqlens.dim() == 1
-            and cu_seqlens.shape[0] >= 2
-            and cu_seqlens_comp.shape == cu_seqlens.shape
+            and score.shape == shape
+            and ape.shape == ape_shape
+            and len(cu_shape) == 1
+            and cu_shape[0] >= 2
+            and cu_seqlens_comp.shape == cu_shape
             and kv.is_contiguous()
             and score.is_contiguous()
             and ape.is_contiguous()
             and grad_out.is_contiguous()
-            and grad_kv.is_contiguous()
-            and grad_score.is_contiguous()
-            and grad_ape.is_contiguous()
             and cu_seqlens.is_contiguous()
             and cu_seqlens_comp.is_contiguous()
-            and not (
-                kv.data_ptr()
-                | score.data_ptr()
-                | ape.data_ptr()
-                | grad_out.data_ptr()
-                | grad_kv.data_ptr()
-                | grad_score.data_ptr()
-                | grad_ape.data_ptr()
-            )
-            & 15
+            and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr() | grad_out.data_ptr()) & 15
             and not (cu_seqlens.data_ptr() | cu_seqlens_comp.data_ptr()) & 3
             and tokens * width < INT32_LIMIT
             and rows * head_dim < INT32_LIMIT
             and (rows == 0 or tokens >= cfg.ratio)
-            and _same_device(
-                cfg, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+            and (
+                kv.is_cuda
+                and kv.get_device() == index
+                and score.get_device() == index
+                and ape.get_device() == index
+                and grad_out.get_device() == index
+                and cu_seqlens.get_device() == index
+                and cu_seqlens_comp.get_device() == index
+                if cfg.is_cuda
+                else _on_device(cfg.device, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out))
             )
-        )
-    except (AttributeError, TypeError, ValueError):
-        ok = False
-    if not ok:
-        tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
-        check_backward(*tensors, ratio=cfg.ratio, coff=cfg.coff)
-        _check_same_config(cfg, kv, grad_out)
+            and (
+                fresh
+                or (
+                    grad_kv.dtype is dtype
+                    and grad_score.dtype is dtype
+                    and grad_ape.dtype is _F32
+                    and grad_kv.shape == shape
+                    and grad_score.shape == shape
+                    and grad_ape.shape == ape_shape
+                    and grad_kv.is_contiguous()
+                    and grad_score.is_contiguous()
+                    and grad_ape.is_contiguous()
+                    and not (grad_kv.data_ptr() | grad_score.data_ptr() | grad_ape.data_ptr()) & 15
+                    and (
+                        grad_kv.get_device() == index
+                        and grad_score.get_device() == index
+                        and grad_ape.get_device() == index
+                        if cfg.is_cuda
+                        else _on_device(cfg.device, (grad_kv, grad_score, grad_ape))
+                    )
+                )
+            )
+        ):
+            return rows
+    except _PER_CALL_ERRORS:
+        pass
+    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+    check_backward(*tensors, ratio=cfg.ratio, coff=cfg.coff)
+    _check_same_config(cfg, kv, grad_out)
 
 
 def _check_same_config(cfg: Config, kv: torch.Tensor, rows: torch.Tensor) -> None:

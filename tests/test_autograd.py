@@ -89,3 +89,41 @@ def test_module_rejects_bad_3d_shape():
     kv = torch.zeros(8, 2, 12, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"3-D kv/score must be \(T, 1, 12\)"):
         module(kv, kv, torch.tensor([0, 8], dtype=torch.int32))
+
+
+def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
+    """Plain eager tensors go straight to the wrappers' code (no custom-op dispatch), with the same results."""
+    from csa_compressor import autograd as ag
+
+    p = make_pack((13, 2, 9), 6, 4, 2, token_padding=1, comp_padding=1, device=DEVICE, seed=5)
+    args = (p.cu_seqlens, p.cu_seqlens_comp, 4, 2, p.total_comp, "reference")
+    # Reference: the custom ops called directly.
+    expected = torch.ops.csa_compressor.pool_forward(*p.inputs, 4, 2, p.total_comp, "reference")
+    expected_grads = torch.ops.csa_compressor.pool_backward(*p.inputs, p.grad_out, 4, 2, "reference")
+
+    def refuse(*a, **k):
+        raise AssertionError("the eager path must not dispatch the custom op")
+
+    monkeypatch.setattr(ag, "_pool_forward_op", refuse)
+    monkeypatch.setattr(ag, "_pool_backward_op", refuse)
+    kv, score, ape = _leaves(p)
+    out = compressor_pool(kv, score, ape, *args)
+    out.backward(p.grad_out)
+    assert torch.equal(out.detach(), expected)
+    for got, want in zip((kv.grad, score.grad, ape.grad), expected_grads, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_tracing_goes_through_the_custom_ops():
+    """Under a dispatch mode (make_fx here; torch.compile / export likewise) the custom ops are what gets traced."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    p = make_pack((9, 4), 4, 4, 2, comp_padding=1, device=DEVICE)
+
+    def f(kv, score, ape):
+        out = compressor_pool(kv, score, ape, p.cu_seqlens, p.cu_seqlens_comp, 4, 2, p.total_comp, "reference")
+        return torch.autograd.grad(out, (kv, score, ape), p.grad_out)
+
+    graph = make_fx(f)(*_leaves(p))
+    code = graph.code
+    assert "csa_compressor.pool_forward" in code and "csa_compressor.pool_backward" in code

@@ -247,3 +247,155 @@ def test_backends_name_the_architectures_they_reject(monkeypatch):
 
         monkeypatch.setattr(triton_launch, "_capability", lambda index: (7, 5))
         assert ">= 8.0" in triton_launch.device_unsupported_reason(torch.device("cuda"))
+
+
+# ------------------------------------------------------------------- per-call fast paths keep every check
+
+
+def _wrapper_pack():
+    return _fwd_args()[1]
+
+
+def _warm(p):
+    from csa_compressor import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
+
+    kw = dict(ratio=4, coff=2, backend="reference")
+    csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)
+    csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
+    return kw
+
+
+def _misaligned(t):
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype)
+    return storage[1:].view(t.shape)
+
+
+@pytest.mark.parametrize(
+    "index,bad,match",
+    [
+        (0, lambda t: t.float(), "kv dtype must be one of.*float32"),
+        (1, lambda t: t.float(), "score dtype must be torch.bfloat16.*float32"),
+        (1, lambda t: t[:-1], r"score shape must be \(17, 16\).*\(16, 16\)"),
+        (1, lambda t: torch.empty(16, t.shape[0], dtype=t.dtype).t(), "score must be contiguous"),
+        (2, _misaligned, "ape must be 16-byte aligned"),
+        (2, lambda t: t.to("meta"), "all tensors must be on one device"),
+        (3, lambda t: t.long(), "cu_seqlens dtype must be torch.int32"),
+        (4, lambda t: torch.zeros(5, dtype=torch.int32), r"cu_seqlens_comp shape must equal cu_seqlens shape"),
+    ],
+)
+def test_wrapper_cache_hit_still_rejects_bad_tensors(index, bad, match):
+    """After a first call has cached the op, a bad tensor gets the same error as check_support gives."""
+    from csa_compressor import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
+
+    p = _wrapper_pack()
+    kw = _warm(p)
+    args = list(p.inputs)
+    args[index] = bad(args[index])
+    with pytest.raises(ValueError, match=match):
+        csa_compressor_forward_wrapper(*args, total_comp=p.total_comp, **kw)
+    with pytest.raises(ValueError, match=match):
+        csa_compressor_backward_wrapper(*args, p.grad_out, **kw)
+
+
+def test_wrapper_cache_hit_still_checks_rows_and_grad_out():
+    from csa_compressor import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
+
+    p = _wrapper_pack()
+    kw = _warm(p)
+    with pytest.raises(ValueError, match=r"total_comp \* head_dim < 2\*\*31"):
+        csa_compressor_forward_wrapper(*p.inputs, total_comp=2**28, **kw)
+    short = make_pack((3,), 8, 4, 2)
+    with pytest.raises(ValueError, match="total_comp > 0 needs T >= ratio"):
+        csa_compressor_forward_wrapper(*short.inputs, total_comp=1, **kw)
+    with pytest.raises(ValueError, match=r"grad_out.shape\[1\] must be head_dim=8"):
+        csa_compressor_backward_wrapper(*p.inputs, p.grad_out[:, :4].contiguous(), **kw)
+    with pytest.raises(ValueError, match=r"grad_out dtype must be torch\.bfloat16"):
+        csa_compressor_backward_wrapper(*p.inputs, p.grad_out.float(), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(ratio=4.0), r"ratio must be an int in \[1, 256\].*4\.0"),
+        (dict(coff=True), "coff must be 1 or 2.*coff=True"),
+        (dict(backend="cudnn"), "unknown backend 'cudnn'"),
+    ],
+)
+def test_wrapper_cache_hit_still_validates_arguments(kw, match):
+    """4.0 == 4 and True == 1 as dict keys: the fast cache must not let them through."""
+    from csa_compressor import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
+
+    p = make_pack((12, 5), 8, 4, 1)
+    base = dict(ratio=4, coff=1, backend="reference")
+    csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **base)
+    csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **base)
+    with pytest.raises(ValueError, match=match):
+        csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **{**base, **kw})
+    with pytest.raises(ValueError, match=match):
+        csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **{**base, **kw})
+
+
+def test_wrapper_sees_env_var_changes(monkeypatch):
+    from csa_compressor import csa_compressor_forward_wrapper
+
+    p = _wrapper_pack()
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    csa_compressor_forward_wrapper(*p.inputs, ratio=4, coff=2, total_comp=p.total_comp)
+    monkeypatch.setenv(dispatch.ENV_VAR, "nonsense")
+    with pytest.raises(ValueError, match=f"unknown backend 'nonsense' \\(from {dispatch.ENV_VAR}\\)"):
+        csa_compressor_forward_wrapper(*p.inputs, ratio=4, coff=2, total_comp=p.total_comp)
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    assert dispatch.env_token() is None
+
+
+def test_wrapper_head_dim_from_a_new_width():
+    """head_dim=None is derived per call: a second width gets its own op, not a mismatch error."""
+    from csa_compressor import csa_compressor_forward_wrapper
+
+    for head_dim in (8, 4, 8):
+        p = make_pack((12, 5), head_dim, 4, 2)
+        (out,) = csa_compressor_forward_wrapper(
+            *p.inputs, ratio=4, coff=2, total_comp=p.total_comp, backend="reference"
+        )
+        assert out.shape == (p.total_comp, head_dim)
+
+
+def test_execute_after_compile_rechecks_out_and_grad_buffers():
+    """The class API's buffers are the caller's: execute reads all of them on every call."""
+    args, p = _fwd_args()
+    op = CSACompressorForward(*args, ratio=4, coff=2, backend="reference")
+    op.compile()
+    op.execute(*args)
+    bad = list(args)
+    bad[5] = args[5].float()
+    with pytest.raises(ValueError, match=r"out dtype must be torch\.bfloat16"):
+        op.execute(*bad)
+    bad[5] = _misaligned(args[5])
+    with pytest.raises(ValueError, match="out must be 16-byte aligned"):
+        op.execute(*bad)
+    grads = [torch.empty_like(p.kv), torch.empty_like(p.score), torch.empty_like(p.ape)]
+    bwd = CSACompressorBackward(*p.inputs, p.grad_out, *grads, ratio=4, coff=2, backend="reference")
+    bwd.compile()
+    bwd.execute(*p.inputs, p.grad_out, *grads)
+    for i, (bad_grad, match) in enumerate(
+        [
+            (grads[0][:-1], r"grad_kv shape must be \(17, 16\)"),
+            (torch.empty(16, 17, dtype=torch.bfloat16).t(), "grad_score must be contiguous"),
+            (grads[2].double(), r"grad_ape dtype must be torch\.float32"),
+        ]
+    ):
+        bad_grads = list(grads)
+        bad_grads[i] = bad_grad
+        with pytest.raises(ValueError, match=match):
+            bwd.execute(*p.inputs, p.grad_out, *bad_grads)
+    with pytest.raises(ValueError, match="all tensors must be on one device"):
+        bwd.execute(*p.inputs, p.grad_out, grads[0], grads[1], grads[2].to("meta"))
+
+
+def test_compile_binds_the_fast_path_once():
+    args, _ = _fwd_args()
+    op = CSACompressorForward(*args, ratio=4, coff=2, backend="reference")
+    assert op._launch is None
+    op.execute(*args)  # compiles on first use
+    assert op._launch is dispatch.backend_module("reference").forward
+    assert (op._ratio, op._coff, op._head_dim) == (4, 2, 8)
