@@ -35,6 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
+from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes
 from .forward import (
     LOG2E,
     NEG_INF,
@@ -63,14 +64,46 @@ def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
     W = coff * ratio
     if W <= 8:
         return make_schedule(ratio, coff, head_dim, vcap=2, threads=128, cols_cap=128, md=True)
-    return make_schedule(ratio, coff, head_dim, vcap=2, threads=256, cols_cap=32)
+    return long_backward_schedule(ratio, coff, head_dim)
 
 
 def backward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the main backward kernel (row-lane reduction + cross-group buffers)."""
+    if sch.LONG:
+        return long_backward_smem_bytes(sch)
     cw = sch.TC * sch.V
     cross = 2 * sch.R * sch.G * cw + 3 * sch.R * cw if sch.G > 1 else 0
     return (sch.threads * sch.V + cross) * 4 + 128
+
+
+def make_reduce_kernel(APE_SIZE: int):
+    """Second kernel of the backward: grad_ape = the fixed-order sum of the per-CTA slabs (overwrite)."""
+
+    @cute.kernel
+    def reduce_kernel(ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
+        # 32 consecutive entries per CTA; warp w sums slabs w, w+8, ... ; warp partials summed in order.
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        w = tidx // 32
+        e = bx * 32 + lane
+        smem = cutlass.memory.SmemAllocator()
+        part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32), byte_alignment=16)
+        ws_t = cute.make_tensor(ws, cute.make_layout(num_ctas * APE_SIZE))
+        acc = Float32(0.0)
+        if e < APE_SIZE:
+            for p in cutlass.range(w, num_ctas, REDUCE_WARPS):
+                acc = add_rn(acc, ws_t[p * APE_SIZE + e])
+        part[tidx] = acc
+        cute.arch.sync_threads()
+        if (w == 0) & (e < APE_SIZE):
+            tot = part[lane]
+            for h in cutlass.range_constexpr(1, REDUCE_WARPS):
+                tot = add_rn(tot, part[h * 32 + lane])
+            gape_t = cute.make_tensor(gape, cute.make_layout(APE_SIZE))
+            gape_t[e] = tot
+
+    return reduce_kernel
 
 
 def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
@@ -80,8 +113,12 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``; ``rows_per_cta`` is a multiple of R,
     ``num_ctas * rows_per_cta >= N``, ``ws`` holds ``num_ctas * ratio * coff * head_dim`` fp32.
     """
+    if sch.LONG:
+        return build_backward_long(
+            ratio, coff, head_dim, sch, make_reduce_kernel(ratio * coff * head_dim), REDUCE_WARPS
+        )
     V, TC, G, SG, R, MD = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.MD
-    assert sch.NB == 1 and not sch.CM, "the backward streams rows, not slot batches"
+    assert sch.NB == 1 and not sch.CM, "the short-window backward streams rows, not slot batches"
     W = coff * ratio
     D = head_dim
     WIDTH = coff * head_dim
@@ -393,29 +430,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(dap[k].load())
 
-    @cute.kernel
-    def reduce_kernel(ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
-        # 32 consecutive entries per CTA; warp w sums slabs w, w+8, ... ; warp partials summed in order.
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        w = tidx // 32
-        e = bx * 32 + lane
-        smem = cutlass.memory.SmemAllocator()
-        part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32), byte_alignment=16)
-        ws_t = cute.make_tensor(ws, cute.make_layout(num_ctas * APE_SIZE))
-        acc = Float32(0.0)
-        if e < APE_SIZE:
-            for p in cutlass.range(w, num_ctas, REDUCE_WARPS):
-                acc = add_rn(acc, ws_t[p * APE_SIZE + e])
-        part[tidx] = acc
-        cute.arch.sync_threads()
-        if (w == 0) & (e < APE_SIZE):
-            tot = part[lane]
-            for h in cutlass.range_constexpr(1, REDUCE_WARPS):
-                tot = add_rn(tot, part[h * 32 + lane])
-            gape_t = cute.make_tensor(gape, cute.make_layout(APE_SIZE))
-            gape_t[e] = tot
+    reduce_kernel = make_reduce_kernel(APE_SIZE)
 
     smem_bytes = backward_smem_bytes(sch)
 

@@ -192,13 +192,14 @@ class Schedule:
     NB: int = 1  # batches per group (G * SG * NB == coff * ratio)
     CM: bool = False  # chunk-major CTA order
     MD: bool = False  # G == 1: divide by the row sum through its correctly rounded reciprocal (Markstein)
+    LONG: bool = False  # backward: the two-pass streaming kernel of backward_long.py
 
     @property
     def threads(self) -> int:
         return self.TC * self.G * self.R
 
     def key(self) -> tuple:
-        return (self.V, self.TC, self.G, self.SG, self.R, self.NB, self.CM, self.MD)
+        return (self.V, self.TC, self.G, self.SG, self.R, self.NB, self.CM, self.MD, self.LONG)
 
 
 def vector_width(head_dim: int, cap: int = 8) -> int:

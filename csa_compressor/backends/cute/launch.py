@@ -327,7 +327,9 @@ class _Launcher:
         # MIN_BLOCKS CTAs fit by registers; shared memory (50% carveout) may allow fewer.
         if direction == "backward":
             by_regs = max(1, 65536 // (sch.threads * MAX_REGS))
-            by_smem = max(1, (114 * 1024) // (smem_bytes + 1024))
+            # The long-window kernel asks for all of the unified L1/shared memory (227 KB per SM on sm_90).
+            smem_cap = 227 if getattr(sch, "LONG", False) else 114
+            by_smem = max(1, (smem_cap * 1024) // (smem_bytes + 1024))
             self.ctas_per_sm = max(1, min(by_regs, by_smem, 2048 // sch.threads))
 
     @property
@@ -509,7 +511,7 @@ def _launch_on(device: torch.device, launcher: _Launcher, ptrs, ints, stream_han
             launcher.launch(args)
 
 
-WS_CAP_BYTES = 8 << 20  # grad_ape partial slabs stay L2-resident between the two kernels
+WS_CAP_BYTES = 20 << 20  # grad_ape partial slabs stay L2-resident between the two kernels
 
 
 def backward_grid(launcher: _Launcher, n: int, ape_numel: int) -> tuple[int, int]:

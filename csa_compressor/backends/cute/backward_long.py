@@ -1,0 +1,335 @@
+"""CuTe-DSL backward kernel for long windows (``coff * ratio > 8``, e.g. ratio 16 and 128).
+
+Thread mapping: one CTA = ``TC`` column threads x ``G`` slot groups (one row at a time), a thread
+owns ``V`` contiguous columns (16-byte vectors at ``V = 8``) and the ``SG * NB`` slots of its
+group, streamed in ``NB`` batches of ``SG`` with the next batch's loads in flight while the
+current one is used. CTAs are persistent over a contiguous range of rows (``rows_per_cta``) of
+one column chunk, like the short-window backward, so that each CTA produces one fp32
+``grad_ape`` slab.
+
+Per row, two passes over the window:
+
+1. online (max, sum e, sum e*v) per column in the log2 domain (as the forward), then one
+   barrier, a fixed-order combine of the ``G`` groups by one thread per column (row max ``M``,
+   ``1/L`` and ``A/L = sum p*v``), and a second barrier;
+2. the window again (kv, score: this CTA read them a moment ago, so L1/L2 serve them, and DRAM
+   sees every input once): ``p = 2^(y - M) / L``, ``dv = g*p``, ``dlogit = p*(g*v - S)`` with
+   ``S = g * sum p*v``; stored right away (16-byte stores). ``grad_ape`` accumulates per
+   (slot, column) in shared memory, each entry owned by one thread (no atomics).
+
+grad_ape: the CTA's shared-memory accumulator is its slab ``ws[cta]``; the reduction kernel of
+``backward.py`` sums the slabs in a fixed order (bitwise deterministic).
+
+Exact zeros, each from one owner (as the short-window backward): a segment's last row zeroes the
+segment's tail tokens and, for coff 2, the first-half columns of its own tokens; CTA ``x`` zeroes
+the tokens of segments ``b = x mod grid`` that have no row and a grid-stride share of the tokens
+past ``cu_seqlens[-1]``.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Boolean, Float32, Int32
+
+from .forward import LOG2E, NEG_INF, Schedule, ex2, find_segment, slots_per_group, vec_view, vector_width
+
+MAX_REGS = 128
+
+
+def long_backward_schedule(ratio: int, coff: int, head_dim: int, threads: int = 256, cols_cap: int = 64) -> Schedule:
+    """16-byte column vectors, ``cols_cap`` columns per CTA (the grad_ape accumulator is window x
+    columns of shared memory), batches of 4 slots, as many groups as ``threads`` allows."""
+    W = coff * ratio
+    V = vector_width(head_dim, 8)
+    col_threads = -(-head_dim // V)
+    TC = 1
+    while TC * 2 <= col_threads and TC * 2 * V <= cols_cap:
+        TC *= 2
+    sch = None
+    for sg_cap in (4, 2):
+        SG = slots_per_group(W, sg_cap)
+        batches = W // SG
+        G = max(g for g in range(1, min(batches, 32) + 1) if batches % g == 0 and TC * g <= threads)
+        sch = Schedule(V=V, TC=TC, G=G, SG=SG, R=1, NB=batches // G, LONG=True)
+        # Two 16-byte batches of 4 slots in flight (NB > 1) do not fit 128 registers: batches of 2.
+        if sch.NB == 1 or V < 8:
+            break
+    return sch
+
+
+def long_backward_smem_bytes(sch: Schedule) -> int:
+    """grad_ape accumulator (window x columns) + group partials + per-column row results, fp32."""
+    cw = sch.TC * sch.V
+    window = sch.G * sch.SG * sch.NB
+    return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128
+
+
+def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, reduce_kernel, reduce_warps: int):
+    """The @cute.jit host function (this main kernel + the grad_ape reduction kernel).
+
+    Same signature as ``backward.build_backward``'s host function.
+    """
+    V, TC, G, SG, NB = sch.V, sch.TC, sch.G, sch.SG, sch.NB
+    assert sch.LONG and sch.R == 1 and G * SG * NB == coff * ratio
+    W = coff * ratio
+    D = head_dim
+    WIDTH = coff * head_dim
+    NT = sch.threads
+    CW = TC * V
+    NCHUNK = -(-D // CW)
+    COLS_EXACT = D % CW == 0
+    SPG = SG * NB
+    APE_SIZE = ratio * WIDTH
+    MIN_BLOCKS = max(1, 65536 // (NT * MAX_REGS))
+    smem_bytes = long_backward_smem_bytes(sch)
+
+    @cute.jit
+    def issue(kv, score, kvf, scf, bi: cutlass.Constexpr, g, c, active, t0, first):
+        """Every load (kv and score) of batch bi of the thread's slots, issued before any use."""
+        for k in cutlass.range_constexpr(SG):
+            s = g * SPG + bi * SG + k
+            half = s // ratio
+            valid = active
+            if cutlass.const_expr(coff == 2):
+                valid = active & ((half == 1) | (not first))
+            kvf[k].fill(0.0)
+            scf[k].fill(NEG_INF)
+            if valid:
+                off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
+                kvf[k].store(vec_view(kv, off, V).load())
+                scf[k].store(vec_view(score, off, V).load())
+
+    @cute.jit
+    def load_ape(ape, apf, bi: cutlass.Constexpr, g, c, col_ok):
+        for k in cutlass.range_constexpr(SG):
+            s = g * SPG + bi * SG + k
+            apf[k].fill(0.0)
+            if col_ok:
+                apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+
+    @cute.kernel
+    def kernel(
+        kv: cute.Pointer,
+        score: cute.Pointer,
+        ape: cute.Pointer,
+        cu: cute.Pointer,
+        cuc: cute.Pointer,
+        gout: cute.Pointer,
+        gkv: cute.Pointer,
+        gsc: cute.Pointer,
+        ws: cute.Pointer,
+        B: Int32,
+        N: Int32,
+        T: Int32,
+        rows_per_cta: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        gdx, _, _ = cute.arch.grid_dim()
+        tc = tidx % TC
+        g = tidx // TC
+        c = (by * TC + tc) * V
+        col_ok = Boolean(True)
+        if cutlass.const_expr(not COLS_EXACT):
+            col_ok = c < D
+        cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
+        cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
+        nreal = cuc_t[B]
+
+        smem = cutlass.memory.SmemAllocator()
+        sm_dape = smem.allocate_tensor(Float32, cute.make_layout(W * CW), byte_alignment=16)
+        sm_m = smem.allocate_tensor(Float32, cute.make_layout(G * CW), byte_alignment=16)
+        sm_l = smem.allocate_tensor(Float32, cute.make_layout(G * CW), byte_alignment=16)
+        sm_a = smem.allocate_tensor(Float32, cute.make_layout(G * CW), byte_alignment=16)
+        sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * CW), byte_alignment=16)
+
+        zero = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
+        zero.fill(0.0)
+        zf = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        zf.fill(0.0)
+        for k in cutlass.range_constexpr(SPG):
+            vec_view(sm_dape.iterator, (g * SPG + k) * CW + tc * V, V).store(zf.load())
+
+        kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
+        scb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
+        apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
+        gb = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
+        gf = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        va = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        dvo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        dlo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+
+        row_begin = bx * rows_per_cta
+        # Rows past the true row count (padding) carry no gradient.
+        row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
+        for r in cutlass.range(row_begin, row_lim):
+            b = find_segment(cuc_t, B, r)
+            j = r - cuc_t[b]
+            t0 = cu_t[b] + j * ratio
+            first = j == 0
+            last = r == cuc_t[b + 1] - 1
+            seg_end = cu_t[b + 1]
+            active = col_ok
+            gb.fill(0.0)
+            if active:
+                gb.store(vec_view(gout, r * D + c, V).load())
+
+            # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
+            issue(kv, score, kvb[(0) % 2], scb[(0) % 2], 0, g, c, active, t0, first)
+            for bi in cutlass.range_constexpr(NB):
+                if cutlass.const_expr(bi + 1 < NB):
+                    issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
+                load_ape(ape, apf, bi, g, c, col_ok)
+                kvf, scf = kvb[bi % 2], scb[bi % 2]
+                for i in cutlass.range_constexpr(V):
+                    y = [(Float32(scf[k][i]) + apf[k][i]) * LOG2E for k in range(SG)]
+                    m = y[0]
+                    for k in cutlass.range_constexpr(1, SG):
+                        m = cute.arch.fmax(m, y[k], nan=True)
+                    if cutlass.const_expr(bi > 0):
+                        m = cute.arch.fmax(m, vm[i], nan=True)
+                    # All slots masked so far (previous half of a first row): m = -inf, keep e = 0.
+                    msafe = m
+                    if m == Float32(NEG_INF):
+                        msafe = Float32(0.0)
+                    total = Float32(0.0)
+                    acc = Float32(0.0)
+                    if cutlass.const_expr(bi > 0):
+                        carry = ex2(vm[i] - msafe)
+                        total = vl[i] * carry
+                        acc = va[i] * carry
+                    for k in cutlass.range_constexpr(SG):
+                        e = ex2(y[k] - msafe)
+                        total = total + e
+                        acc = acc + e * Float32(kvf[k][i])
+                    vm[i] = m
+                    vl[i] = total
+                    va[i] = acc
+            # The second pass's first batch is in flight during the combine.
+            issue(kv, score, kvb[(0) % 2], scb[(0) % 2], 0, g, c, active, t0, first)
+            base = g * CW + tc * V
+            vec_view(sm_m.iterator, base, V).store(vm.load())
+            vec_view(sm_l.iterator, base, V).store(vl.load())
+            vec_view(sm_a.iterator, base, V).store(va.load())
+            cute.arch.sync_threads()
+            # Fixed-order combine of the groups, one thread per column: M, 1/L, sum p*v.
+            for q in cutlass.range(tidx, CW, NT):
+                mx = sm_m[q]
+                for h in cutlass.range_constexpr(1, G):
+                    mx = cute.arch.fmax(mx, sm_m[h * CW + q], nan=True)
+                total = Float32(0.0)
+                acc = Float32(0.0)
+                for h in cutlass.range_constexpr(G):
+                    scale = ex2(sm_m[h * CW + q] - mx)
+                    total = total + sm_l[h * CW + q] * scale
+                    acc = acc + sm_a[h * CW + q] * scale
+                inv = Float32(1.0) / total
+                sm_res[q] = mx
+                sm_res[CW + q] = inv
+                sm_res[2 * CW + q] = acc * inv
+            cute.arch.sync_threads()
+            gf.store(gb.load().to(Float32))
+            for i in cutlass.range_constexpr(V):
+                vm[i] = sm_res[tc * V + i]
+                vl[i] = sm_res[CW + tc * V + i]
+                va[i] = gf[i] * sm_res[2 * CW + tc * V + i]  # S = g * sum p*v
+
+            # Pass 2: gradients per slot, stored right away; grad_ape in shared memory.
+            for bi in cutlass.range_constexpr(NB):
+                if cutlass.const_expr(bi + 1 < NB):
+                    issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
+                load_ape(ape, apf, bi, g, c, col_ok)
+                kvf, scf = kvb[bi % 2], scb[bi % 2]
+                for k in cutlass.range_constexpr(SG):
+                    s = g * SPG + bi * SG + k
+                    half = s // ratio
+                    for i in cutlass.range_constexpr(V):
+                        gi = gf[i]
+                        pk = ex2((Float32(scf[k][i]) + apf[k][i]) * LOG2E - vm[i]) * vl[i]
+                        dvo[i] = gi * pk
+                        dlo[i] = pk * (gi * Float32(kvf[k][i]) - va[i])
+                    valid = active
+                    if cutlass.const_expr(coff == 2):
+                        valid = active & ((half == 1) | (not first))
+                    if valid:
+                        off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
+                        vec_view(gkv, off, V).store(dvo.load().to(BFloat16))
+                        vec_view(gsc, off, V).store(dlo.load().to(BFloat16))
+                        sv = vec_view(sm_dape.iterator, s * CW + tc * V, V)
+                        sv.store(sv.load() + dlo.load())
+
+            # Exact zeros owned by a segment's last row.
+            if active & last:
+                for k in cutlass.range_constexpr(SPG):
+                    qz = g * SPG + k
+                    if qz < ratio:
+                        tail_tok = t0 + ratio + qz
+                        if tail_tok < seg_end:
+                            for h in cutlass.range_constexpr(coff):
+                                vec_view(gkv, tail_tok * WIDTH + h * D + c, V).store(zero.load())
+                                vec_view(gsc, tail_tok * WIDTH + h * D + c, V).store(zero.load())
+                        if cutlass.const_expr(coff == 2):
+                            own_tok = t0 + qz
+                            vec_view(gkv, own_tok * WIDTH + c, V).store(zero.load())
+                            vec_view(gsc, own_tok * WIDTH + c, V).store(zero.load())
+
+        # Exact zeros: segments with no row (seqlen < ratio), CTA bx owns b = bx mod grid.
+        if col_ok:
+            for b in cutlass.range(bx, B, gdx):
+                if cuc_t[b + 1] == cuc_t[b]:
+                    for t in cutlass.range(cu_t[b] + g, cu_t[b + 1], G):
+                        for h in cutlass.range_constexpr(coff):
+                            vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
+                            vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
+            # Token-capacity padding rows past cu_seqlens[-1]: grid-stride.
+            for t in cutlass.range(cu_t[B] + bx * G + g, T, gdx * G):
+                for h in cutlass.range_constexpr(coff):
+                    vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
+                    vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
+
+        # This CTA's grad_ape slab: each thread copies the entries it owns.
+        if col_ok:
+            for k in cutlass.range_constexpr(SPG):
+                s = g * SPG + k
+                aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
+                vec_view(ws, bx * APE_SIZE + aoff, V).store(vec_view(sm_dape.iterator, s * CW + tc * V, V).load())
+
+    @cute.jit
+    def host(
+        kv: cute.Pointer,
+        score: cute.Pointer,
+        ape: cute.Pointer,
+        cu: cute.Pointer,
+        cuc: cute.Pointer,
+        gout: cute.Pointer,
+        gkv: cute.Pointer,
+        gsc: cute.Pointer,
+        gape: cute.Pointer,
+        ws: cute.Pointer,
+        B: Int32,
+        N: Int32,
+        T: Int32,
+        rows_per_cta: Int32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta).launch(
+            grid=[num_ctas, NCHUNK, 1],
+            block=[NT, 1, 1],
+            smem=smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=MIN_BLOCKS,
+            preferred_smem_carveout=100,
+        )
+        reduce_kernel(ws, gape, num_ctas).launch(
+            grid=[(APE_SIZE + 31) // 32, 1, 1],
+            block=[reduce_warps * 32, 1, 1],
+            smem=reduce_warps * 32 * 4 + 64,
+            stream=stream,
+        )
+
+    return host
