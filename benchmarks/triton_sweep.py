@@ -11,6 +11,15 @@ Kernels are JIT-built first in parallel worker processes (Triton's disk cache),
 so the timing loop only loads them.
 
     python3 benchmarks/triton_sweep.py --out results/ [--quick] [--cases 3x8192_d512_r4_c2,...]
+
+Long windows (ratio 128: the ``*_long_kernel``s), the three r128 cases, <= 12 tiles per direction and case
+(block_d x num_warps x slots per thread, rows per program), about 2-3 minutes on one H200 with the build:
+
+    python3 benchmarks/triton_sweep.py --cases r128 --out $OUT
+
+``--cases`` takes case names, or ``r4`` / ``r128`` for every case of that ratio. Each row of the table has the
+kernel us (write flush), the floor, max bf16 ulp / non-bitwise count vs the fp32 reference and dAPE rel-L2 vs
+fp64, and ``ok`` from ``csa_compressor.testing.contract_report`` (SPEC 3); ``*`` marks ``choose_config``'s pick.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from csa_compressor import reference
 from csa_compressor.backends.triton import launch
 from csa_compressor.backends.triton.launch import KernelConfig
-from csa_compressor.testing import make_pack
+from csa_compressor.testing import contract_report, make_pack
 
 COPY_RATE = 4.22e12  # bytes/s, SPEC section 6
 # (name, sequences, seqlen, head_dim, ratio, coff)
@@ -56,11 +65,43 @@ def floor_us(direction, tokens, n_rows, head_dim, coff) -> float:
     return nbytes / COPY_RATE * 1e6
 
 
+def long_candidates(direction, ratio, coff, head_dim, quick=False):
+    """Long-window tiles (<= 12): forward (block_d, num_warps, slots_per_thread, rows_per_prog), backward
+    (block_d, num_warps, rows_per_prog; 0 = from the problem size) at 16 or 32 window elements per thread."""
+    k = coff * launch._pow2(ratio)
+    d2 = launch._pow2(head_dim)
+    default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
+    if direction == "forward":
+        if head_dim <= 128:
+            tiles = [(32, 4, 4, 1), (32, 4, 2, 1), (32, 2, 4, 1), (16, 1, 4, 1), (16, 2, 4, 1), (16, 4, 2, 1),
+                     (32, 1, 2, 1), (64, 4, 2, 1), (64, 2, 2, 1), (32, 4, 4, 2), (64, 8, 2, 1)]  # fmt: skip
+        else:
+            tiles = [(128, 1, 2, 1), (64, 1, 2, 1), (256, 1, 2, 1), (128, 1, 4, 1), (64, 1, 4, 1), (32, 1, 2, 1),
+                     (128, 2, 2, 1), (64, 2, 2, 1), (256, 2, 2, 1), (128, 1, 2, 2), (64, 1, 2, 2)]  # fmt: skip
+        out = [dataclasses.replace(default, block_d=min(bd, d2), num_warps=nw, slots_per_thread=cs, rows_per_prog=r)
+               for bd, nw, cs, r in tiles]  # fmt: skip
+    else:
+        tiles = []
+        for nw in (4, 8):
+            for per_thread in (32, 16):
+                bd = 32 * nw * per_thread // k
+                if 8 <= bd <= d2:
+                    tiles.append((bd, nw))
+        out = []
+        for bd, nw in tiles:
+            for rows in (0, -2) if (bd, nw) != (default.block_d, default.num_warps) else (0, -2, 2, 4):
+                out.append(dataclasses.replace(default, block_d=bd, num_warps=nw, rows_per_prog=rows))
+    out = [default] + [c for c in out if c != default]
+    return out[: 3 if quick else 12]
+
+
 def candidates(direction, ratio, coff, head_dim, quick=False):
     """Tile candidates x exact/approximate exp x ``rows_per_prog`` (runtime-only: no recompilation)."""
     k = coff * launch._pow2(ratio)
     d2 = launch._pow2(head_dim)
     default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
+    if k > 16:
+        return long_candidates(direction, ratio, coff, head_dim, quick)
     tiles = []
     if k <= 16:
         vec = min(8, 32 // k)
@@ -102,6 +143,16 @@ def candidates(direction, ratio, coff, head_dim, quick=False):
 
 def _compile_key(cfg: KernelConfig):
     return dataclasses.replace(cfg, rows_per_prog=cfg.block_r)
+
+
+def _resolve(cfg: KernelConfig, direction, n_rows, head_dim, device, k):
+    """``rows_per_prog = -2``: twice the rows the launcher picks for a long-window backward (half the programs)."""
+    if cfg.rows_per_prog >= 0:
+        return cfg
+    auto = launch._long_rows(
+        dataclasses.replace(cfg, rows_per_prog=0), direction, n_rows, -(-head_dim // cfg.block_d), device
+    )
+    return dataclasses.replace(cfg, rows_per_prog=-cfg.rows_per_prog * auto)
 
 
 def _compile_job(job):
@@ -184,6 +235,10 @@ class Timer:
 
 def run_case(case, timer, quick, log):
     name, seqs, seqlen, head_dim, ratio, coff = case
+    long = coff * launch._pow2(ratio) > 16
+    # The full SPEC 3 contract check (fp64 oracle, CPU comparisons: seconds per call) for the default tile of the
+    # long-window cases; every candidate gets the on-device ulp / rel-L2 figures.
+    check_contract = long
     pack = make_pack([seqlen] * seqs, head_dim, ratio, coff, device="cuda", seed=1)
     tokens, n_rows = pack.kv.shape[0], pack.total_comp
     kw = dict(ratio=ratio, coff=coff)
@@ -211,7 +266,8 @@ def run_case(case, timer, quick, log):
             return call, None, grads
 
         first = len(results)
-        for cfg in candidates(direction, ratio, coff, head_dim, quick):
+        for cand in candidates(direction, ratio, coff, head_dim, quick):
+            cfg = _resolve(cand, direction, n_rows, head_dim, pack.kv.device, coff * launch._pow2(ratio))
             fn, out, grads = make_fn(cfg)
             try:
                 us = timer.time_us(fn)
@@ -222,6 +278,8 @@ def run_case(case, timer, quick, log):
                 out.fill_(float("nan"))
                 fn()
                 check = {"out": ulp_stats(out, ref_out)}
+                if check_contract and cand == default:
+                    check["ok"] = bool(contract_report(pack, out=out)["ok"])
             else:
                 for g in grads:
                     g.fill_(float("nan"))
@@ -231,11 +289,13 @@ def run_case(case, timer, quick, log):
                     "grad_score": ulp_stats(grads[1], ref_score),
                     "dape_rel_l2": rel_l2(grads[2], ape64),
                 }
+                if check_contract and cand == default:
+                    check["ok"] = bool(contract_report(pack, grads=grads)["ok"])
             row = dict(
                 case=name,
                 direction=direction,
                 config=dataclasses.asdict(cfg),
-                default=cfg == default,
+                default=cand == default,
                 kernel_us=round(us, 2),
                 floor_us=round(fl, 2),
                 ratio_to_floor=round(us / fl, 3),
@@ -244,8 +304,9 @@ def run_case(case, timer, quick, log):
             results.append(row)
             log(
                 f"  {name:22s} {direction:8s} {'*' if row['default'] else ' '} br={cfg.block_r:2d} bd={cfg.block_d:3d} "
-                f"nw={cfg.num_warps} vec={cfg.vec} rows={cfg.rows_per_prog:3d} exact_exp={int(cfg.precise_exp)} "
-                f"{us:8.2f} us  floor {fl:7.2f}  x{us / fl:5.2f}  {check}"
+                f"nw={cfg.num_warps} vec={cfg.vec} rows={cfg.rows_per_prog:3d} "
+                + (f"cs={cfg.slots_per_thread} " if long else f"exact_exp={int(cfg.precise_exp)} ")
+                + f"{us:8.2f} us  floor {fl:7.2f}  x{us / fl:5.2f}  {check}"
             )
         # The write flush leaves L2 full of dirty lines that the timed kernel pays to write back; time the best
         # and the default also after a read-only flush (clean L2) to separate that from the kernel.
@@ -277,7 +338,10 @@ def main():
     if not torch.cuda.is_available():
         print("triton_sweep: needs a CUDA GPU", file=sys.stderr)
         return 2
-    cases = CASES if args.cases == "all" else [c for c in CASES if c[0] in args.cases.split(",")]
+    if args.cases in ("all", "r4", "r128"):
+        cases = [c for c in CASES if args.cases == "all" or c[0].endswith(f"_{args.cases}_c{c[5]}")]
+    else:
+        cases = [c for c in CASES if c[0] in args.cases.split(",")]
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, "triton_sweep_compile.log" if args.compile_only else "triton_sweep.log")
     log_file = open(log_path, "w")

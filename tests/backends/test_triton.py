@@ -125,6 +125,24 @@ def test_explicit_tilings_match_reference(cfg, ratio, coff, seqlens):
     _check(pack, *_run(pack, cfg, cfg))
 
 
+LONG_TILINGS = [
+    # the GPU long-window families, scaled down: 16-byte vectors, lanes over threads and warps, several chunks per
+    # row (forward), several rows per program (next-row prefetch), a partial last column block (head_dim 24)
+    launch.KernelConfig(block_r=1, block_d=16, num_warps=1, rows_per_prog=3, vec=8, slots_per_thread=2),
+    launch.KernelConfig(block_r=1, block_d=8, num_warps=2, rows_per_prog=2, vec=8, slots_per_thread=4),
+    launch.KernelConfig(block_r=1, block_d=32, num_warps=1, rows_per_prog=1, vec=4, slots_per_thread=8),
+]
+
+
+@pytest.mark.parametrize("cfg", LONG_TILINGS, ids=["d16w1c2", "d8w2c4", "d32w1c8"])
+@pytest.mark.parametrize("ratio,coff", [(128, 2), (40, 1)])
+def test_long_window_tilings_match_reference(cfg, ratio, coff):
+    """Long-window kernels (coff * next_pow2(ratio) > 16) with GPU-like tiles: first groups (no previous group),
+    a non-power-of-two ratio, padding rows, segments shorter than ratio, column blocks past head_dim."""
+    pack = _pack((3 * ratio + 5, ratio - 1, 2 * ratio), 24, ratio, coff, tok_pad=3, comp_pad=2, seed=13)
+    _check(pack, *_run(pack, cfg, cfg))
+
+
 @pytest.mark.parametrize("dape_block,dape_chunk", [(64, 64), (8, 32)], ids=["b64c64", "b8c32"])
 def test_many_dape_partials(dape_block, dape_chunk):
     """More partials than one reduction step takes: the chunked, fixed-order dAPE reduction (the GPU's small-window

@@ -24,7 +24,70 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _load_ape, _program_segment, _round, _segment_of, _slot_columns, _softmax, _sum_slots, _tile
+from .forward import (
+    LOG2E,
+    _load_ape,
+    _long_base,
+    _program_segment,
+    _round,
+    _row_start,
+    _segment_of,
+    _slot_columns,
+    _softmax,
+    _sum_slots,
+    _tile,
+)
+
+
+@triton.jit
+def _zero_sweep(
+    sweep_pid,
+    grad_kv_ptr,
+    grad_score_ptr,
+    cu_ptr,
+    T,
+    B,
+    n_iter,
+    RATIO: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SWEEP_T: tl.constexpr,
+    SWEEP_D: tl.constexpr,
+):
+    """Exact zeros at the ``SWEEP_T`` tokens of sweep program ``sweep_pid`` that no slot consumes."""
+    W: tl.constexpr = COFF * HEAD_DIM
+    gdt = grad_kv_ptr.dtype.element_ty
+    toks = sweep_pid * SWEEP_T + tl.arange(0, SWEEP_T)
+    tok_ok = toks < T
+    seg = _segment_of(toks, cu_ptr, B, n_iter)
+    seg_start = tl.load(cu_ptr + seg)
+    n_groups = (tl.load(cu_ptr + seg + 1) - seg_start) // RATIO
+    local = toks - seg_start
+    consumed = (toks < tl.load(cu_ptr + B)) & (local < n_groups * RATIO)
+    # Per token: zero its first d columns / its last (coff-1)*d columns. Row flags broadcast over columns
+    # keep the stores vectorised.
+    zero_hi = tok_ok & ~consumed
+    if COFF == 2:
+        # The first d columns of a segment's last group would be read by a next group that does not exist.
+        zero_lo = zero_hi | (consumed & (local // RATIO == n_groups - 1))
+    else:
+        zero_lo = zero_hi
+    if tl.max(zero_lo.to(tl.int32), axis=0) > 0:
+        zeros = tl.zeros([SWEEP_T, SWEEP_D], dtype=gdt)
+        for c0 in range(0, HEAD_DIM, SWEEP_D):
+            cols = c0 + tl.arange(0, SWEEP_D)
+            zmask = zero_lo[:, None] & (cols < HEAD_DIM)[None, :]
+            zoffs = toks[:, None] * W + cols[None, :]
+            tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
+            tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
+        if COFF == 2:
+            if tl.max(zero_hi.to(tl.int32), axis=0) > 0:
+                for c0 in range(0, HEAD_DIM, SWEEP_D):
+                    cols = c0 + tl.arange(0, SWEEP_D)
+                    zmask = zero_hi[:, None] & (cols < HEAD_DIM)[None, :]
+                    zoffs = toks[:, None] * W + HEAD_DIM + cols[None, :]
+                    tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
+                    tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
 
 
 @triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"])
@@ -117,37 +180,137 @@ def csa_bwd_kernel(
         wmask = slot_ok[:, None] & col_ok[None, :]
         tl.store(ws_ptr + rp * (RATIO * W) + s[:, None] * W + col, tl.sum(dape, axis=1), mask=wmask)
     else:
-        toks = (pid - n_compute) * SWEEP_T + tl.arange(0, SWEEP_T)
-        tok_ok = toks < T
-        seg = _segment_of(toks, cu_ptr, B, n_iter)
-        seg_start = tl.load(cu_ptr + seg)
-        n_groups = (tl.load(cu_ptr + seg + 1) - seg_start) // RATIO
-        local = toks - seg_start
-        consumed = (toks < tl.load(cu_ptr + B)) & (local < n_groups * RATIO)
-        # Per token: zero its first d columns / its last (coff-1)*d columns. Row flags broadcast over columns
-        # keep the stores vectorised.
-        zero_hi = tok_ok & ~consumed
-        if COFF == 2:
-            # The first d columns of a segment's last group would be read by a next group that does not exist.
-            zero_lo = zero_hi | (consumed & (local // RATIO == n_groups - 1))
-        else:
-            zero_lo = zero_hi
-        if tl.max(zero_lo.to(tl.int32), axis=0) > 0:
-            zeros = tl.zeros([SWEEP_T, SWEEP_D], dtype=gdt)
-            for c0 in range(0, HEAD_DIM, SWEEP_D):
-                cols = c0 + tl.arange(0, SWEEP_D)
-                zmask = zero_lo[:, None] & (cols < HEAD_DIM)[None, :]
-                zoffs = toks[:, None] * W + cols[None, :]
-                tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
-                tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
-            if COFF == 2:
-                if tl.max(zero_hi.to(tl.int32), axis=0) > 0:
-                    for c0 in range(0, HEAD_DIM, SWEEP_D):
-                        cols = c0 + tl.arange(0, SWEEP_D)
-                        zmask = zero_hi[:, None] & (cols < HEAD_DIM)[None, :]
-                        zoffs = toks[:, None] * W + HEAD_DIM + cols[None, :]
-                        tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
-                        tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
+        _zero_sweep(
+            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, T, B, n_iter, RATIO, COFF, HEAD_DIM, SWEEP_T, SWEEP_D
+        )
+
+
+@triton.jit
+def _long_window_base(
+    col_start, RATIO: tl.constexpr, SP: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, VEC: tl.constexpr, CS_IN: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    """A row's whole window as one ``[LANES, CS_IN, BLOCK_D]`` tile: slot ``k = i * LANES + l`` (coff = 2:
+    ``k < SP`` is the previous group). Per-thread constants: ``k``, kv/score offsets relative to the row's first
+    token (``t0 * W`` is added per row), ape offsets (= the grad_ape entry), ape mask, the column mask and the
+    output columns (``[BLOCK_D]``)."""
+    W: tl.constexpr = COFF * HEAD_DIM
+    k, _b, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES)
+    s = k % SP
+    own = k >= (COFF - 1) * SP
+    colw = cols[None, None, :] + own.to(tl.int32) * ((COFF - 1) * HEAD_DIM)
+    aoffs = s * W + colw
+    return k, aoffs - tl.where(own, 0, RATIO * W), aoffs, (s < RATIO) & col_ok, col_ok, cols
+
+
+@triton.jit
+def _long_window_mask(k, has_prev, ok, amask, SP: tl.constexpr, COFF: tl.constexpr):
+    """Slots of the window that exist for this row (``amask``: slot < ratio and column < d)."""
+    # (Thresholds rather than scalar-bool broadcasts: the interpreter turns bool tensor & 0-d bool into int32.)
+    k_lo = tl.where(has_prev, 0, (COFF - 1) * SP)
+    return amask & (k >= k_lo) & (k < tl.where(ok, COFF * SP, 0))
+
+
+@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"])
+def csa_bwd_long_kernel(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    cu_ptr,
+    cu_comp_ptr,
+    grad_out_ptr,
+    grad_kv_ptr,
+    grad_score_ptr,
+    ws_ptr,
+    N,
+    T,
+    B,
+    n_iter,
+    rows_per_prog,
+    n_compute,
+    RATIO: tl.constexpr,
+    SP: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
+    LANES: tl.constexpr,
+    CS_IN: tl.constexpr,
+    N_COL: tl.constexpr,
+    SWEEP_T: tl.constexpr,
+    SWEEP_D: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr,
+):
+    """Long-window backward: compute programs ``(rp, cb)`` hold a row's whole window (all ``coff * SP`` slots x
+    ``BLOCK_D`` columns) in registers, walk ``rows_per_prog`` rows (the next row's window is loaded before the
+    current one is computed), store dvalue/dlogit where the slots read and keep the dAPE partial of their rows in
+    registers; the rest are zero-sweep programs as in ``csa_bwd_kernel``. Every input is read once.
+    """
+    W: tl.constexpr = COFF * HEAD_DIM
+    pid = tl.program_id(0)
+    gdt = grad_kv_ptr.dtype.element_ty
+    if pid < n_compute:
+        rp = pid // N_COL
+        col_start = (pid % N_COL) * BLOCK_D
+        total_real = tl.load(cu_comp_ptr + B)
+        row_base = rp * rows_per_prog
+        uniform, comp0, tok0 = _program_segment(
+            row_base, rows_per_prog, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr
+        )  # fmt: skip
+        k, base, aoffs, amask, _col_ok, cols = _long_window_base(
+            col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES
+        )  # fmt: skip
+        row_end = tl.minimum(row_base + rows_per_prog, N)
+        t0, hp, real, ok = _row_start(
+            row_base, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+        )  # fmt: skip
+        ape = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+        lmask = _long_window_mask(k, hp, ok, amask, SP, COFF)
+        kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0)
+        sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0)
+        # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
+        g_n = tl.load(grad_out_ptr + row_base * HEAD_DIM + cols, mask=cols < tl.where(real, HEAD_DIM, 0), other=0.0)
+        dape = tl.zeros([LANES, CS_IN, BLOCK_D], dtype=tl.float32)
+        for row in range(row_base, row_end):
+            kv_c = kv_n
+            sc_c = sc_n
+            g_c = g_n
+            valid = lmask
+            offs_c = base + t0 * W
+            smask = valid & (cols < tl.where(real, HEAD_DIM, 0))[None, None, :]
+            t0, hp, real_n, okn = _row_start(
+                row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+            )  # fmt: skip
+            okn = okn & (row + 1 < row_end)
+            lmask = _long_window_mask(k, hp, okn, amask, SP, COFF)
+            kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0)
+            sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0)
+            g_n = tl.load(
+                grad_out_ptr + (row + 1) * HEAD_DIM + cols, mask=cols < tl.where(real_n & okn, HEAD_DIM, 0), other=0.0
+            )
+
+            x = tl.where(valid, sc_c.to(tl.float32) + ape, float("-inf"))
+            mx = tl.max(tl.max(x, axis=1), axis=0)
+            mx = tl.where(mx == float("-inf"), 0.0, mx) * LOG2E
+            e = tl.exp2(x * LOG2E - mx[None, None, :])
+            inv = tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), tl.sum(tl.sum(e, axis=1), axis=0))
+            p = e * inv[None, None, :]
+            v = kv_c.to(tl.float32)
+            g = g_c.to(tl.float32)[None, None, :]
+            # sum_k p_k * g * v_k = g * sum_k p_k v_k (g is the same for every slot of a column).
+            gd = g * tl.sum(tl.sum(p * v, axis=1), axis=0)[None, None, :]
+            dv = g * p
+            dlogit = p * (g * v - gd)
+            tl.store(grad_kv_ptr + offs_c, _round(dv, gdt, MANUAL_RTNE), mask=smask)
+            tl.store(grad_score_ptr + offs_c, _round(dlogit, gdt, MANUAL_RTNE), mask=smask)
+            dape += tl.where(smask, dlogit, 0.0)
+            real = real_n
+        # Slot k added ape entry aoffs: the partial has grad_ape's [ratio, coff*d] layout.
+        tl.store(ws_ptr + rp * (RATIO * W) + aoffs, dape, mask=amask)
+    else:
+        _zero_sweep(
+            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, T, B, n_iter, RATIO, COFF, HEAD_DIM, SWEEP_T, SWEEP_D
+        )
 
 
 @triton.jit(do_not_specialize=["P"])

@@ -266,3 +266,174 @@ def csa_fwd_kernel(
         omask = row_ok[:, None] & col_ok[None, :]
         optrs = out_ptr + rows[:, None] * HEAD_DIM + cols[None, :]
         tl.store(optrs, _round(out, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
+
+
+# --------------------------------------------------------------------------- long windows (coff * next_pow2(ratio) > 16)
+#
+# A program owns ``rows_per_prog`` consecutive rows x ``BLOCK_D`` columns (column blocks of one row are adjacent
+# program ids). Window tiles are ``[LANES, CS_IN, BLOCK_D]``: ``BLOCK_D / VEC`` threads side by side along the
+# columns (16-byte accesses at VEC = 8), ``LANES`` slots across the remaining threads and warps, ``CS_IN`` slots in
+# each thread (reductions over them are in-thread). Slot ``s0 + i * LANES + l`` of a chunk sits at ``[l, i, :]``.
+# Exponentials are ``exp2`` of logits scaled by log2(e) (ex2.approx on NVIDIA GPUs): the numerics contract
+# (SPEC 3) holds to 1 bf16 ulp, and bitwise equality is a ratio-4 goal only. Row and chunk only add a scalar
+# to per-thread offsets computed once per program.
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _row_start(row, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO: tl.constexpr):
+    """Scalar ``(t0, has_prev, is_real, row_ok)`` of output row ``row`` (SPEC 2; padding rows start at token 0)."""
+    is_real = row < total_real
+    row_ok = row < N
+    if uniform:
+        j = row - comp0
+        t0 = tok0 + j * RATIO
+    else:
+        seg = _segment_of(tl.minimum(row, total_real), cu_comp_ptr, B, n_iter)
+        j = row - tl.load(cu_comp_ptr + seg)
+        t0 = tl.where(is_real, tl.load(cu_ptr + seg) + j * RATIO, 0)
+    return t0, is_real & (j > 0), is_real, row_ok
+
+
+@triton.jit
+def _long_base(
+    col_start, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
+    CS_IN: tl.constexpr, LANES: tl.constexpr,
+):  # fmt: skip
+    """Per-thread constants of the long-window tiles: the slot of each ``[l, i]`` (``i * LANES + l``,
+    ``[LANES, CS_IN, 1]``), element offsets ``slot * W + col`` (``[LANES, CS_IN, BLOCK_D]``), the column mask and
+    the output columns (``[BLOCK_D]``). A chunk or row only adds a scalar to them."""
+    W: tl.constexpr = COFF * HEAD_DIM
+    # Lanes first: with the slot-in-thread axis second, Triton's coalescing order spreads threads over the
+    # columns, then the lanes, and keeps CS_IN in each thread (reductions over axis 1 stay in-thread).
+    slot = tl.arange(0, LANES)[:, None, None] + tl.arange(0, CS_IN)[None, :, None] * LANES
+    lane = tl.arange(0, BLOCK_D)
+    # Contiguous in runs of VEC only: caps the vector width Triton picks at VEC elements.
+    cols = col_start + (lane // VEC) * VEC + lane % VEC
+    return slot, slot * W + cols[None, None, :], (cols < HEAD_DIM)[None, None, :], cols
+
+
+@triton.jit
+def _long_chunk_at(
+    c, t0, has_prev, ok, slot, base, col_ok,
+    RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr, NCH_HALF: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):  # fmt: skip
+    """Chunk ``c`` of a row (``CS`` slots; coff = 2: chunks ``< NCH_HALF`` are the previous group, first d
+    columns): kv/score offsets, ape offsets, load mask, ape mask."""
+    W: tl.constexpr = COFF * HEAD_DIM
+    own = c >= (COFF - 1) * NCH_HALF
+    s0 = (c % NCH_HALF) * CS
+    shift = tl.where(own, (COFF - 1) * HEAD_DIM, 0)
+    tok0 = t0 + s0 - tl.where(own, 0, RATIO)
+    # (Thresholds rather than scalar-bool broadcasts: the interpreter turns bool tensor & 0-d bool into int32.)
+    smask = slot < tl.where(ok & (own | has_prev), RATIO - s0, 0)
+    amask = slot < RATIO - s0
+    if not EVEN_D:
+        smask = smask & col_ok
+        amask = amask & col_ok
+    return base + (tok0 * W + shift), base + (s0 * W + shift), smask, amask
+
+
+@triton.jit
+def _online_step(kv, sc, ape, lmask, m, den, acc):
+    """Fold one chunk into the running (max, sum of exp, weighted sum) of each (lane, column)."""
+    x = tl.where(lmask, sc.to(tl.float32) + ape, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    # exp(x - m) as exp2(x * log2e - m * log2e); an all -inf column keeps m = -inf and adds exact zeros.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
+    alpha = tl.exp2(m * LOG2E - m_use)
+    e = tl.exp2(x * LOG2E - m_use[:, None, :])
+    den = den * alpha + tl.sum(e, axis=1)
+    acc = acc * alpha + tl.sum(e * kv.to(tl.float32), axis=1)
+    return m_new, den, acc
+
+
+@triton.jit(do_not_specialize=["N", "B", "n_iter", "rows_per_prog"])
+def csa_fwd_long_kernel(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    cu_ptr,
+    cu_comp_ptr,
+    out_ptr,
+    N,
+    B,
+    n_iter,
+    rows_per_prog,
+    RATIO: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
+    LANES: tl.constexpr,
+    CS_IN: tl.constexpr,
+    NCH_HALF: tl.constexpr,
+    N_COL: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr,
+):
+    """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next chunk (of this row or the
+    next) loaded before the current one is computed.
+
+    Per (lane, column) the program keeps a running max ``m``, sum ``den`` of ``exp(x - m)`` and weighted sum
+    ``acc``; a chunk's slots in a thread are folded in-thread, the lanes are combined once per row.
+    Grid: ``ceil(N / rows_per_prog) * N_COL``.
+    """
+    NCH: tl.constexpr = COFF * NCH_HALF
+    CS: tl.constexpr = CS_IN * LANES
+    EVEN_D: tl.constexpr = HEAD_DIM % BLOCK_D == 0
+    pid = tl.program_id(0)
+    rp = pid // N_COL
+    col_start = (pid % N_COL) * BLOCK_D
+    total_real = tl.load(cu_comp_ptr + B)
+    row_base = rp * rows_per_prog
+    uniform, comp0, tok0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr)
+    slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES)
+    row_end = tl.minimum(row_base + rows_per_prog, N)
+
+    t0, hp, _ir, ok = _row_start(row_base, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO)
+    offs, aoffs, lmask, amask = _long_chunk_at(
+        row_base * 0, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+    )  # fmt: skip
+    kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+    sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
+    ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+    for row in range(row_base, row_end):
+        m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
+        den = tl.zeros([LANES, BLOCK_D], tl.float32)
+        acc = tl.zeros([LANES, BLOCK_D], tl.float32)
+        for c in range(NCH - 1):
+            kv_c = kv_n
+            sc_c = sc_n
+            ape_c = ape_n
+            mask_c = lmask
+            offs, aoffs, lmask, amask = _long_chunk_at(
+                c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+            )  # fmt: skip
+            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
+            ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+            m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc)
+        # Last chunk of this row; prefetch chunk 0 of the next row.
+        kv_c = kv_n
+        sc_c = sc_n
+        ape_c = ape_n
+        mask_c = lmask
+        t0, hp, _ir, okn = _row_start(
+            row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+        )
+        offs, aoffs, lmask, amask = _long_chunk_at(
+            row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+        )  # fmt: skip
+        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
+        ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+        m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc)
+        # Combine the lanes: rescale every lane to the column max.
+        mx = tl.max(m, axis=0)
+        scale = tl.exp2(m * LOG2E - (tl.where(mx == float("-inf"), 0.0, mx) * LOG2E)[None, :])
+        res = tl.math.div_rn(tl.sum(acc * scale, axis=0), tl.sum(den * scale, axis=0))
+        omask = cols < tl.where(ok, HEAD_DIM, 0)
+        tl.store(out_ptr + row * HEAD_DIM + cols, _round(res, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
+        ok = okn

@@ -143,6 +143,7 @@ class KernelConfig:
     torch_order: bool = True
     dape_block: int = 64
     dape_chunk: int = 64
+    slots_per_thread: int = 4
 
 
 def _pow2(n: int) -> int:
@@ -153,6 +154,10 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
     """Default tiles (GPU values from the H200 sweep in benchmarks/triton_sweep.py)."""
     k = coff * _pow2(ratio)
     d2 = _pow2(head_dim)
+    if interpret and k > 16:
+        # Long-window kernels: whole column range, 4 slots per thread and chunk; two rows per program keep the
+        # row loop (and the next-row prefetch) and several dAPE partials exercised.
+        return KernelConfig(1, d2, 1, rows_per_prog=2, sweep_t=64, sweep_d=d2, vec=1, slots_per_thread=4)
     if interpret:
         # The interpreter pays per numpy op, not per element: big tiles, few programs. Two row tiles per program
         # keep the multi-tile loop and the multi-partial dAPE reduction exercised.
@@ -172,13 +177,7 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
         # step keep its serial chain at P / 512 steps, 8 fp32 entries (one 32-byte sector per partial) per program.
         dape_block, dape_chunk = 8, 512
     else:
-        # Long windows: lanes and warps split the slots, reductions go through shuffles and shared memory.
-        # 16 columns x 4 per thread and 4 warps was the fastest long-window tile on the H200 sweep.
-        vec = 4
-        block_d = min(16, d2)
-        num_warps = 4
-        block_r = 1
-        dape_block, dape_chunk = 64, 64
+        return _long_config(direction, ratio, coff, head_dim)
     # Slot sums in PyTorch's CUDA reduction order (small windows): same registers and instructions with Triton
     # 3.6 for sm_90. It aims at bitwise equality with the CUDA reference where sum(p*v) or dlogit cancel; not yet
     # measured on the GPU (the sweep of commit 6a984c6 summed in slot order: dKV bitwise, dScore/forward not).
@@ -192,6 +191,33 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
         dape_block=dape_block,
         dape_chunk=dape_chunk,
     )
+
+
+def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> KernelConfig:
+    """GPU tiles for long windows (``coff * next_pow2(ratio) > 16``): 16-byte column vectors (vec = 8).
+
+    Registers with Triton 3.6 for sm_90 (ratio 128, no spills): forward 1 warp x 128 columns x 2 slots per
+    thread and chunk, 128 registers (16 warps per SM); 4 warps x 32 columns x 4 slots, 168. Backward ~240
+    registers at 32 window elements per thread and input (8 warps: 1 program per SM, 4 warps: 2).
+    """
+    k = coff * _pow2(ratio)
+    d2 = _pow2(head_dim)
+    if direction == "forward":
+        if head_dim <= 128:
+            # Small problems are latency bound: 4 warps x 8 lanes x 4 slots = one 128-slot chunk per row, and
+            # 32-column blocks for more programs.
+            block_d, num_warps, cs_in = min(32, d2), 4, 4
+        elif coff == 2:
+            # 2 x 128 columns per row: 4 rows x 512 columns = 2048 programs at 1x65536 d512.
+            block_d, num_warps, cs_in = min(128, d2), 1, 2
+        else:
+            # 64-column blocks: twice the programs of 128 (3x8192 d512: 1536 programs, ~12 warps per SM).
+            block_d, num_warps, cs_in = min(64, d2), 1, 2
+        return KernelConfig(1, block_d, num_warps, rows_per_prog=1, vec=8, slots_per_thread=cs_in, sweep_d=min(256, d2))
+    # Backward: 32 elements per thread of each input (CS_IN = 4 slots x 8 columns); 8 warps at 256 slots.
+    num_warps = 8 if k >= 256 else 4
+    block_d = max(8, min(d2, 32 * num_warps * 8 * 4 // k))
+    return KernelConfig(1, block_d, num_warps, rows_per_prog=0, vec=8, sweep_d=min(256, d2))
 
 
 def _rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k: int, device) -> int:
@@ -219,6 +245,45 @@ def _rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k
         target, lo, hi = 512, 4, 16
     tiles = max(lo, min(hi, _pow2(one_tile_programs // target + 1) // 2))
     return tiles * cfg.block_r
+
+
+def _is_long(ratio: int, coff: int) -> bool:
+    """Long windows (more than 16 slots) run the ``*_long_kernel``s."""
+    return coff * _pow2(ratio) > 16
+
+
+def _long_shape(direction: str, cfg: KernelConfig, ratio: int, coff: int) -> tuple[int, int]:
+    """``(LANES, CS_IN)`` of the long-window tile ``[LANES, CS_IN, block_d]`` (powers of two).
+
+    ``LANES``: the threads and warps left over once ``block_d / vec`` threads span the columns (at least 1,
+    at most the slots of a half window / the whole window). Forward: ``CS_IN = slots_per_thread`` (a chunk never
+    exceeds a half window); backward: the whole window, ``CS_IN = coff * next_pow2(ratio) / LANES``.
+    """
+    sp = _pow2(ratio)
+    vec = max(1, min(cfg.vec, cfg.block_d))
+    lanes = max(1, (32 * cfg.num_warps * vec) // cfg.block_d)
+    if direction == "forward":
+        lanes = min(lanes, sp)
+        return lanes, max(1, min(_pow2(cfg.slots_per_thread), sp // lanes))
+    lanes = min(lanes, coff * sp)
+    return lanes, coff * sp // lanes
+
+
+def _long_rows(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, device, k: int = 256) -> int:
+    """Rows per long-window program. Forward: ``cfg.rows_per_prog`` or 1 (column blocks and rows give enough
+    programs). Backward (``k`` window slots): one wave of programs, at least 2 rows (each program writes a
+    ``[ratio, block_d]`` slice of an fp32 dAPE partial), at most 64. Resident programs per SM from the sm_90
+    registers: ~240 at 32 window elements per thread and input (``8 // num_warps`` programs), 128 at 16."""
+    if cfg.rows_per_prog > 0:
+        return cfg.rows_per_prog
+    if direction == "forward":
+        return 1
+    slots = _SMS_DEFAULT if device.type != "cuda" else _sm_count(_device_index(device))
+    per_thread = k * cfg.block_d // (32 * cfg.num_warps)
+    per_sm = max(1, (16 if per_thread <= 16 else 8) // cfg.num_warps)
+    # Whole row groups per column block: ceil(n_rows / rows) * n_col programs must fit one wave.
+    parts = max(1, (slots * per_sm) // n_col)
+    return max(2, min(64, _cdiv(n_rows, parts)))
 
 
 @functools.cache
@@ -276,6 +341,34 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
     head_dim = out.shape[1]
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
+    if _is_long(ratio, coff):
+        lanes, cs_in = _long_shape("forward", cfg, ratio, coff)
+        rows = _long_rows(cfg, "forward", n_rows, n_col, kv.device)
+        fwd_mod.csa_fwd_long_kernel[(_cdiv(n_rows, rows) * n_col,)](
+            kv,
+            score,
+            ape,
+            cu_seqlens,
+            cu_seqlens_comp,
+            out,
+            n_rows,
+            num_segments,
+            _search_iters(num_segments),
+            rows,
+            RATIO=ratio,
+            COFF=coff,
+            HEAD_DIM=head_dim,
+            BLOCK_D=cfg.block_d,
+            VEC=cfg.vec,
+            LANES=lanes,
+            CS_IN=cs_in,
+            NCH_HALF=_cdiv(ratio, lanes * cs_in),
+            N_COL=n_col,
+            MANUAL_RTNE=_interpret(),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return
     tiles = max(1, _rows_per_prog(cfg, "forward", n_rows, n_col, coff * _pow2(ratio), kv.device) // cfg.block_r)
     n_prog = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     fwd_mod.csa_fwd_kernel[(n_prog * n_col,)](
@@ -322,6 +415,45 @@ def launch_backward(
     head_dim = width // coff
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
+    if _is_long(ratio, coff):
+        lanes, cs_in = _long_shape("backward", cfg, ratio, coff)
+        rows = _long_rows(cfg, "backward", n_rows, n_col, kv.device, coff * _pow2(ratio))
+        n_parts = _cdiv(n_rows, rows)
+        n_compute = n_parts * n_col
+        workspace = torch.empty((n_parts, ratio, width), dtype=torch.float32, device=kv.device)
+        bwd_mod.csa_bwd_long_kernel[(n_compute + _cdiv(tokens, cfg.sweep_t),)](
+            kv,
+            score,
+            ape,
+            cu_seqlens,
+            cu_seqlens_comp,
+            grad_out,
+            grad_kv,
+            grad_score,
+            workspace,
+            n_rows,
+            tokens,
+            num_segments,
+            _search_iters(num_segments),
+            rows,
+            n_compute,
+            RATIO=ratio,
+            SP=_pow2(ratio),
+            COFF=coff,
+            HEAD_DIM=head_dim,
+            BLOCK_D=cfg.block_d,
+            VEC=cfg.vec,
+            LANES=lanes,
+            CS_IN=cs_in,
+            N_COL=n_col,
+            SWEEP_T=cfg.sweep_t,
+            SWEEP_D=cfg.sweep_d,
+            MANUAL_RTNE=_interpret(),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        _reduce_dape(bwd_mod, workspace, grad_ape, n_parts, ratio * width, cfg)
+        return
     tiles = max(1, _rows_per_prog(cfg, "backward", n_rows, n_col, coff * _pow2(ratio), kv.device) // cfg.block_r)
     n_parts = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     n_compute = n_parts * n_col
@@ -362,7 +494,10 @@ def launch_backward(
         # The reference rounds every product before adding: no fused multiply-adds.
         enable_fp_fusion=False,
     )
-    size = ratio * width
+    _reduce_dape(bwd_mod, workspace, grad_ape, n_parts, ratio * width, cfg)
+
+
+def _reduce_dape(bwd_mod, workspace, grad_ape, n_parts, size, cfg) -> None:
     # [dape_chunk partials, dape_block entries] per step: a short dependent chain (P / dape_chunk steps) and many
     # programs. Neither constexpr depends on the problem size: compile() warms up on a tiny problem (capture safety).
     block = min(cfg.dape_block, _pow2(size))
