@@ -25,6 +25,7 @@ if [ "${PHASE:-1}" = dev ]; then
         export CUDA_VISIBLE_DEVICES=1
         timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 ${PYTEST_ARGS:-} >"$LOGS/pytest.log" 2>&1
         echo "pytest rc=$?" >>"$LOGS/pytest.log"
+        if [ -n "${DEV_EXTRA1:-}" ]; then bash -c "$DEV_EXTRA1" >"$LOGS/dev_extra1.txt" 2>&1; echo "rc=$?" >>"$LOGS/dev_extra1.txt"; fi
     ) &
     (
         export CUDA_VISIBLE_DEVICES=0
@@ -92,7 +93,8 @@ tar czf "$RESULT_DIR/logs_phase${PHASE:-1}.tar.gz" -C "$LOGS" .
 if [ "${PHASE:-1}" = dev ]; then
     echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 2 "$LOGS/pytest.log"
     echo "==== cute_dev"; grep -E '^\| |^\{"case.*"dir"|rc=' "$LOGS/cute_dev.txt" | sed -E 's/"(numerics)": \{[^}]*"ok": (true|false)[^}]*\}/"ok": \2/' | cut -c1-230
-    [ -f "$LOGS/dev_extra.txt" ] && tail -n 40 "$LOGS/dev_extra.txt"
+    [ -f "$LOGS/dev_extra.txt" ] && tail -n ${EXTRA_TAIL:-40} "$LOGS/dev_extra.txt"
+    [ -f "$LOGS/dev_extra1.txt" ] && tail -n ${EXTRA_TAIL:-40} "$LOGS/dev_extra1.txt"
 elif [ "${PHASE:-1}" = 3 ]; then
     echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 2 "$LOGS/pytest.log"
     echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
