@@ -208,14 +208,15 @@ def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> Kernel
             # 32-column blocks for more programs.
             block_d, num_warps, cs_in = min(32, d2), 4, 4
         elif coff == 2:
-            # 2 x 128 columns per row: 4 rows x 512 columns = 2048 programs at 1x65536 d512.
-            block_d, num_warps, cs_in = min(128, d2), 1, 2
+            # 128 columns x 2 warps (H200 sweep 2026-11-30, 1x65536 d512 r128 c2: 87.4 us; 1 warp 92.2).
+            block_d, num_warps, cs_in = min(128, d2), 2, 2
         else:
             # 64-column blocks: twice the programs of 128 (3x8192 d512: 1536 programs, ~12 warps per SM).
             block_d, num_warps, cs_in = min(64, d2), 1, 2
         return KernelConfig(1, block_d, num_warps, rows_per_prog=1, vec=8, slots_per_thread=cs_in, sweep_d=min(256, d2))
-    # Backward: 32 elements per thread of each input (CS_IN = 4 slots x 8 columns); 8 warps at 256 slots.
-    num_warps = 8 if k >= 256 else 4
+    # Backward: 32 elements per thread of each input (CS_IN = 4 slots x 8 columns), 4 warps (H200 sweep
+    # 2026-11-30, 1x65536 d512 r128 c2: 211 us; 8 warps 217).
+    num_warps = 4
     block_d = max(8, min(d2, 32 * num_warps * 8 * 4 // k))
     return KernelConfig(1, block_d, num_warps, rows_per_prog=0, vec=8, sweep_d=min(256, d2))
 
