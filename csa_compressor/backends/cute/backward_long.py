@@ -32,10 +32,26 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .forward import LOG2E, NEG_INF, Schedule, ex2, find_segment, slots_per_group, vec_view, vector_width
 
 MAX_REGS = 128
+
+
+@dsl_user_op
+def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """``prefetch.global.L2`` of the 128-byte line holding ``ptr`` (no register, no wait)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+        "prefetch.global.L2 [$0];",
+        "l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 def long_backward_schedule(ratio: int, coff: int, head_dim: int, threads: int = 256, cols_cap: int = 64) -> Schedule:
@@ -82,6 +98,7 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
     COLS_EXACT = D % CW == 0
     SPG = SG * NB
     APE_SIZE = ratio * WIDTH
+    LINE_THREADS = max(1, 128 // (2 * V))  # column threads per 128-byte line
     MIN_BLOCKS = max(1, 65536 // (NT * MAX_REGS))
     smem_bytes = long_backward_smem_bytes(sch)
 
@@ -232,6 +249,23 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
                 sm_res[CW + q] = inv
                 sm_res[2 * CW + q] = acc * inv
             cute.arch.sync_threads()
+            # The next row's window goes to L2 now (one prefetch per 128-byte line of the CTA's columns):
+            # its first pass then waits on L2, not DRAM, and DRAM stays busy during this row's second pass.
+            rn = r + 1
+            if (rn < row_lim) & col_ok & (tc % LINE_THREADS == 0):
+                bn = find_segment(cuc_t, B, rn)
+                jn = rn - cuc_t[bn]
+                t0n = cu_t[bn] + jn * ratio
+                for k in cutlass.range_constexpr(SPG):
+                    s = g * SPG + k
+                    half = s // ratio
+                    okn = Boolean(True)
+                    if cutlass.const_expr(coff == 2):
+                        okn = (half == 1) | (jn != 0)
+                    if okn:
+                        off = (t0n - (coff - 1) * ratio + s) * WIDTH + half * D + c
+                        prefetch_l2(kv + off)
+                        prefetch_l2(score + off)
             gf.store(gb.load().to(Float32))
             for i in cutlass.range_constexpr(V):
                 vm[i] = sm_res[tc * V + i]
