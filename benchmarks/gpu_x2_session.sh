@@ -60,14 +60,17 @@ elif [ "${PHASE:-1}" = 3 ]; then
         timeout ${BENCH_TIMEOUT:-240} python3 -m csa_compressor bench --out "$LOGS/bench" ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
         echo "bench rc=$?" >>"$LOGS/bench.txt"
         timeout 60 python3 benchmarks/launch_overhead.py --out "$LOGS/launch_overhead.json" >"$LOGS/launch_overhead.txt" 2>&1
-        timeout 45 python3 -m csa_compressor.backends.cute.launch >"$LOGS/cute_launch_probe.txt" 2>&1
-        for backend in cute triton; do
-            timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-                python3 tests/sanitize_cases.py --backend "$backend" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_${backend}_memcheck.log" 2>&1
-            echo "rc=$?" >>"$LOGS/sanitize_${backend}_memcheck.log"
+        for spec in "cute memcheck" "triton memcheck" "cute racecheck"; do
+            set -- $spec
+            timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool "$2" --report-api-errors no --error-exitcode 9 \
+                python3 tests/sanitize_cases.py --backend "$1" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_$1_$2.log" 2>&1
+            echo "rc=$?" >>"$LOGS/sanitize_$1_$2.log"
         done
     ) &
     wait
+    # Both GPUs: the non-current-device tests.
+    timeout 120 python3 -m pytest tests -q -ra -p no:cacheprovider -k "non_current" >"$LOGS/pytest_two_gpus.log" 2>&1
+    echo "rc=$?" >>"$LOGS/pytest_two_gpus.log"
 else
     # Both GPUs: the non-current-device tests; then sanitizers on GPU 1 and the self-check on GPU 0.
     timeout 120 python3 -m pytest tests -q -ra -p no:cacheprovider -k "non_current" >"$LOGS/pytest_two_gpus.log" 2>&1
@@ -97,8 +100,9 @@ if [ "${PHASE:-1}" = dev ]; then
     [ -f "$LOGS/dev_extra1.txt" ] && tail -n ${EXTRA_TAIL:-40} "$LOGS/dev_extra1.txt"
 elif [ "${PHASE:-1}" = 3 ]; then
     echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 2 "$LOGS/pytest.log"
-    echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
-    echo "==== launch overhead"; cat "$LOGS/launch_overhead.txt"; tail -n 25 "$LOGS/cute_launch_probe.txt"
+    echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
+    echo "==== two GPUs"; tail -n 2 "$LOGS/pytest_two_gpus.log"
+    echo "==== launch overhead"; grep -E "^\[|wrapper|target|bare|x.add_" "$LOGS/launch_overhead.txt"
     echo "==== bench"; grep -E "cute|triton|^\| case|^###" "$LOGS/bench.txt" | head -n 60
 elif [ "${PHASE:-1}" = 1 ]; then
     echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 3 "$LOGS/pytest.log"
