@@ -3,7 +3,7 @@
     python3 benchmarks/full_numerics.py [--backends cute,triton] [--cases 1x65536-d512-r128-c2,...] [--out DIR]
 
 For every case and backend: forward and backward through the backend's launch functions on the pack
-``python -m csa_compressor bench`` times (``make_pack(seed=3)``), checked with
+``python -m csa_compressor bench`` times (``make_pack(seed=0)``), checked with
 ``csa_compressor.testing.contract_report`` (SPEC 3 against the fp32 reference / fp64 oracle, exact zeros,
 dAPE rel-L2), plus bitwise flags. The test suite checks many small packs; this checks the sizes that
 are timed. Prints one line per (case, backend) and writes ``full_numerics.json`` under ``--out``.
@@ -37,7 +37,7 @@ def parse(name: str):
 
 def check(name: str, backend: str, dev) -> dict:
     seqlens, d, ratio, coff = parse(name)
-    pack = make_pack(seqlens, d, ratio, coff, device=dev, seed=3)
+    pack = make_pack(seqlens, d, ratio, coff, device=dev, seed=0)
     mod = dispatch.backend_module(backend)
     for direction in ("forward", "backward"):
         mod.compile(direction, ratio, coff, d, torch.bfloat16, dev)
