@@ -7,7 +7,8 @@
 #            breakdown and memcheck (GPU 0);
 #   PHASE=dev: development: the test suite (GPU 1) beside benchmarks/cute_dev.py timing + schedule variants
 #            and an optional $DEV_EXTRA command (GPU 0).
-# Logs come back as one tarball (the device tool returns at most 8 files).
+# Logs come back as one tarball (the device tool returns at most 8 files). The device copy's .git can be
+# stale: pass RUN_COMMIT=$(git rev-parse --short HEAD) so that the bench records the right commit.
 set -uo pipefail
 RESULT_DIR=${OUT:-/tmp/csa_out}
 LOGS=/tmp/csa_logs
@@ -43,7 +44,7 @@ elif [ "${PHASE:-1}" = 1 ]; then
     ) &
     (
         export CUDA_VISIBLE_DEVICES=0
-        timeout ${BENCH_TIMEOUT:-420} python3 -m csa_compressor bench --out "$LOGS/bench" ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
+        timeout ${BENCH_TIMEOUT:-420} python3 -m csa_compressor bench --out "$LOGS/bench" ${RUN_COMMIT:+--commit "$RUN_COMMIT"} ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
         echo "bench rc=$?" >>"$LOGS/bench.txt"
     ) &
     wait
@@ -57,7 +58,7 @@ elif [ "${PHASE:-1}" = 3 ]; then
     ) &
     (
         export CUDA_VISIBLE_DEVICES=0
-        timeout ${BENCH_TIMEOUT:-240} python3 -m csa_compressor bench --out "$LOGS/bench" ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
+        timeout ${BENCH_TIMEOUT:-240} python3 -m csa_compressor bench --out "$LOGS/bench" ${RUN_COMMIT:+--commit "$RUN_COMMIT"} ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
         echo "bench rc=$?" >>"$LOGS/bench.txt"
         timeout 60 python3 benchmarks/launch_overhead.py --out "$LOGS/launch_overhead.json" >"$LOGS/launch_overhead.txt" 2>&1
         for spec in "cute memcheck" "triton memcheck" "cute racecheck"; do
