@@ -309,15 +309,19 @@ def time_case(name, dev, reps, only=None):
 
 
 VARIANTS = {
-    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD[, LONG])), ...]
+    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD[, LONG, PF, AS])), ...]
     "1x65536-d512-r128-c2": [
-        ("bwd", (8, 8, 32, 2, 1, 4, 0, 0, 1)),
-        ("bwd", (4, 16, 16, 4, 1, 4, 0, 0, 1)),
-        ("bwd", (4, 8, 32, 4, 1, 2, 0, 0, 1)),
+        ("bwd", (8, 8, 32, 2, 1, 4, 0, 0, 1, 0, 1)),
+        ("bwd", (8, 8, 32, 2, 1, 4, 0, 0, 1, 0, 0)),
     ],
     "3x8192-d512-r128-c1": [
-        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1)),
-        ("bwd", (4, 16, 16, 4, 1, 2, 0, 0, 1)),
+        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1, 0, 1)),
+        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1, 1, 0)),
+        ("bwd", (8, 8, 16, 2, 1, 4, 0, 0, 1, 0, 1)),
+    ],
+    "1x8192-d128-r128-c1": [
+        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1, 0, 1)),
+        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1, 1, 0)),
     ],
 }
 
@@ -352,7 +356,7 @@ def time_variants(name, dev, reps):
     d = int(name.split("-d")[1].split("-")[0])
     for direction, key in VARIANTS.get(name, []):
         full = "forward" if direction == "fwd" else "backward"
-        extra = dict(zip(("NB", "CM", "MD", "LONG"), key[5:], strict=False))
+        extra = dict(zip(("NB", "CM", "MD", "LONG", "PF", "AS"), key[5:], strict=False))
         extra.update({k: bool(v) for k, v in extra.items() if k != "NB"})
         launch.SCHEDULE_OVERRIDE[(full, ratio, coff, d)] = Schedule(*key[:5], **extra)
         launch._FASTMAP.pop((full, ratio, coff, d, torch.bfloat16, dev.index), None)

@@ -28,6 +28,8 @@ past ``cu_seqlens[-1]``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -38,6 +40,24 @@ from cutlass.cutlass_dsl import dsl_user_op
 from .forward import LOG2E, NEG_INF, Schedule, ex2, find_segment, slots_per_group, vec_view, vector_width
 
 MAX_REGS = 128
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
+
+
+@dsl_user_op
+def cp_async_16(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """``cp.async.cg.shared.global`` of 16 bytes (L2 only, no registers; completes at a wait_group)."""
+    llvm.inline_asm(
+        None,
+        [
+            smem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+            gmem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.cg.shared.global [$0], [$1], 16;",
+        "r,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @dsl_user_op
@@ -74,6 +94,11 @@ def long_backward_schedule(ratio: int, coff: int, head_dim: int, threads: int = 
         # Two 16-byte batches of 4 slots in flight (NB > 1) do not fit 128 registers: batches of 2.
         if sch.NB == 1 or V < 8:
             break
+    cw = sch.TC * sch.V
+    staged = replace(sch, PF=False, AS=True)
+    if head_dim % cw == 0 and head_dim % 8 == 0 and (W * cw // 8) % sch.threads == 0:
+        if long_backward_smem_bytes(staged) <= SMEM_LIMIT:
+            return staged
     return sch
 
 
@@ -81,7 +106,8 @@ def long_backward_smem_bytes(sch: Schedule) -> int:
     """grad_ape accumulator (window x columns) + group partials + per-column row results, fp32."""
     cw = sch.TC * sch.V
     window = sch.G * sch.SG * sch.NB
-    return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128
+    staged = 2 * 2 * window * cw * 2 + 256 if sch.AS else 0  # two stages of kv and score, bf16
+    return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128 + staged
 
 
 def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, reduce_kernel, reduce_warps: int):
@@ -101,6 +127,12 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
     SPG = SG * NB
     APE_SIZE = ratio * WIDTH
     LINE_THREADS = max(1, 128 // (2 * V))  # column threads per 128-byte line
+    AS = sch.AS
+    PIECES = CW // 8  # 16-byte pieces of a slot's columns
+    CHUNKS = W * PIECES // NT  # cp.async copies per thread, tensor and row
+    STAGE = W * CW  # elements of one stage of one tensor
+    if AS:
+        assert COLS_EXACT and D % 8 == 0 and CW % 8 == 0 and (W * PIECES) % NT == 0 and not sch.PF
     MIN_BLOCKS = max(1, 65536 // (NT * MAX_REGS))
     smem_bytes = long_backward_smem_bytes(sch)
 
@@ -127,6 +159,42 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
             apf[k].fill(0.0)
             if col_ok:
                 apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+
+    @cute.jit
+    def issue_smem(skv, ssc, kvf, scf, bi: cutlass.Constexpr, g, tc, active, first, sbase):
+        """Batch bi of the thread's slots from the staged window (masked slots: kv 0, score -inf)."""
+        for k in cutlass.range_constexpr(SG):
+            s = g * SPG + bi * SG + k
+            half = s // ratio
+            valid = active
+            if cutlass.const_expr(coff == 2):
+                valid = active & ((half == 1) | (not first))
+            kvf[k].fill(0.0)
+            scf[k].fill(NEG_INF)
+            if valid:
+                off = sbase + s * CW + tc * V
+                kvf[k].store(vec_view(skv, off, V).load())
+                scf[k].store(vec_view(ssc, off, V).load())
+
+    @cute.jit
+    def copy_row(kv, score, skv, ssc, cu_t, cuc_t, B, rr, sbase, tidx, by):
+        """cp.async of row rr's window (this CTA's columns) into a stage; masked slots are skipped."""
+        b = find_segment(cuc_t, B, rr)
+        j = rr - cuc_t[b]
+        t0 = cu_t[b] + j * ratio
+        for k in cutlass.range_constexpr(CHUNKS):
+            q = tidx + k * NT
+            s = q // PIECES
+            piece = q % PIECES
+            half = s // ratio
+            valid = Boolean(True)
+            if cutlass.const_expr(coff == 2):
+                valid = (half == 1) | (j != 0)
+            if valid:
+                goff = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + by * CW + piece * 8
+                soff = sbase + s * CW + piece * 8
+                cp_async_16(skv + soff, kv + cute.assume(goff, divby=8))
+                cp_async_16(ssc + soff, score + cute.assume(goff, divby=8))
 
     @cute.kernel
     def kernel(
@@ -163,6 +231,11 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
         sm_l = smem.allocate_tensor(Float32, cute.make_layout(G * CW), byte_alignment=16)
         sm_a = smem.allocate_tensor(Float32, cute.make_layout(G * CW), byte_alignment=16)
         sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * CW), byte_alignment=16)
+        sm_kv = sm_res
+        sm_sc = sm_res
+        if cutlass.const_expr(AS):
+            sm_kv = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
+            sm_sc = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
 
         zero = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
         zero.fill(0.0)
@@ -185,7 +258,23 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
+        if cutlass.const_expr(AS):
+            # Stage 0 <- the first row's window; every iteration commits one group (maybe empty).
+            if row_begin < row_lim:
+                copy_row(kv, score, sm_kv.iterator, sm_sc.iterator, cu_t, cuc_t, B, row_begin, 0, tidx, by)
+            cute.arch.cp_async_commit_group()
         for r in cutlass.range(row_begin, row_lim):
+            st = (r - row_begin) % 2
+            sbase = st * STAGE
+            if cutlass.const_expr(AS):
+                # The next row's window streams into the other stage while this row is computed.
+                if r + 1 < row_lim:
+                    copy_row(
+                        kv, score, sm_kv.iterator, sm_sc.iterator, cu_t, cuc_t, B, r + 1, (1 - st) * STAGE, tidx, by
+                    )
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                cute.arch.sync_threads()
             b = find_segment(cuc_t, B, r)
             j = r - cuc_t[b]
             t0 = cu_t[b] + j * ratio
@@ -198,10 +287,27 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
                 gb.store(vec_view(gout, r * D + c, V).load())
 
             # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
-            issue(kv, score, kvb[(0) % 2], scb[(0) % 2], 0, g, c, active, t0, first)
+            if cutlass.const_expr(AS):
+                issue_smem(sm_kv.iterator, sm_sc.iterator, kvb[(0) % 2], scb[(0) % 2], 0, g, tc, active, first, sbase)
+            else:
+                issue(kv, score, kvb[(0) % 2], scb[(0) % 2], 0, g, c, active, t0, first)
             for bi in cutlass.range_constexpr(NB):
                 if cutlass.const_expr(bi + 1 < NB):
-                    issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
+                    if cutlass.const_expr(AS):
+                        issue_smem(
+                            sm_kv.iterator,
+                            sm_sc.iterator,
+                            kvb[(bi + 1) % 2],
+                            scb[(bi + 1) % 2],
+                            bi + 1,
+                            g,
+                            tc,
+                            active,
+                            first,
+                            sbase,
+                        )
+                    else:
+                        issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
                 load_ape(ape, apf, bi, g, c, col_ok)
                 kvf, scf = kvb[bi % 2], scb[bi % 2]
                 for i in cutlass.range_constexpr(V):
@@ -229,7 +335,10 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
                     vl[i] = total
                     va[i] = acc
             # The second pass's first batch is in flight during the combine.
-            issue(kv, score, kvb[(0) % 2], scb[(0) % 2], 0, g, c, active, t0, first)
+            if cutlass.const_expr(AS):
+                issue_smem(sm_kv.iterator, sm_sc.iterator, kvb[(0) % 2], scb[(0) % 2], 0, g, tc, active, first, sbase)
+            else:
+                issue(kv, score, kvb[(0) % 2], scb[(0) % 2], 0, g, c, active, t0, first)
             base = g * CW + tc * V
             vec_view(sm_m.iterator, base, V).store(vm.load())
             vec_view(sm_l.iterator, base, V).store(vl.load())
@@ -278,7 +387,21 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
             # Pass 2: gradients per slot, stored right away; grad_ape in shared memory.
             for bi in cutlass.range_constexpr(NB):
                 if cutlass.const_expr(bi + 1 < NB):
-                    issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
+                    if cutlass.const_expr(AS):
+                        issue_smem(
+                            sm_kv.iterator,
+                            sm_sc.iterator,
+                            kvb[(bi + 1) % 2],
+                            scb[(bi + 1) % 2],
+                            bi + 1,
+                            g,
+                            tc,
+                            active,
+                            first,
+                            sbase,
+                        )
+                    else:
+                        issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
                 load_ape(ape, apf, bi, g, c, col_ok)
                 kvf, scf = kvb[bi % 2], scb[bi % 2]
                 for k in cutlass.range_constexpr(SG):
@@ -313,6 +436,9 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
                             own_tok = t0 + qz
                             vec_view(gkv, own_tok * WIDTH + c, V).store(zero.load())
                             vec_view(gsc, own_tok * WIDTH + c, V).store(zero.load())
+
+            if cutlass.const_expr(AS):
+                cute.arch.sync_threads()  # every thread is done with this stage before it is refilled
 
         # Exact zeros: segments with no row (seqlen < ratio), CTA bx owns b = bx mod grid.
         if col_ok:

@@ -194,13 +194,14 @@ class Schedule:
     MD: bool = False  # G == 1: divide by the row sum through its correctly rounded reciprocal (Markstein)
     LONG: bool = False  # backward: the two-pass streaming kernel of backward_long.py
     PF: bool = False  # long-window backward: L2 prefetch of the next row's window
+    AS: bool = False  # long-window backward: rows' windows staged in shared memory by cp.async (2 stages)
 
     @property
     def threads(self) -> int:
         return self.TC * self.G * self.R
 
     def key(self) -> tuple:
-        return (self.V, self.TC, self.G, self.SG, self.R, self.NB, self.CM, self.MD, self.LONG, self.PF)
+        return (self.V, self.TC, self.G, self.SG, self.R, self.NB, self.CM, self.MD, self.LONG, self.PF, self.AS)
 
 
 def vector_width(head_dim: int, cap: int = 8) -> int:
