@@ -54,3 +54,18 @@ def test_compiles_for_sm100(direction):
     _, sch = cute_launch._key(direction, 4, 2, 512, torch.bfloat16, "sm_100a")
     compiled = cute_launch._build(direction, 4, 2, 512, "sm_100a", sch)
     assert ".target sm_100a" in compiled.artifacts.PTX
+
+
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (128, 1, 128), (16, 1, 128)])
+def test_staged_backward_variant_compiles(ratio, coff, head_dim):
+    """The cp.async-staged long-window backward (an opt-in schedule, not a default) keeps building."""
+    from csa_compressor.backends.cute.backward import backward_schedule
+    from csa_compressor.backends.cute.backward_long import staged_variant
+
+    sch = staged_variant(backward_schedule(ratio, coff, head_dim), head_dim)
+    assert sch is not None and sch.AS and not sch.PF
+    ptx = cute_launch._build("backward", ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    # The default schedule of the same configuration is the register-streaming kernel.
+    assert not backward_schedule(ratio, coff, head_dim).AS

@@ -94,12 +94,23 @@ def long_backward_schedule(ratio: int, coff: int, head_dim: int, threads: int = 
         # Two 16-byte batches of 4 slots in flight (NB > 1) do not fit 128 registers: batches of 2.
         if sch.NB == 1 or V < 8:
             break
-    cw = sch.TC * sch.V
-    staged = replace(sch, PF=False, AS=True)
-    if head_dim % cw == 0 and head_dim % 8 == 0 and (W * cw // 8) % sch.threads == 0:
-        if long_backward_smem_bytes(staged) <= SMEM_LIMIT:
-            return staged
     return sch
+
+
+def staged_variant(sch: Schedule, head_dim: int) -> Schedule | None:
+    """The cp.async-staged form of a long-window backward schedule (``AS``), or None where it does not apply.
+
+    Not a default: on the H200 (2026-11-30, `benchmarks/NOTES_cute.md`) it measured slower than the
+    register-streaming kernel (1x65536 d512 r128 c2: 233 vs 226 us; 3x8192 d512 r128 c1: 47 vs 39 us):
+    two 64 KB stages leave one CTA per SM with a single row in flight. Kept, compiled in CI, as the
+    base for deeper pipelines (narrower chunks, more stages).
+    """
+    cw = sch.TC * sch.V
+    window = sch.G * sch.SG * sch.NB
+    staged = replace(sch, PF=False, AS=True)
+    if not sch.LONG or head_dim % cw or head_dim % 8 or (window * cw // 8) % sch.threads:
+        return None
+    return staged if long_backward_smem_bytes(staged) <= SMEM_LIMIT else None
 
 
 def long_backward_smem_bytes(sch: Schedule) -> int:
