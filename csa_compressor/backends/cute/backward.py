@@ -30,11 +30,11 @@ the tokens past ``cu_seqlens[-1]``.
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
+from .backward_common import ZeroStores, make_backward_host
 from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes
 from .forward import (
     LOG2E,
@@ -42,7 +42,7 @@ from .forward import (
     Schedule,
     add_rn,
     ex2,
-    exact_quotients,
+    exact_probabilities,
     find_segment,
     make_schedule,
     mul_rn,
@@ -51,15 +51,13 @@ from .forward import (
     vec_view,
 )
 
-REDUCE_WARPS = 8
-MAX_REGS = 128
 SMEM_CARVEOUT = 50  # percent of the unified L1/shared memory offered to shared memory
 
 
 def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
-    """Persistent CTAs; V = 2 keeps two rows of window (double buffer) plus the per-thread grad_ape
-    accumulators (SG*V fp32) in registers. Big windows get narrow column chunks (32 columns), so
-    that few row ranges (hence few grad_ape workspace slabs) still give many CTAs.
+    """Windows of at most 8 slots: this file's kernel, persistent CTAs with V = 2, which keeps two rows of
+    window (double buffer) plus the per-thread grad_ape accumulators (SG*V fp32) in registers.
+    Longer windows: the two-pass streaming kernel of ``backward_long.py``.
     """
     W = coff * ratio
     if W <= 8:
@@ -76,36 +74,6 @@ def backward_smem_bytes(sch: Schedule) -> int:
     return (sch.threads * sch.V + cross) * 4 + 128
 
 
-def make_reduce_kernel(APE_SIZE: int):
-    """Second kernel of the backward: grad_ape = the fixed-order sum of the per-CTA slabs (overwrite)."""
-
-    @cute.kernel
-    def reduce_kernel(ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
-        # 32 consecutive entries per CTA; warp w sums slabs w, w+8, ... ; warp partials summed in order.
-        tidx, _, _ = cute.arch.thread_idx()
-        bx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        w = tidx // 32
-        e = bx * 32 + lane
-        smem = cutlass.memory.SmemAllocator()
-        part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32), byte_alignment=16)
-        ws_t = cute.make_tensor(ws, cute.make_layout(num_ctas * APE_SIZE))
-        acc = Float32(0.0)
-        if e < APE_SIZE:
-            for p in cutlass.range(w, num_ctas, REDUCE_WARPS):
-                acc = add_rn(acc, ws_t[p * APE_SIZE + e])
-        part[tidx] = acc
-        cute.arch.sync_threads()
-        if (w == 0) & (e < APE_SIZE):
-            tot = part[lane]
-            for h in cutlass.range_constexpr(1, REDUCE_WARPS):
-                tot = add_rn(tot, part[h * 32 + lane])
-            gape_t = cute.make_tensor(gape, cute.make_layout(APE_SIZE))
-            gape_t[e] = tot
-
-    return reduce_kernel
-
-
 def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     """The @cute.jit host function (main kernel + grad_ape reduction kernel).
 
@@ -114,9 +82,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     ``num_ctas * rows_per_cta >= N``, ``ws`` holds ``num_ctas * ratio * coff * head_dim`` fp32.
     """
     if sch.LONG:
-        return build_backward_long(
-            ratio, coff, head_dim, sch, make_reduce_kernel(ratio * coff * head_dim), REDUCE_WARPS
-        )
+        return build_backward_long(ratio, coff, head_dim, sch)
     V, TC, G, SG, R, MD = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.MD
     assert sch.NB == 1 and not sch.CM, "the short-window backward streams rows, not slot batches"
     W = coff * ratio
@@ -129,9 +95,9 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     assert G * SG == W
     SMEM_ROW = G * CW
     LANES = R * G  # threads sharing one column vector (zero duties are spread over them)
+    zeros = ZeroStores(ratio, coff, head_dim, V)
     APE_SIZE = ratio * WIDTH
     # Register cap: ptxas otherwise spends ~150 registers on ILP; 128 per thread keeps 512 threads per SM.
-    MIN_BLOCKS = max(1, 65536 // (NT * MAX_REGS))
 
     @cute.jit
     def store_slot(gkv, gsc, dvo, dlo, t0, s, valid, c):
@@ -193,20 +159,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
         if cutlass.const_expr(G == 1):
             # Pass A (per column): p = expf(x - max) / sum and S, the reference's operation order.
-            es = []
-            totals = []
-            for i in cutlass.range_constexpr(V):
-                x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
-                m = x[0]
-                for k in cutlass.range_constexpr(1, SG):
-                    m = cute.arch.fmax(m, x[k], nan=True)
-                e = [cute.math.exp(x[k] - m) for k in range(SG)]
-                total = e[0]
-                for k in cutlass.range_constexpr(1, SG):
-                    total = add_rn(total, e[k])
-                es.append(e)
-                totals.append(total)
-            exact_quotients(es, totals, pq, first, V, SG, ratio, coff, MD)
+            exact_probabilities(scf, apf, pq, first, V, SG, ratio, coff, MD)
             for i in cutlass.range_constexpr(V):
                 gi = gf[i]
                 p = [pq[i * SG + k] for k in range(SG)]
@@ -296,20 +249,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
         # Exact zeros owned by a segment's last group.
         if active & last:
-            for k in cutlass.range_constexpr(SG):
-                qz = g * SG + k
-                if qz < ratio:
-                    tail_tok = t0 + ratio + qz
-                    if tail_tok < seg_end:
-                        vec_view(gkv, tail_tok * WIDTH + c, V).store(zero.load())
-                        vec_view(gsc, tail_tok * WIDTH + c, V).store(zero.load())
-                        if cutlass.const_expr(coff == 2):
-                            vec_view(gkv, tail_tok * WIDTH + D + c, V).store(zero.load())
-                            vec_view(gsc, tail_tok * WIDTH + D + c, V).store(zero.load())
-                    if cutlass.const_expr(coff == 2):
-                        own_tok = t0 + qz
-                        vec_view(gkv, own_tok * WIDTH + c, V).store(zero.load())
-                        vec_view(gsc, own_tok * WIDTH + c, V).store(zero.load())
+            zeros.segment_tail(gkv, gsc, zero, t0, seg_end, g * SG, SG, c)
 
     @cute.kernel
     def kernel(
@@ -399,19 +339,9 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 last = n_last
                 seg_end = n_seg_end
 
-        # Exact zeros: segments with no group (seqlen < ratio), CTA bx owns b = bx mod grid.
+        # Exact zeros: segments with no group (seqlen < ratio) and token-capacity padding.
         if col_ok:
-            for b in cutlass.range(bx, B, gdx):
-                if cuc_t[b + 1] == cuc_t[b]:
-                    for t in cutlass.range(cu_t[b] + lane, cu_t[b + 1], LANES):
-                        for h in cutlass.range_constexpr(coff):
-                            vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
-                            vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
-            # Token-capacity padding rows past cu_seqlens[-1]: grid-stride.
-            for t in cutlass.range(cu_t[B] + bx * LANES + lane, T, gdx * LANES):
-                for h in cutlass.range_constexpr(coff):
-                    vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
-                    vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
+            zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, lane, LANES, c)
 
         # grad_ape partial of this CTA: row lanes summed in a fixed order, one slab per CTA.
         for k in cutlass.range_constexpr(SG):
@@ -430,42 +360,4 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(dap[k].load())
 
-    reduce_kernel = make_reduce_kernel(APE_SIZE)
-
-    smem_bytes = backward_smem_bytes(sch)
-
-    @cute.jit
-    def host(
-        kv: cute.Pointer,
-        score: cute.Pointer,
-        ape: cute.Pointer,
-        cu: cute.Pointer,
-        cuc: cute.Pointer,
-        gout: cute.Pointer,
-        gkv: cute.Pointer,
-        gsc: cute.Pointer,
-        gape: cute.Pointer,
-        ws: cute.Pointer,
-        B: Int32,
-        N: Int32,
-        T: Int32,
-        rows_per_cta: Int32,
-        num_ctas: Int32,
-        stream: cuda.CUstream,
-    ):
-        kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta).launch(
-            grid=[num_ctas, NCHUNK, 1],
-            block=[NT, 1, 1],
-            smem=smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=MIN_BLOCKS,
-            preferred_smem_carveout=SMEM_CARVEOUT,
-        )
-        reduce_kernel(ws, gape, num_ctas).launch(
-            grid=[(APE_SIZE + 31) // 32, 1, 1],
-            block=[REDUCE_WARPS * 32, 1, 1],
-            smem=REDUCE_WARPS * 32 * 4 + 64,
-            stream=stream,
-        )
-
-    return host
+    return make_backward_host(kernel, APE_SIZE, NCHUNK, NT, backward_smem_bytes(sch), SMEM_CARVEOUT)

@@ -30,16 +30,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .forward import LOG2E, NEG_INF, Schedule, ex2, find_segment, slots_per_group, vec_view, vector_width
+from .backward_common import ZeroStores, make_backward_host
+from .forward import LOG2E, NEG_INF, Schedule, WindowOps, ex2, find_segment, slots_per_group, vec_view, vector_width
 
-MAX_REGS = 128
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
 
 
@@ -121,7 +120,7 @@ def long_backward_smem_bytes(sch: Schedule) -> int:
     return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128 + staged
 
 
-def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, reduce_kernel, reduce_warps: int):
+def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
     """The @cute.jit host function (this main kernel + the grad_ape reduction kernel).
 
     Same signature as ``backward.build_backward``'s host function.
@@ -144,32 +143,9 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
     STAGE = W * CW  # elements of one stage of one tensor
     if AS:
         assert COLS_EXACT and D % 8 == 0 and CW % 8 == 0 and (W * PIECES) % NT == 0 and not sch.PF
-    MIN_BLOCKS = max(1, 65536 // (NT * MAX_REGS))
+    ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
+    zeros = ZeroStores(ratio, coff, head_dim, V)
     smem_bytes = long_backward_smem_bytes(sch)
-
-    @cute.jit
-    def issue(kv, score, kvf, scf, bi: cutlass.Constexpr, g, c, active, t0, first):
-        """Every load (kv and score) of batch bi of the thread's slots, issued before any use."""
-        for k in cutlass.range_constexpr(SG):
-            s = g * SPG + bi * SG + k
-            half = s // ratio
-            valid = active
-            if cutlass.const_expr(coff == 2):
-                valid = active & ((half == 1) | (not first))
-            kvf[k].fill(0.0)
-            scf[k].fill(NEG_INF)
-            if valid:
-                off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
-                kvf[k].store(vec_view(kv, off, V).load())
-                scf[k].store(vec_view(score, off, V).load())
-
-    @cute.jit
-    def load_ape(ape, apf, bi: cutlass.Constexpr, g, c, col_ok):
-        for k in cutlass.range_constexpr(SG):
-            s = g * SPG + bi * SG + k
-            apf[k].fill(0.0)
-            if col_ok:
-                apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
 
     @cute.jit
     def issue_smem(skv, ssc, kvf, scf, bi: cutlass.Constexpr, g, tc, active, first, sbase):
@@ -186,6 +162,14 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
                 off = sbase + s * CW + tc * V
                 kvf[k].store(vec_view(skv, off, V).load())
                 scf[k].store(vec_view(ssc, off, V).load())
+
+    @cute.jit
+    def fetch(kv, score, skv, ssc, kvf, scf, bi: cutlass.Constexpr, g, c, tc, active, t0, first, sbase):
+        """Batch bi of the thread's slots: from the staged window (``AS``) or straight from global memory."""
+        if cutlass.const_expr(AS):
+            issue_smem(skv, ssc, kvf, scf, bi, g, tc, active, first, sbase)
+        else:
+            ops.issue(kv, score, kvf, scf, bi, g, c, active, t0, first)
 
     @cute.jit
     def copy_row(kv, score, skv, ssc, cu_t, cuc_t, B, rr, sbase, tidx, by):
@@ -298,58 +282,59 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
                 gb.store(vec_view(gout, r * D + c, V).load())
 
             # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
-            if cutlass.const_expr(AS):
-                issue_smem(sm_kv.iterator, sm_sc.iterator, kvb[(0) % 2], scb[(0) % 2], 0, g, tc, active, first, sbase)
-            else:
-                issue(kv, score, kvb[(0) % 2], scb[(0) % 2], 0, g, c, active, t0, first)
+            fetch(
+                kv,
+                score,
+                sm_kv.iterator,
+                sm_sc.iterator,
+                kvb[(0) % 2],
+                scb[(0) % 2],
+                0,
+                g,
+                c,
+                tc,
+                active,
+                t0,
+                first,
+                sbase,
+            )
             for bi in cutlass.range_constexpr(NB):
                 if cutlass.const_expr(bi + 1 < NB):
-                    if cutlass.const_expr(AS):
-                        issue_smem(
-                            sm_kv.iterator,
-                            sm_sc.iterator,
-                            kvb[(bi + 1) % 2],
-                            scb[(bi + 1) % 2],
-                            bi + 1,
-                            g,
-                            tc,
-                            active,
-                            first,
-                            sbase,
-                        )
-                    else:
-                        issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
-                load_ape(ape, apf, bi, g, c, col_ok)
-                kvf, scf = kvb[bi % 2], scb[bi % 2]
-                for i in cutlass.range_constexpr(V):
-                    y = [(Float32(scf[k][i]) + apf[k][i]) * LOG2E for k in range(SG)]
-                    m = y[0]
-                    for k in cutlass.range_constexpr(1, SG):
-                        m = cute.arch.fmax(m, y[k], nan=True)
-                    if cutlass.const_expr(bi > 0):
-                        m = cute.arch.fmax(m, vm[i], nan=True)
-                    # All slots masked so far (previous half of a first row): m = -inf, keep e = 0.
-                    msafe = m
-                    if m == Float32(NEG_INF):
-                        msafe = Float32(0.0)
-                    total = Float32(0.0)
-                    acc = Float32(0.0)
-                    if cutlass.const_expr(bi > 0):
-                        carry = ex2(vm[i] - msafe)
-                        total = vl[i] * carry
-                        acc = va[i] * carry
-                    for k in cutlass.range_constexpr(SG):
-                        e = ex2(y[k] - msafe)
-                        total = total + e
-                        acc = acc + e * Float32(kvf[k][i])
-                    vm[i] = m
-                    vl[i] = total
-                    va[i] = acc
+                    fetch(
+                        kv,
+                        score,
+                        sm_kv.iterator,
+                        sm_sc.iterator,
+                        kvb[(bi + 1) % 2],
+                        scb[(bi + 1) % 2],
+                        bi + 1,
+                        g,
+                        c,
+                        tc,
+                        active,
+                        t0,
+                        first,
+                        sbase,
+                    )
+                ops.load_ape(ape, apf, bi, g, c, col_ok)
+                ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi)
             # The second pass's first batch is in flight during the combine.
-            if cutlass.const_expr(AS):
-                issue_smem(sm_kv.iterator, sm_sc.iterator, kvb[(0) % 2], scb[(0) % 2], 0, g, tc, active, first, sbase)
-            else:
-                issue(kv, score, kvb[(0) % 2], scb[(0) % 2], 0, g, c, active, t0, first)
+            fetch(
+                kv,
+                score,
+                sm_kv.iterator,
+                sm_sc.iterator,
+                kvb[(0) % 2],
+                scb[(0) % 2],
+                0,
+                g,
+                c,
+                tc,
+                active,
+                t0,
+                first,
+                sbase,
+            )
             base = g * CW + tc * V
             vec_view(sm_m.iterator, base, V).store(vm.load())
             vec_view(sm_l.iterator, base, V).store(vl.load())
@@ -398,22 +383,23 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
             # Pass 2: gradients per slot, stored right away; grad_ape in shared memory.
             for bi in cutlass.range_constexpr(NB):
                 if cutlass.const_expr(bi + 1 < NB):
-                    if cutlass.const_expr(AS):
-                        issue_smem(
-                            sm_kv.iterator,
-                            sm_sc.iterator,
-                            kvb[(bi + 1) % 2],
-                            scb[(bi + 1) % 2],
-                            bi + 1,
-                            g,
-                            tc,
-                            active,
-                            first,
-                            sbase,
-                        )
-                    else:
-                        issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
-                load_ape(ape, apf, bi, g, c, col_ok)
+                    fetch(
+                        kv,
+                        score,
+                        sm_kv.iterator,
+                        sm_sc.iterator,
+                        kvb[(bi + 1) % 2],
+                        scb[(bi + 1) % 2],
+                        bi + 1,
+                        g,
+                        c,
+                        tc,
+                        active,
+                        t0,
+                        first,
+                        sbase,
+                    )
+                ops.load_ape(ape, apf, bi, g, c, col_ok)
                 kvf, scf = kvb[bi % 2], scb[bi % 2]
                 for k in cutlass.range_constexpr(SG):
                     s = g * SPG + bi * SG + k
@@ -435,35 +421,14 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
 
             # Exact zeros owned by a segment's last row.
             if active & last:
-                for k in cutlass.range_constexpr(SPG):
-                    qz = g * SPG + k
-                    if qz < ratio:
-                        tail_tok = t0 + ratio + qz
-                        if tail_tok < seg_end:
-                            for h in cutlass.range_constexpr(coff):
-                                vec_view(gkv, tail_tok * WIDTH + h * D + c, V).store(zero.load())
-                                vec_view(gsc, tail_tok * WIDTH + h * D + c, V).store(zero.load())
-                        if cutlass.const_expr(coff == 2):
-                            own_tok = t0 + qz
-                            vec_view(gkv, own_tok * WIDTH + c, V).store(zero.load())
-                            vec_view(gsc, own_tok * WIDTH + c, V).store(zero.load())
+                zeros.segment_tail(gkv, gsc, zero, t0, seg_end, g * SPG, SPG, c)
 
             if cutlass.const_expr(AS):
                 cute.arch.sync_threads()  # every thread is done with this stage before it is refilled
 
-        # Exact zeros: segments with no row (seqlen < ratio), CTA bx owns b = bx mod grid.
+        # Exact zeros: segments with no row (seqlen < ratio) and token-capacity padding.
         if col_ok:
-            for b in cutlass.range(bx, B, gdx):
-                if cuc_t[b + 1] == cuc_t[b]:
-                    for t in cutlass.range(cu_t[b] + g, cu_t[b + 1], G):
-                        for h in cutlass.range_constexpr(coff):
-                            vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
-                            vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
-            # Token-capacity padding rows past cu_seqlens[-1]: grid-stride.
-            for t in cutlass.range(cu_t[B] + bx * G + g, T, gdx * G):
-                for h in cutlass.range_constexpr(coff):
-                    vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
-                    vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
+            zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, g, G, c)
 
         # This CTA's grad_ape slab: each thread copies the entries it owns.
         if col_ok:
@@ -472,38 +437,4 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule, red
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(vec_view(sm_dape.iterator, s * CW + tc * V, V).load())
 
-    @cute.jit
-    def host(
-        kv: cute.Pointer,
-        score: cute.Pointer,
-        ape: cute.Pointer,
-        cu: cute.Pointer,
-        cuc: cute.Pointer,
-        gout: cute.Pointer,
-        gkv: cute.Pointer,
-        gsc: cute.Pointer,
-        gape: cute.Pointer,
-        ws: cute.Pointer,
-        B: Int32,
-        N: Int32,
-        T: Int32,
-        rows_per_cta: Int32,
-        num_ctas: Int32,
-        stream: cuda.CUstream,
-    ):
-        kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta).launch(
-            grid=[num_ctas, NCHUNK, 1],
-            block=[NT, 1, 1],
-            smem=smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=MIN_BLOCKS,
-            preferred_smem_carveout=100,
-        )
-        reduce_kernel(ws, gape, num_ctas).launch(
-            grid=[(APE_SIZE + 31) // 32, 1, 1],
-            block=[reduce_warps * 32, 1, 1],
-            smem=reduce_warps * 32 * 4 + 64,
-            stream=stream,
-        )
-
-    return host
+    return make_backward_host(kernel, APE_SIZE, NCHUNK, NT, smem_bytes, 100)

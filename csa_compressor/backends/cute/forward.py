@@ -298,6 +298,94 @@ def forward_smem_bytes(sch: Schedule) -> int:
     return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
 
 
+def exact_probabilities(scf, apf, pq, first, V: int, SG: int, ratio: int, coff: int, md: bool) -> None:
+    """pq[i * SG + k] = softmax of column i over the thread's SG window slots, in the fp32 reference's
+    operation order: x = score + ape, m = max, e = expf(x - m), sum left to right, e / sum correctly rounded."""
+    es = []
+    totals = []
+    for i in range(V):
+        x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
+        m = x[0]
+        for k in range(1, SG):
+            m = cute.arch.fmax(m, x[k], nan=True)
+        e = [cute.math.exp(x[k] - m) for k in range(SG)]
+        total = e[0]
+        for k in range(1, SG):
+            total = add_rn(total, e[k])
+        es.append(e)
+        totals.append(total)
+    exact_quotients(es, totals, pq, first, V, SG, ratio, coff, md)
+
+
+class WindowOps:
+    """Device helpers over one thread's window slots, shared by the forward and the long-window backward.
+
+    A thread owns ``V`` columns (from column ``c``) of the ``SPG = SG * NB`` slots of group ``g``, in
+    batches of ``SG``; slot ``s`` of a row starting at token ``t0`` reads token ``t0 - (coff-1)*ratio + s``,
+    columns ``(s // ratio) * head_dim + c``.
+    """
+
+    def __init__(self, ratio: int, coff: int, head_dim: int, V: int, SG: int, SPG: int):
+        D = head_dim
+        WIDTH = coff * head_dim
+
+        @cute.jit
+        def issue(kv, score, kvf, scf, bi: cutlass.Constexpr, g, c, active, t0, first):
+            """Every load (kv and score) of batch bi, issued before any use; masked slots: kv 0, score -inf."""
+            for k in cutlass.range_constexpr(SG):
+                s = g * SPG + bi * SG + k
+                half = s // ratio
+                valid = active
+                if cutlass.const_expr(coff == 2):
+                    valid = active & ((half == 1) | (not first))
+                kvf[k].fill(0.0)
+                scf[k].fill(NEG_INF)
+                tok = t0 - (coff - 1) * ratio + s
+                if valid:
+                    off = tok * WIDTH + half * D + c
+                    kvf[k].store(vec_view(kv, off, V).load())
+                    scf[k].store(vec_view(score, off, V).load())
+
+        @cute.jit
+        def load_ape(ape, apf, bi: cutlass.Constexpr, g, c, col_ok):
+            """ape is small and L1/L2-resident: loaded after the DRAM loads are in flight."""
+            for k in cutlass.range_constexpr(SG):
+                s = g * SPG + bi * SG + k
+                apf[k].fill(0.0)
+                if col_ok:
+                    apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+
+        @cute.jit
+        def online_batch(kvf, scf, apf, vm, vl, va, bi: cutlass.Constexpr):
+            """Fold batch bi into the online (max, sum e, sum e*v) per column, log2 domain."""
+            for i in cutlass.range_constexpr(V):
+                y = [(Float32(scf[k][i]) + apf[k][i]) * LOG2E for k in range(SG)]
+                m = y[0]
+                for k in cutlass.range_constexpr(1, SG):
+                    m = cute.arch.fmax(m, y[k], nan=True)
+                if cutlass.const_expr(bi > 0):
+                    m = cute.arch.fmax(m, vm[i], nan=True)
+                # All slots masked so far (previous half of a first group): m = -inf, keep e = 0.
+                msafe = m
+                if m == Float32(NEG_INF):
+                    msafe = Float32(0.0)
+                total = Float32(0.0)
+                acc = Float32(0.0)
+                if cutlass.const_expr(bi > 0):
+                    carry = ex2(vm[i] - msafe)
+                    total = vl[i] * carry
+                    acc = va[i] * carry
+                for k in cutlass.range_constexpr(SG):
+                    e = ex2(y[k] - msafe)
+                    total = total + e
+                    acc = acc + e * Float32(kvf[k][i])
+                vm[i] = m
+                vl[i] = total
+                va[i] = acc
+
+        self.issue, self.load_ape, self.online_batch = issue, load_ape, online_batch
+
+
 def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     """The @cute.jit host function for one configuration and schedule.
 
@@ -307,7 +395,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     V, TC, G, SG, R, NB, CM = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.NB, sch.CM
     W = coff * ratio
     D = head_dim
-    WIDTH = coff * head_dim
     NT = sch.threads
     CW = TC * V  # columns per CTA
     NCHUNK = -(-D // CW)
@@ -315,6 +402,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     SPG = SG * NB  # slots per group
     assert G * SPG == W and (G > 1 or NB == 1)
     SMEM_ROW = G * CW  # floats per (quantity, row lane)
+    ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
 
     @cute.kernel
     def kernel(
@@ -362,53 +450,15 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         scb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
 
-        def issue(bi):
-            # Every DRAM load (kv and score) of batch bi, issued before any use.
-            kvf, scf = kvb[bi % 2], scb[bi % 2]
-            for k in cutlass.range_constexpr(SG):
-                s = g * SPG + bi * SG + k
-                half = s // ratio
-                tok = t0 - (coff - 1) * ratio + s
-                valid = active
-                if cutlass.const_expr(coff == 2):
-                    valid = active & ((half == 1) | (not first))
-                kvf[k].fill(0.0)
-                scf[k].fill(NEG_INF)
-                if valid:
-                    off = tok * WIDTH + half * D + c
-                    kvf[k].store(vec_view(kv, off, V).load())
-                    scf[k].store(vec_view(score, off, V).load())
-
-        def load_ape(bi):
-            # ape is small and L1/L2-resident: loaded after the DRAM loads are in flight.
-            for k in cutlass.range_constexpr(SG):
-                s = g * SPG + bi * SG + k
-                apf[k].fill(0.0)
-                if col_ok:
-                    apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
-
         res = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-        issue(0)
+        ops.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
         if cutlass.const_expr(G == 1):
-            load_ape(0)
+            ops.load_ape(ape, apf, 0, g, c, col_ok)
             kvf, scf = kvb[0], scb[0]
             # The fp32 reference's exact operation order: p = expf(x - max) / sum (IEEE division),
             # out = sum(p * v) in the order of torch's reduction (four strided accumulators).
-            es = []
-            totals = []
-            for i in cutlass.range_constexpr(V):
-                x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
-                m = x[0]
-                for k in cutlass.range_constexpr(1, SG):
-                    m = cute.arch.fmax(m, x[k], nan=True)
-                e = [cute.math.exp(x[k] - m) for k in range(SG)]
-                total = e[0]
-                for k in cutlass.range_constexpr(1, SG):
-                    total = add_rn(total, e[k])
-                es.append(e)
-                totals.append(total)
             pq = cute.make_rmem_tensor(cute.make_layout(V * SG), Float32)
-            exact_quotients(es, totals, pq, first, V, SG, ratio, coff, sch.MD)
+            exact_probabilities(scf, apf, pq, first, V, SG, ratio, coff, sch.MD)
             for i in cutlass.range_constexpr(V):
                 pv = [mul_rn(pq[i * SG + k], Float32(kvf[k][i])) for k in range(SG)]
                 res[i] = torch_order_sum(pv)
@@ -424,33 +474,9 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
             for bi in cutlass.range_constexpr(NB):
                 if cutlass.const_expr(bi + 1 < NB):
-                    issue(bi + 1)
-                load_ape(bi)
-                kvf, scf = kvb[bi % 2], scb[bi % 2]
-                for i in cutlass.range_constexpr(V):
-                    y = [(Float32(scf[k][i]) + apf[k][i]) * LOG2E for k in range(SG)]
-                    m = y[0]
-                    for k in cutlass.range_constexpr(1, SG):
-                        m = cute.arch.fmax(m, y[k], nan=True)
-                    if cutlass.const_expr(bi > 0):
-                        m = cute.arch.fmax(m, vm[i], nan=True)
-                    # All slots masked so far (previous half of a first group): m = -inf, keep e = 0.
-                    msafe = m
-                    if m == Float32(NEG_INF):
-                        msafe = Float32(0.0)
-                    total = Float32(0.0)
-                    acc = Float32(0.0)
-                    if cutlass.const_expr(bi > 0):
-                        carry = ex2(vm[i] - msafe)
-                        total = vl[i] * carry
-                        acc = res[i] * carry
-                    for k in cutlass.range_constexpr(SG):
-                        e = ex2(y[k] - msafe)
-                        total = total + e
-                        acc = acc + e * Float32(kvf[k][i])
-                    vm[i] = m
-                    vl[i] = total
-                    res[i] = acc
+                    ops.issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
+                ops.load_ape(ape, apf, bi, g, c, col_ok)
+                ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, res, bi)
             base = rl * SMEM_ROW + g * CW + tc * V
             vec_view(sm_m.iterator, base, V).store(vm.load())
             vec_view(sm_l.iterator, base, V).store(vl.load())

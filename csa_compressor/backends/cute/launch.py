@@ -46,7 +46,8 @@ try:
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
 
-    from .backward import MAX_REGS, REDUCE_WARPS, backward_schedule, backward_smem_bytes, build_backward
+    from .backward import backward_schedule, backward_smem_bytes, build_backward
+    from .backward_common import MAX_REGS, REDUCE_WARPS
     from .forward import build_forward, forward_schedule, forward_smem_bytes
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"

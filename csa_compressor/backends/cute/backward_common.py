@@ -1,0 +1,141 @@
+"""Pieces shared by the two cute backward kernels (``backward.py``, ``backward_long.py``).
+
+- the grad_ape reduction kernel (fixed-order sum of the per-CTA slabs, overwrite: no atomics);
+- the exact-zero stores that make uninitialised gradient buffers safe, each position from one owner;
+- the host function: main kernel, then the reduction kernel, on one stream.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .forward import add_rn, vec_view
+
+REDUCE_WARPS = 8
+MAX_REGS = 128  # launch bound of the main kernels: no spills, and the residency launch.py assumes
+
+
+def make_reduce_kernel(APE_SIZE: int):
+    """Second kernel of the backward: grad_ape = the fixed-order sum of the per-CTA slabs (overwrite)."""
+
+    @cute.kernel
+    def reduce_kernel(ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
+        # 32 consecutive entries per CTA; warp w sums slabs w, w+8, ... ; warp partials summed in order.
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        w = tidx // 32
+        e = bx * 32 + lane
+        smem = cutlass.memory.SmemAllocator()
+        part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32), byte_alignment=16)
+        ws_t = cute.make_tensor(ws, cute.make_layout(num_ctas * APE_SIZE))
+        acc = Float32(0.0)
+        if e < APE_SIZE:
+            for p in cutlass.range(w, num_ctas, REDUCE_WARPS):
+                acc = add_rn(acc, ws_t[p * APE_SIZE + e])
+        part[tidx] = acc
+        cute.arch.sync_threads()
+        if (w == 0) & (e < APE_SIZE):
+            tot = part[lane]
+            for h in cutlass.range_constexpr(1, REDUCE_WARPS):
+                tot = add_rn(tot, part[h * 32 + lane])
+            gape_t = cute.make_tensor(gape, cute.make_layout(APE_SIZE))
+            gape_t[e] = tot
+
+    return reduce_kernel
+
+
+class ZeroStores:
+    """Exact zeros where nothing consumes a gradient position, each written by exactly one owner.
+
+    ``segment_tail``: a segment's last row zeroes the tokens after its last group (all columns) and,
+    for coff 2, the first-half columns of its own tokens (no next row reads them); the calling
+    thread owns window slots ``slot0 .. slot0 + count - 1``.
+    ``unowned``: CTA ``bx`` zeroes the tokens of the segments ``b = bx mod grid`` that have no row
+    and a grid-stride share of the tokens past ``cu_seqlens[-1]``, spread over ``lanes`` threads.
+    """
+
+    def __init__(self, ratio: int, coff: int, head_dim: int, V: int):
+        D = head_dim
+        WIDTH = coff * head_dim
+
+        @cute.jit
+        def segment_tail(gkv, gsc, zero, t0, seg_end, slot0, count: cutlass.Constexpr, c):
+            for k in cutlass.range_constexpr(count):
+                qz = slot0 + k
+                if qz < ratio:
+                    tail_tok = t0 + ratio + qz
+                    if tail_tok < seg_end:
+                        for h in cutlass.range_constexpr(coff):
+                            vec_view(gkv, tail_tok * WIDTH + h * D + c, V).store(zero.load())
+                            vec_view(gsc, tail_tok * WIDTH + h * D + c, V).store(zero.load())
+                    if cutlass.const_expr(coff == 2):
+                        own_tok = t0 + qz
+                        vec_view(gkv, own_tok * WIDTH + c, V).store(zero.load())
+                        vec_view(gsc, own_tok * WIDTH + c, V).store(zero.load())
+
+        @cute.jit
+        def unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, lane, lanes: cutlass.Constexpr, c):
+            for b in cutlass.range(bx, B, gdx):
+                if cuc_t[b + 1] == cuc_t[b]:
+                    for t in cutlass.range(cu_t[b] + lane, cu_t[b + 1], lanes):
+                        for h in cutlass.range_constexpr(coff):
+                            vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
+                            vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
+            # Token-capacity padding rows past cu_seqlens[-1]: grid-stride.
+            for t in cutlass.range(cu_t[B] + bx * lanes + lane, T, gdx * lanes):
+                for h in cutlass.range_constexpr(coff):
+                    vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
+                    vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
+
+        self.segment_tail, self.unowned = segment_tail, unowned
+
+
+def make_backward_host(kernel, ape_size: int, nchunk: int, threads: int, smem_bytes: int, carveout: int):
+    """The @cute.jit host function of a backward: ``kernel`` over ``[num_ctas, nchunk]`` persistent CTAs,
+    then the grad_ape reduction, on ``stream``.
+
+    Signature: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+    grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``.
+    """
+    reduce_kernel = make_reduce_kernel(ape_size)
+    min_blocks = max(1, 65536 // (threads * MAX_REGS))
+
+    @cute.jit
+    def host(
+        kv: cute.Pointer,
+        score: cute.Pointer,
+        ape: cute.Pointer,
+        cu: cute.Pointer,
+        cuc: cute.Pointer,
+        gout: cute.Pointer,
+        gkv: cute.Pointer,
+        gsc: cute.Pointer,
+        gape: cute.Pointer,
+        ws: cute.Pointer,
+        B: Int32,
+        N: Int32,
+        T: Int32,
+        rows_per_cta: Int32,
+        num_ctas: Int32,
+        stream: cuda.CUstream,
+    ):
+        kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta).launch(
+            grid=[num_ctas, nchunk, 1],
+            block=[threads, 1, 1],
+            smem=smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=min_blocks,
+            preferred_smem_carveout=carveout,
+        )
+        reduce_kernel(ws, gape, num_ctas).launch(
+            grid=[(ape_size + 31) // 32, 1, 1],
+            block=[REDUCE_WARPS * 32, 1, 1],
+            smem=REDUCE_WARPS * 32 * 4 + 64,
+            stream=stream,
+        )
+
+    return host
