@@ -342,62 +342,37 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
     head_dim = out.shape[1]
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
+    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, num_segments, _search_iters(num_segments))
+    consts = dict(
+        RATIO=ratio,
+        COFF=coff,
+        HEAD_DIM=head_dim,
+        BLOCK_D=cfg.block_d,
+        VEC=cfg.vec,
+        N_COL=n_col,
+        MANUAL_RTNE=_interpret(),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     if _is_long(ratio, coff):
         lanes, cs_in = _long_shape("forward", cfg, ratio, coff)
         rows = _long_rows(cfg, "forward", n_rows, n_col, kv.device)
         fwd_mod.csa_fwd_long_kernel[(_cdiv(n_rows, rows) * n_col,)](
-            kv,
-            score,
-            ape,
-            cu_seqlens,
-            cu_seqlens_comp,
-            out,
-            n_rows,
-            num_segments,
-            _search_iters(num_segments),
-            rows,
-            RATIO=ratio,
-            COFF=coff,
-            HEAD_DIM=head_dim,
-            BLOCK_D=cfg.block_d,
-            VEC=cfg.vec,
-            LANES=lanes,
-            CS_IN=cs_in,
-            NCH_HALF=_cdiv(ratio, lanes * cs_in),
-            N_COL=n_col,
-            MANUAL_RTNE=_interpret(),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            *args, rows, LANES=lanes, CS_IN=cs_in, NCH_HALF=_cdiv(ratio, lanes * cs_in), **consts
         )
         return
     tiles = max(1, _rows_per_prog(cfg, "forward", n_rows, n_col, coff * _pow2(ratio), kv.device) // cfg.block_r)
     n_prog = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     fwd_mod.csa_fwd_kernel[(n_prog * n_col,)](
-        kv,
-        score,
-        ape,
-        cu_seqlens,
-        cu_seqlens_comp,
-        out,
-        n_rows,
-        num_segments,
-        _search_iters(num_segments),
+        *args,
         tiles,
-        RATIO=ratio,
         SP=_pow2(ratio),
-        COFF=coff,
-        HEAD_DIM=head_dim,
         BLOCK_R=cfg.block_r,
-        BLOCK_D=cfg.block_d,
-        VEC=cfg.vec,
-        N_COL=n_col,
         PRECISE_EXP=cfg.precise_exp and kv.device.type == "cuda" and not _interpret(),
-        MANUAL_RTNE=_interpret(),
         TORCH_ORDER=_torch_order(cfg, ratio, coff),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
         # The reference rounds every product before adding: no fused multiply-adds.
         enable_fp_fusion=False,
+        **consts,
     )
 
 
@@ -417,84 +392,45 @@ def launch_backward(
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
     if _is_long(ratio, coff):
-        lanes, cs_in = _long_shape("backward", cfg, ratio, coff)
-        rows = _long_rows(cfg, "backward", n_rows, n_col, kv.device, coff * _pow2(ratio))
-        n_parts = _cdiv(n_rows, rows)
-        n_compute = n_parts * n_col
-        workspace = torch.empty((n_parts, ratio, width), dtype=torch.float32, device=kv.device)
-        bwd_mod.csa_bwd_long_kernel[(n_compute + _cdiv(tokens, cfg.sweep_t),)](
-            kv,
-            score,
-            ape,
-            cu_seqlens,
-            cu_seqlens_comp,
-            grad_out,
-            grad_kv,
-            grad_score,
-            workspace,
-            n_rows,
-            tokens,
-            num_segments,
-            _search_iters(num_segments),
-            rows,
-            n_compute,
-            RATIO=ratio,
-            SP=_pow2(ratio),
-            COFF=coff,
-            HEAD_DIM=head_dim,
-            BLOCK_D=cfg.block_d,
-            VEC=cfg.vec,
-            LANES=lanes,
-            CS_IN=cs_in,
-            N_COL=n_col,
-            SWEEP_T=cfg.sweep_t,
-            SWEEP_D=cfg.sweep_d,
-            MANUAL_RTNE=_interpret(),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-        _reduce_dape(bwd_mod, workspace, grad_ape, n_parts, ratio * width, cfg)
-        return
-    tiles = max(1, _rows_per_prog(cfg, "backward", n_rows, n_col, coff * _pow2(ratio), kv.device) // cfg.block_r)
-    n_parts = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
+        rows_per_part = _long_rows(cfg, "backward", n_rows, n_col, kv.device, coff * _pow2(ratio))
+        n_parts = _cdiv(n_rows, rows_per_part)
+    else:
+        tiles = max(1, _rows_per_prog(cfg, "backward", n_rows, n_col, coff * _pow2(ratio), kv.device) // cfg.block_r)
+        n_parts = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     n_compute = n_parts * n_col
-    n_sweep = _cdiv(tokens, cfg.sweep_t)
+    grid = (n_compute + _cdiv(tokens, cfg.sweep_t),)  # compute programs, then the zero-sweep programs
     workspace = torch.empty((n_parts, ratio, width), dtype=torch.float32, device=kv.device)
-    precise = cfg.precise_exp and kv.device.type == "cuda" and not _interpret()
-    bwd_mod.csa_bwd_kernel[(n_compute + n_sweep,)](
-        kv,
-        score,
-        ape,
-        cu_seqlens,
-        cu_seqlens_comp,
-        grad_out,
-        grad_kv,
-        grad_score,
-        workspace,
-        n_rows,
-        tokens,
-        num_segments,
-        _search_iters(num_segments),
-        tiles,
-        n_compute,
+    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
+    args += (n_rows, tokens, num_segments, _search_iters(num_segments))
+    consts = dict(
         RATIO=ratio,
         SP=_pow2(ratio),
         COFF=coff,
         HEAD_DIM=head_dim,
-        BLOCK_R=cfg.block_r,
         BLOCK_D=cfg.block_d,
         VEC=cfg.vec,
         N_COL=n_col,
         SWEEP_T=cfg.sweep_t,
         SWEEP_D=cfg.sweep_d,
-        PRECISE_EXP=precise,
         MANUAL_RTNE=_interpret(),
-        TORCH_ORDER=_torch_order(cfg, ratio, coff),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        # The reference rounds every product before adding: no fused multiply-adds.
-        enable_fp_fusion=False,
     )
+    if _is_long(ratio, coff):
+        lanes, cs_in = _long_shape("backward", cfg, ratio, coff)
+        bwd_mod.csa_bwd_long_kernel[grid](*args, rows_per_part, n_compute, LANES=lanes, CS_IN=cs_in, **consts)
+    else:
+        bwd_mod.csa_bwd_kernel[grid](
+            *args,
+            tiles,
+            n_compute,
+            BLOCK_R=cfg.block_r,
+            PRECISE_EXP=cfg.precise_exp and kv.device.type == "cuda" and not _interpret(),
+            TORCH_ORDER=_torch_order(cfg, ratio, coff),
+            # The reference rounds every product before adding: no fused multiply-adds.
+            enable_fp_fusion=False,
+            **consts,
+        )
     _reduce_dape(bwd_mod, workspace, grad_ape, n_parts, ratio * width, cfg)
 
 
