@@ -172,6 +172,61 @@ def _on_device(device: torch.device, tensors) -> bool:
     return True
 
 
+def _inputs_ok(cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows: int, head_dim: int) -> bool:
+    """The part of the per-call check both directions share: the five inputs against ``cfg`` (sizes that
+    may change per call, dtype, contiguity, 16/4-byte alignment, int32 bounds, ``T >= ratio``, device)."""
+    shape = kv.shape
+    tokens, width = shape
+    cu_shape = cu_seqlens.shape
+    dtype = cfg.dtype
+    index = cfg.device_index
+    return (
+        width == cfg.width
+        and head_dim == cfg.head_dim
+        and kv.dtype is dtype
+        and score.dtype is dtype
+        and ape.dtype is _F32
+        and cu_seqlens.dtype is _I32
+        and cu_seqlens_comp.dtype is _I32
+        and score.shape == shape
+        and ape.shape == cfg.ape_shape
+        and len(cu_shape) == 1
+        and cu_shape[0] >= 2
+        and cu_seqlens_comp.shape == cu_shape
+        and kv.is_contiguous()
+        and score.is_contiguous()
+        and ape.is_contiguous()
+        and cu_seqlens.is_contiguous()
+        and cu_seqlens_comp.is_contiguous()
+        and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr()) & 15
+        and not (cu_seqlens.data_ptr() | cu_seqlens_comp.data_ptr()) & 3
+        and tokens * width < INT32_LIMIT
+        and rows * head_dim < INT32_LIMIT
+        and (rows == 0 or tokens >= cfg.ratio)
+        and (
+            # CUDA: one index read per tensor (CPU and meta tensors read -1).
+            kv.is_cuda
+            and kv.get_device() == index
+            and score.get_device() == index
+            and ape.get_device() == index
+            and cu_seqlens.get_device() == index
+            and cu_seqlens_comp.get_device() == index
+            if cfg.is_cuda
+            else _on_device(cfg.device, (kv, score, ape, cu_seqlens, cu_seqlens_comp))
+        )
+    )
+
+
+def _buffer_ok(cfg: Config, t, dtype) -> bool:
+    """One caller-provided buffer (output or gradient): dtype, contiguity, 16-byte alignment, device."""
+    return (
+        t.dtype is dtype
+        and t.is_contiguous()
+        and not t.data_ptr() & 15
+        and (t.get_device() == cfg.device_index if cfg.is_cuda else t.device == cfg.device)
+    )
+
+
 def recheck_forward(cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, fresh: bool = False) -> int:
     """Cheap per-call check; returns ``out.shape[0]``. Anything unexpected reruns the full checks for the message.
 
@@ -182,55 +237,9 @@ def recheck_forward(cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, ou
     contiguity and (allocator) alignment follow from kv's and are not read again; its shape is.
     """
     try:
-        shape = kv.shape
-        tokens, width = shape
         rows, head_dim = out.shape
-        cu_shape = cu_seqlens.shape
-        dtype = cfg.dtype
-        index = cfg.device_index
-        if (
-            width == cfg.width
-            and head_dim == cfg.head_dim
-            and kv.dtype is dtype
-            and score.dtype is dtype
-            and ape.dtype is _F32
-            and cu_seqlens.dtype is _I32
-            and cu_seqlens_comp.dtype is _I32
-            and score.shape == shape
-            and ape.shape == cfg.ape_shape
-            and len(cu_shape) == 1
-            and cu_shape[0] >= 2
-            and cu_seqlens_comp.shape == cu_shape
-            and kv.is_contiguous()
-            and score.is_contiguous()
-            and ape.is_contiguous()
-            and cu_seqlens.is_contiguous()
-            and cu_seqlens_comp.is_contiguous()
-            and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr()) & 15
-            and not (cu_seqlens.data_ptr() | cu_seqlens_comp.data_ptr()) & 3
-            and tokens * width < INT32_LIMIT
-            and rows * head_dim < INT32_LIMIT
-            and (rows == 0 or tokens >= cfg.ratio)
-            and (
-                # CUDA: one index read per tensor (CPU and meta tensors read -1).
-                kv.is_cuda
-                and kv.get_device() == index
-                and score.get_device() == index
-                and ape.get_device() == index
-                and cu_seqlens.get_device() == index
-                and cu_seqlens_comp.get_device() == index
-                if cfg.is_cuda
-                else _on_device(cfg.device, (kv, score, ape, cu_seqlens, cu_seqlens_comp))
-            )
-            and (
-                fresh
-                or (
-                    out.dtype is dtype
-                    and out.is_contiguous()
-                    and not out.data_ptr() & 15
-                    and (out.get_device() == index if cfg.is_cuda else out.device == cfg.device)
-                )
-            )
+        if _inputs_ok(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, head_dim) and (
+            fresh or _buffer_ok(cfg, out, cfg.dtype)
         ):
             return rows
     except _PER_CALL_ERRORS:  # not tensors, wrong ranks
@@ -258,69 +267,20 @@ def recheck_backward(
     which this check finds contiguous, so nothing of theirs is read.
     """
     try:
-        shape = kv.shape
-        tokens, width = shape
         rows, head_dim = grad_out.shape
-        cu_shape = cu_seqlens.shape
-        ape_shape = cfg.ape_shape
         dtype = cfg.dtype
-        index = cfg.device_index
         if (
-            width == cfg.width
-            and head_dim == cfg.head_dim
-            and kv.dtype is dtype
-            and score.dtype is dtype
-            and grad_out.dtype is dtype
-            and ape.dtype is _F32
-            and cu_seqlens.dtype is _I32
-            and cu_seqlens_comp.dtype is _I32
-            and score.shape == shape
-            and ape.shape == ape_shape
-            and len(cu_shape) == 1
-            and cu_shape[0] >= 2
-            and cu_seqlens_comp.shape == cu_shape
-            and kv.is_contiguous()
-            and score.is_contiguous()
-            and ape.is_contiguous()
-            and grad_out.is_contiguous()
-            and cu_seqlens.is_contiguous()
-            and cu_seqlens_comp.is_contiguous()
-            and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr() | grad_out.data_ptr()) & 15
-            and not (cu_seqlens.data_ptr() | cu_seqlens_comp.data_ptr()) & 3
-            and tokens * width < INT32_LIMIT
-            and rows * head_dim < INT32_LIMIT
-            and (rows == 0 or tokens >= cfg.ratio)
-            and (
-                kv.is_cuda
-                and kv.get_device() == index
-                and score.get_device() == index
-                and ape.get_device() == index
-                and grad_out.get_device() == index
-                and cu_seqlens.get_device() == index
-                and cu_seqlens_comp.get_device() == index
-                if cfg.is_cuda
-                else _on_device(cfg.device, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out))
-            )
+            _inputs_ok(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, head_dim)
+            and _buffer_ok(cfg, grad_out, dtype)
             and (
                 fresh
                 or (
-                    grad_kv.dtype is dtype
-                    and grad_score.dtype is dtype
-                    and grad_ape.dtype is _F32
-                    and grad_kv.shape == shape
-                    and grad_score.shape == shape
-                    and grad_ape.shape == ape_shape
-                    and grad_kv.is_contiguous()
-                    and grad_score.is_contiguous()
-                    and grad_ape.is_contiguous()
-                    and not (grad_kv.data_ptr() | grad_score.data_ptr() | grad_ape.data_ptr()) & 15
-                    and (
-                        grad_kv.get_device() == index
-                        and grad_score.get_device() == index
-                        and grad_ape.get_device() == index
-                        if cfg.is_cuda
-                        else _on_device(cfg.device, (grad_kv, grad_score, grad_ape))
-                    )
+                    grad_kv.shape == kv.shape
+                    and grad_score.shape == kv.shape
+                    and grad_ape.shape == cfg.ape_shape
+                    and _buffer_ok(cfg, grad_kv, dtype)
+                    and _buffer_ok(cfg, grad_score, dtype)
+                    and _buffer_ok(cfg, grad_ape, _F32)
                 )
             )
         ):
