@@ -363,7 +363,7 @@ def time_variants(name, dev, reps):
         try:
             launch.compile(full, ratio, coff, d, torch.bfloat16, dev)
             num = variant_numerics(ratio, coff, d, direction, dev)
-            lau = launch._FASTMAP[(full, ratio, coff, d, torch.bfloat16, dev.index)]
+            lau = launch._get_launcher(full, ratio, coff, d, torch.bfloat16, dev)
             rec = time_case(name, dev, reps, only=direction)
             out.append(
                 {
