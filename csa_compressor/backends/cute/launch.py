@@ -435,6 +435,7 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
     lk = (key, index)
     launcher = _LAUNCHERS.get(lk)
     if launcher is not None:
+        _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher  # the calls' one-lookup path
         return launcher
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
