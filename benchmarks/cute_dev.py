@@ -272,8 +272,21 @@ def time_case(name, dev, reps, only=None):
 
     rec = {"case": name}
     floor_f, floor_b, seed_f, seed_b = SPEC[name]
-    for tag, fn, floor, seed in (("fwd", fwd, floor_f, seed_f), ("bwd", bwd, floor_b, seed_b)):
-        if only is not None and tag != only:
+    runs = [("fwd", fwd, floor_f, seed_f), ("bwd", bwd, floor_b, seed_b)]
+    if launch.supports_stats(ratio, coff, d):
+        # The softmax-statistics pair (what autograd runs for long windows).
+        stats = torch.empty((n, 3, d), dtype=torch.float32, device=dev)
+
+        def fwd_st():
+            launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None, stats)
+
+        def bwd_st():
+            launch.backward(kv, score, ape, cu, cuc, g, gkv, gsc, gape, ratio, coff, None, stats)
+
+        fwd_st()
+        runs += [("fwd_st", fwd_st, floor_f, seed_f), ("bwd_st", bwd_st, floor_b, seed_b)]
+    for tag, fn, floor, seed in runs:
+        if only is not None and tag.split("_")[0] != only:
             continue
         cold, names = _profile_kernel_us(fn, flush, reps)
         warm, _ = _profile_kernel_us(fn, None, reps)
@@ -435,7 +448,7 @@ def main():
     print("\n| case | dir | floor | cold | warm | wall | host | x floor | x seed |")
     print("|---|---|---|---|---|---|---|---|---|")
     for rec in result["timing"]:
-        for tag in ("fwd", "bwd"):
+        for tag in ("fwd", "bwd", "fwd_st", "bwd_st"):
             if tag in rec:
                 r = rec[tag]
                 print(

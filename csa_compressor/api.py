@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from . import dispatch, support
+from . import dispatch, reference, support
 from .support import Config
 
 __all__ = [
@@ -58,6 +58,8 @@ class _Op:
         # Per-call fast path, bound by compile(): the backend's launch function and the scalars it takes.
         self._launch = None
         self._ratio = self._coff = self._head_dim = 0
+        # Long windows: the forward can save softmax statistics that the backward then uses (reference.py).
+        self.uses_stats = reference.uses_softmax_stats(ratio, coff) if isinstance(ratio, int) else False
 
     def _check(self) -> Config:
         raise NotImplementedError
@@ -70,6 +72,9 @@ class _Op:
             cfg = self._check()
             name = dispatch.resolve_backend(self.requested_backend, cfg.device, cfg.ratio, cfg.coff, cfg.head_dim)
             self.config, self.backend, self._module = cfg, name, dispatch.backend_module(name)
+            supports = getattr(self._module, "supports_stats", None)
+            if self.uses_stats and (supports is None or not supports(cfg.ratio, cfg.coff, cfg.head_dim)):
+                raise RuntimeError(f"csa_compressor: backend {name!r} has no softmax-statistics path for {cfg}")
         return True
 
     def compile(self) -> None:
@@ -94,12 +99,16 @@ class _Op:
     def _release_samples(self) -> None:
         self._samples = None
 
+    def _check_stats(self, stats, rows: int) -> None:
+        if not (self.uses_stats and support.stats_ok(self.config, stats, rows)):
+            support.check_softmax_stats(self.config, stats, rows, self.uses_stats)
+
 
 def _keep_alive(stream, tensors) -> None:
     # The caller may free its tensors before the kernel on `stream` has run; record the use.
     if stream != torch.cuda.current_stream(stream.device):
         for t in tensors:
-            if t.device.type == "cuda":
+            if t is not None and t.device.type == "cuda":
                 t.record_stream(stream)
 
 
@@ -127,26 +136,38 @@ class CSACompressorForward(_Op):
     def _check(self) -> Config:
         return support.check_forward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
 
-    def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None):
+    def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None, softmax_stats=None):
+        """Write ``out``; with ``softmax_stats`` (a ``(total_comp, 3, head_dim)`` float32 buffer, long windows
+        only: ``uses_stats``) also the softmax statistics that ``CSACompressorBackward.execute`` can take."""
         # Hot path: one attribute test, the attribute-only recheck, the backend call.
         launch = self._launch
         if launch is None:
             self.compile()
             launch = self._launch
-        if _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out) == 0:
+        rows = _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        if softmax_stats is not None:
+            self._check_stats(softmax_stats, rows)
+        if rows == 0:
             return out
         if stream is not None:
-            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
-        launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream)
+            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats))
+        if softmax_stats is None:
+            launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream)
+        else:
+            launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, softmax_stats)
         return out
 
-    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream) -> None:
-        """``execute`` of a compiled op for the wrappers, whose ``out`` is ``kv.new_empty((rows, head_dim))``."""
+    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats=None) -> None:
+        """``execute`` of a compiled op for the wrappers, whose ``out`` is ``kv.new_empty((rows, head_dim))``
+        (and ``stats``, if any, ``torch.empty((rows, 3, head_dim), float32)`` on kv's device)."""
         if _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, True) == 0:
             return
         if stream is not None:
-            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
-        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream)
+            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats))
+        if stats is None:
+            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream)
+        else:
+            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, stats)
 
 
 class CSACompressorBackward(_Op):
@@ -187,29 +208,24 @@ class CSACompressorBackward(_Op):
         return support.check_backward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
 
     def execute(
-        self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream=None
+        self,
+        kv,
+        score,
+        ape,
+        cu_seqlens,
+        cu_seqlens_comp,
+        grad_out,
+        grad_kv,
+        grad_score,
+        grad_ape,
+        stream=None,
+        softmax_stats=None,
     ):
+        """Overwrite the three gradients. ``softmax_stats``: what ``CSACompressorForward.execute`` saved for these
+        inputs (long windows); the kernel then skips its own pass over the window for the row statistics."""
         if self._launch is None:
             self.compile()
-        return self._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream)
-
-    def _run(
-        self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, fresh=False
-    ):
-        """``execute`` of a compiled op; ``fresh``: the gradients are ``torch.empty_like`` of kv, score, ape."""
-        rows = _recheck_backward(
-            self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, fresh
-        )
-        if rows == 0:
-            # Nothing consumed anything: the gradients are exact zeros.
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                grad_kv.zero_()
-                grad_score.zero_()
-                grad_ape.zero_()
-            return grad_kv, grad_score, grad_ape
-        if stream is not None:
-            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape))
-        self._launch(
+        return self._run(
             kv,
             score,
             ape,
@@ -219,10 +235,47 @@ class CSACompressorBackward(_Op):
             grad_kv,
             grad_score,
             grad_ape,
-            self._ratio,
-            self._coff,
             stream,
+            stats=softmax_stats,
         )
+
+    def _run(
+        self,
+        kv,
+        score,
+        ape,
+        cu_seqlens,
+        cu_seqlens_comp,
+        grad_out,
+        grad_kv,
+        grad_score,
+        grad_ape,
+        stream,
+        fresh=False,
+        stats=None,
+    ):
+        """``execute`` of a compiled op; ``fresh``: the gradients are ``torch.empty_like`` of kv, score, ape."""
+        rows = _recheck_backward(
+            self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, fresh
+        )
+        if stats is not None:
+            self._check_stats(stats, rows)
+        if rows == 0:
+            # Nothing consumed anything: the gradients are exact zeros.
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                grad_kv.zero_()
+                grad_score.zero_()
+                grad_ape.zero_()
+            return grad_kv, grad_score, grad_ape
+        if stream is not None:
+            _keep_alive(
+                stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stats)
+            )
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+        if stats is None:
+            self._launch(*args, self._ratio, self._coff, stream)
+        else:
+            self._launch(*args, self._ratio, self._coff, stream, stats)
         return grad_kv, grad_score, grad_ape
 
 
@@ -280,9 +333,21 @@ def _fast_key(kv, ratio, coff, head_dim, backend):
 
 
 def _pool_forward(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim=None, stream=None
+    kv,
+    score,
+    ape,
+    cu_seqlens,
+    cu_seqlens_comp,
+    ratio,
+    coff,
+    total_comp,
+    backend,
+    head_dim=None,
+    stream=None,
+    return_stats=False,
 ):
-    """The forward wrapper without the TupleDict: returns ``out`` (also the autograd op's eager path)."""
+    """The forward wrapper without the TupleDict: returns ``out`` (also the autograd op's eager path), or
+    ``(out, softmax_stats)`` with ``return_stats`` (long windows only)."""
     rows = total_comp if type(total_comp) is int else _total_comp(cu_seqlens_comp, total_comp)
     key = _fast_key(kv, ratio, coff, head_dim, backend)
     op = _FWD_FAST.get(key) if key is not None else None
@@ -302,12 +367,18 @@ def _pool_forward(
             _FWD_FAST[key] = op
     # Allocated on the current stream; with an explicit `stream`, execute() records the use there.
     out = kv.new_empty((rows, op._head_dim))
-    op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream)
-    return out
+    if not return_stats:
+        op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream)
+        return out
+    stats = torch.empty((rows, 3, op._head_dim), dtype=torch.float32, device=kv.device)
+    if not op.uses_stats:
+        support.check_softmax_stats(op.config, stats, rows, False)
+    op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
+    return out, stats
 
 
 def _pool_backward(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim=None, stream=None
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim=None, stream=None, stats=None
 ):
     """The backward wrapper without the TupleDict: returns ``(grad_kv, grad_score, grad_ape)``."""
     # The kernel writes every element: uninitialised buffers, one allocation each.
@@ -320,7 +391,9 @@ def _pool_backward(
         op = _op(CSACompressorBackward, "backward", tensors, ratio, coff, head_dim, backend)
         if key is not None:
             _BWD_FAST[key] = op
-    return op._run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, True)
+    return op._run(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, True, stats
+    )
 
 
 def csa_compressor_forward_wrapper(
@@ -335,8 +408,18 @@ def csa_compressor_forward_wrapper(
     total_comp: int | None = None,
     stream=None,
     backend: str | None = "auto",
+    return_softmax_stats: bool = False,
 ) -> TupleDict:
-    """Allocate ``out`` and run the forward. ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` (one host sync)."""
+    """Allocate ``out`` and run the forward. ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` (one host sync).
+
+    ``return_softmax_stats=True`` (windows of more than 16 slots): also ``softmax_stats``, the
+    ``(total_comp, 3, head_dim)`` float32 statistics the backward wrapper takes to skip a pass over the window.
+    """
+    if return_softmax_stats:
+        out, stats = _pool_forward(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim, stream, True
+        )
+        return TupleDict(out=out, softmax_stats=stats)
     out = _pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim, stream)
     return TupleDict(out=out)
 
@@ -354,13 +437,17 @@ def csa_compressor_backward_wrapper(
     total_comp: int | None = None,
     stream=None,
     backend: str | None = "auto",
+    softmax_stats=None,
 ) -> TupleDict:
-    """Allocate and compute ``grad_kv``, ``grad_score`` (``empty``: the kernel writes every element) and ``grad_ape``."""
+    """Allocate and compute ``grad_kv``, ``grad_score`` (``empty``: the kernel writes every element) and ``grad_ape``.
+
+    ``softmax_stats``: the forward wrapper's ``softmax_stats`` for the same inputs (long windows), or None.
+    """
     if total_comp is not None and int(total_comp) != grad_out.shape[0]:
         raise ValueError(
             f"csa_compressor: total_comp must equal grad_out.shape[0]: got {total_comp} vs {grad_out.shape[0]}"
         )
     grad_kv, grad_score, grad_ape = _pool_backward(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim, stream
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim, stream, softmax_stats
     )
     return TupleDict(grad_kv=grad_kv, grad_score=grad_score, grad_ape=grad_ape)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import api
+from .reference import uses_softmax_stats
 from .thd import compute_cu_seqlens_comp
 
 __all__ = ["CompressorPool", "CompressorPoolFunction", "compressor_pool"]
@@ -38,6 +39,29 @@ def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, back
     return kv.new_empty((total_comp, kv.shape[-1] // coff))
 
 
+@torch.library.custom_op("csa_compressor::pool_forward_stats", mutates_args=())
+def _pool_forward_stats(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_comp: torch.Tensor,
+    ratio: int,
+    coff: int,
+    total_comp: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return api._pool_forward(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, return_stats=True
+    )
+
+
+@_pool_forward_stats.register_fake
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend):
+    d = kv.shape[-1] // coff
+    return kv.new_empty((total_comp, d)), kv.new_empty((total_comp, 3, d), dtype=torch.float32)
+
+
 @torch.library.custom_op("csa_compressor::pool_backward", mutates_args=())
 def _pool_backward(
     kv: torch.Tensor,
@@ -49,12 +73,15 @@ def _pool_backward(
     ratio: int,
     coff: int,
     backend: str,
+    softmax_stats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return api._pool_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.contiguous(), ratio, coff, backend)
+    return api._pool_backward(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.contiguous(), ratio, coff, backend, stats=softmax_stats
+    )
 
 
 @_pool_backward.register_fake
-def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend):
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, softmax_stats=None):
     return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
 
 
@@ -62,6 +89,7 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _pool_forward_op = torch.ops.csa_compressor.pool_forward.default
+_pool_forward_stats_op = torch.ops.csa_compressor.pool_forward_stats.default
 _pool_backward_op = torch.ops.csa_compressor.pool_backward.default
 
 
@@ -87,27 +115,45 @@ def _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp) -> bool:
 class CompressorPoolFunction(torch.autograd.Function):
     """autograd over the two custom ops; gradients flow to ``kv``, ``score`` and ``ape``.
 
-    In plain eager mode (see ``_direct``) both directions call the wrappers' code directly.
+    In plain eager mode (see ``_direct``) both directions call the wrappers' code directly. Long windows
+    (``uses_softmax_stats``) save the forward's softmax statistics ``(total_comp, 3, d)`` fp32 for the
+    backward, which then reads each input once instead of twice.
     """
 
     @staticmethod
     def forward(ctx, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend):
-        ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp)
         ctx.ratio, ctx.coff, ctx.backend = ratio, coff, backend
-        if _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp):
-            return api._pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
-        return _pool_forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
+        direct = _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp)
+        if not uses_softmax_stats(ratio, coff):
+            ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp)
+            if direct:
+                return api._pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
+            return _pool_forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
+        out, stats = api._pool_forward(*args, return_stats=True) if direct else _pool_forward_stats_op(*args)
+        ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, stats)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        kv, score, ape, cu_seqlens, cu_seqlens_comp = ctx.saved_tensors
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, *rest = ctx.saved_tensors
+        stats = rest[0] if rest else None
         if _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp) and type(grad_out) in _PLAIN:
             grad_kv, grad_score, grad_ape = api._pool_backward(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.contiguous(), ctx.ratio, ctx.coff, ctx.backend
+                kv,
+                score,
+                ape,
+                cu_seqlens,
+                cu_seqlens_comp,
+                grad_out.contiguous(),
+                ctx.ratio,
+                ctx.coff,
+                ctx.backend,
+                stats=stats,
             )
         else:
             grad_kv, grad_score, grad_ape = _pool_backward_op(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ctx.ratio, ctx.coff, ctx.backend
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ctx.ratio, ctx.coff, ctx.backend, stats
             )
         return grad_kv, grad_score, grad_ape, None, None, None, None, None, None
 

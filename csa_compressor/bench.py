@@ -723,17 +723,23 @@ class _Timer:
 
 
 def _kernel_callables(backend: str, pack, case: Case):
+    """fwd and bwd as autograd runs them: long windows (``uses_softmax_stats``) save the softmax statistics
+    in the forward and hand them to the backward."""
     from . import api
+    from .reference import uses_softmax_stats
 
     kw = dict(ratio=case.ratio, head_dim=case.head_dim, coff=case.coff, total_comp=pack.total_comp, backend=backend)
+    inputs = (pack.kv, pack.score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp)
+    stats = uses_softmax_stats(case.ratio, case.coff)
+    saved = (
+        api.csa_compressor_forward_wrapper(*inputs, return_softmax_stats=True, **kw)["softmax_stats"] if stats else None
+    )
 
     def fwd():
-        return api.csa_compressor_forward_wrapper(pack.kv, pack.score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp,
-                                                  **kw)  # fmt: skip
+        return api.csa_compressor_forward_wrapper(*inputs, return_softmax_stats=stats, **kw)
 
     def bwd():
-        return api.csa_compressor_backward_wrapper(pack.kv, pack.score, pack.ape, pack.cu_seqlens,
-                                                   pack.cu_seqlens_comp, pack.grad_out, **kw)  # fmt: skip
+        return api.csa_compressor_backward_wrapper(*inputs, pack.grad_out, softmax_stats=saved, **kw)
 
     return {"fwd": fwd, "bwd": bwd}
 

@@ -21,7 +21,16 @@ import torch
 
 from .thd import row_layout
 
-__all__ = ["PRECISIONS", "backward", "eager_region", "forward"]
+__all__ = [
+    "PRECISIONS",
+    "STATS_LOG2E",
+    "backward",
+    "backward_from_stats",
+    "eager_region",
+    "forward",
+    "softmax_stats",
+    "uses_softmax_stats",
+]
 
 PRECISIONS = ("upstream", "fp32", "fp64")
 
@@ -88,6 +97,38 @@ def _windows(kv, score, ape, win: _Window, ratio, coff, dtype):
     values = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
     logits = torch.where(valid, logits, torch.full((), float("-inf"), dtype=dtype, device=logits.device))
     return values, logits
+
+
+STATS_LOG2E = 1.4426950408889634  # log2(e), rounded to fp32 where the kernels scale logits
+
+
+def uses_softmax_stats(ratio: int, coff: int) -> bool:
+    """Whether the forward saves softmax statistics for the backward (windows of more than 16 slots).
+
+    Long windows are where recomputing the row max, sum and output in the backward costs a second
+    pass over the window; short windows recompute them in registers at no extra traffic.
+    """
+    return coff * ratio > 16
+
+
+def softmax_stats(kv, score, ape, cu_seqlens, cu_seqlens_comp, *, ratio: int, coff: int, total_comp: int):
+    """The forward's saved softmax statistics, ``(total_comp, 3, d)`` float32, for every row (padding too).
+
+    Per row and column, over the window slots (masked slots excluded), with ``y = (score + ape) * log2(e)``
+    in fp32: ``[:, 0]`` the max ``m`` of ``y``, ``[:, 1]`` ``1 / sum 2^(y - m)`` and ``[:, 2]`` the fp32
+    output ``sum p * value`` before its rounding to bf16. The backward uses them instead of a
+    first pass over the window: ``p = 2^(y - m) * [:, 1]``.
+    """
+    d = kv.shape[-1] // coff
+    if total_comp == 0:
+        return kv.new_empty((0, 3, d), dtype=torch.float32)
+    win = _window(cu_seqlens, cu_seqlens_comp, total_comp, kv.shape[0], ratio, coff)
+    values, logits = _windows(kv.float(), score, ape, win, ratio, coff, torch.float32)
+    y = logits * STATS_LOG2E
+    m = y.amax(dim=1)
+    inv_l = 1.0 / torch.exp2(y - m[:, None, :]).sum(dim=1)
+    out = (values * torch.softmax(logits, dim=1)).sum(dim=1)
+    return torch.stack([m, inv_l, out], dim=1)
 
 
 def _check_precision(precision: str) -> None:
@@ -192,6 +233,34 @@ def backward(
     if coff == 2:
         d_ape = torch.cat([d_ape[:ratio], d_ape[ratio:]], dim=1)
     return grad_kv, grad_score, d_ape.to(ape_dtype)
+
+
+def backward_from_stats(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stats, *, ratio: int, coff: int):
+    """The fp32 backward computed from saved ``softmax_stats`` (what the kernels' stats path does), not from a
+    softmax of its own: ``p = 2^(y - m) / l`` and ``sum p*v`` come from ``stats``. Same outputs as
+    ``backward(..., precision="fp32")`` when ``stats`` are ``softmax_stats`` of the same inputs."""
+    total_comp = grad_out.shape[0]
+    tokens, width = kv.shape
+    if total_comp == 0:
+        zeros = kv.new_zeros((tokens, width))
+        return zeros, zeros.clone(), ape.new_zeros(ape.shape, dtype=torch.float32)
+    win = _window(cu_seqlens, cu_seqlens_comp, total_comp, tokens, ratio, coff)
+    g = torch.where(win.is_real[:, None], grad_out, torch.zeros((), dtype=grad_out.dtype, device=grad_out.device))
+    values, logits = _windows(kv.float(), score, ape, win, ratio, coff, torch.float32)
+    stats = stats.float()
+    p = torch.exp2(logits * STATS_LOG2E - stats[:, None, 0]) * stats[:, None, 1]
+    gf = g.float()[:, None, :]
+    d_values = gf * p
+    d_logits = p * (gf * values - gf * stats[:, None, 2])
+    valid = (win.valid & win.is_real[:, None])[:, :, None]
+    d_logits = torch.where(valid, d_logits, torch.zeros((), device=d_logits.device))
+    d_values = torch.where(valid, d_values, torch.zeros((), device=d_values.device))
+    grad_kv = _scatter(d_values, win.scatter_idx, tokens, width, ratio, coff).to(kv.dtype)
+    grad_score = _scatter(d_logits, win.scatter_idx, tokens, width, ratio, coff).to(kv.dtype)
+    d_ape = d_logits.sum(dim=0)
+    if coff == 2:
+        d_ape = torch.cat([d_ape[:ratio], d_ape[ratio:]], dim=1)
+    return grad_kv, grad_score, d_ape
 
 
 def _scatter(slots: torch.Tensor, scatter_idx: torch.Tensor, tokens: int, width: int, ratio: int, coff: int):

@@ -18,6 +18,7 @@ __all__ = [
     "Config",
     "check_backward",
     "check_forward",
+    "check_softmax_stats",
     "recheck_backward",
     "recheck_forward",
 ]
@@ -290,6 +291,31 @@ def recheck_backward(
     tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
     check_backward(*tensors, ratio=cfg.ratio, coff=cfg.coff)
     _check_same_config(cfg, kv, grad_out)
+
+
+def check_softmax_stats(cfg: Config, stats, rows: int, uses_stats: bool) -> None:
+    """The optional ``softmax_stats`` tensor: ``(rows, 3, head_dim)`` float32, contiguous, 16-byte aligned, on
+    the configuration's device, and only where the configuration uses them (``uses_stats``)."""
+    if not uses_stats:
+        _fail(
+            "softmax_stats are used only for windows of more than 16 slots (coff * ratio > 16) on backends "
+            "that support them",
+            f"got ratio={cfg.ratio}, coff={cfg.coff}; pass softmax_stats=None",
+        )
+    if not isinstance(stats, torch.Tensor):
+        _fail("softmax_stats must be a tensor", f"got {type(stats).__name__}")
+    _check_tensor("softmax_stats", stats, 3, torch.float32, 16)
+    _check_shape("softmax_stats", stats, (rows, 3, cfg.head_dim))
+    if not _buffer_ok(cfg, stats, _F32):
+        _fail("all tensors must be on one device", f"softmax_stats is on {stats.device}, kv on {cfg.device}")
+
+
+def stats_ok(cfg: Config, stats, rows: int) -> bool:
+    """Per-call form of ``check_softmax_stats`` (attribute reads only)."""
+    try:
+        return stats.shape == (rows, 3, cfg.head_dim) and _buffer_ok(cfg, stats, _F32)
+    except _PER_CALL_ERRORS:
+        return False
 
 
 def _check_same_config(cfg: Config, kv: torch.Tensor, rows: torch.Tensor) -> None:

@@ -17,6 +17,12 @@ place that picks among them.
     Writes every element of ``grad_kv``, ``grad_score`` (exact zeros where nothing
     was consumed) and ``grad_ape`` (overwritten, deterministic). N > 0.
 
+Softmax statistics (windows of more than 16 slots, ``reference.uses_softmax_stats``): ``forward`` and
+``backward`` take a trailing ``stats`` argument, None or a ``(N, 3, d)`` float32 tensor (see
+``reference.softmax_stats``) that the forward fills and the backward reads instead of recomputing the
+row max, sum and output. ``supports_stats(ratio, coff, head_dim) -> bool`` says where a backend honours it;
+``compile`` builds the stats variants too.
+
 Optional: ``config_unsupported_reason(ratio, coff, head_dim) -> str | None`` for
 backends that cover only part of the configuration space.
 

@@ -180,3 +180,48 @@ def test_non_current_device():
     torch.cuda.synchronize(1)
     ref = reference.forward(*pack.inputs, ratio=4, coff=2, total_comp=pack.total_comp, precision="fp32")
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+# Long windows (coff * ratio > 16): the forward's softmax statistics and the backward that reads them.
+STATS_CASES = [c for c in CASES if c[2] * c[3] > 16] + [
+    ((700, 300, 2000), 512, 128, 2, 9, 1),
+    ((50, 3, 97), 65, 32, 2, 1, 2),
+]
+
+
+def _run_stats(launch, pack):
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
+    out = torch.full((n, d), float("nan"), dtype=kv.dtype, device=kv.device)
+    stats = torch.full((n, 3, d), float("nan"), dtype=torch.float32, device=kv.device)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (kv, score, ape))
+    launch.forward(kv, score, ape, cu, cuc, out, pack.ratio, pack.coff, None, stats)
+    launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, pack.ratio, pack.coff, None, stats)
+    return out, stats, grads
+
+
+@pytest.mark.parametrize("case", STATS_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_softmax_stats_path(case):
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=13)
+    out, stats, grads = _run_stats(launch, pack)
+    for t in (out, stats, *grads):
+        assert not torch.isnan(t).any()  # every element written
+    # The statistics variant writes the same output as the plain forward, and statistics of the reference's definition.
+    plain, *_ = _run(launch, pack)
+    assert torch.equal(out.view(torch.int16), plain.view(torch.int16))
+    ref = reference.softmax_stats(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp)
+    assert torch.equal(stats[:, 0], ref[:, 0])  # the max of identically computed fp32 logits
+    torch.testing.assert_close(stats[:, 1:], ref[:, 1:], rtol=2e-5, atol=1e-6)
+    assert_contract(pack, out, grads)
+    # Bitwise deterministic, and the backward reads the statistics: corrupt ones change the gradients.
+    _, _, again = _run_stats(launch, pack)
+    for a, b in zip(grads, again, strict=True):
+        assert torch.equal(a, b)
+    kv, score, ape, cu, cuc = pack.inputs
+    wrong = stats.clone()
+    wrong[:, 2] += 0.5
+    bad = tuple(torch.empty_like(t) for t in (kv, score, ape))
+    launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *bad, ratio, coff, None, wrong)
+    assert not torch.equal(bad[1], grads[1])

@@ -69,3 +69,31 @@ def test_staged_backward_variant_compiles(ratio, coff, head_dim):
     assert "ld.local" not in ptx and "st.local" not in ptx
     # The default schedule of the same configuration is the register-streaming kernel.
     assert not backward_schedule(ratio, coff, head_dim).AS
+
+
+@pytest.mark.parametrize("direction", ["forward_stats", "backward_stats"])
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (128, 1, 512), (16, 2, 130), (32, 2, 65)])
+def test_softmax_stats_variants_compile(direction, ratio, coff, head_dim):
+    """Long windows: the statistics variants take one more pointer, write (forward) or stage (backward,
+    cp.async into shared memory) the statistics, and the backward drops its first pass over the window."""
+    assert cute_launch.supports_stats(ratio, coff, head_dim)
+    _, sch = cute_launch._key(direction, ratio, coff, head_dim, torch.bfloat16, "sm_90a")
+    assert sch.ST
+    ptx = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
+    entries = cute_launch._ptx_entries(ptx)
+    main = [name for name in entries if "reduce_kernel" not in name]
+    assert entries[main[0]] == ("p" * 7 + "ii" if direction == "forward_stats" else "p" * 10 + "iiii")
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    if direction == "backward_stats":
+        plain = cute_launch._build("backward", ratio, coff, head_dim, "sm_90a", cute_launch._key(
+            "backward", ratio, coff, head_dim, torch.bfloat16, "sm_90a")[1]).artifacts.PTX  # fmt: skip
+        # One exp per window element instead of two (pass 1 and pass 2), plus the plain kernel's combine.
+        assert ptx.count("ex2.approx") < plain.count("ex2.approx")
+        if head_dim % 4 == 0:
+            assert "cp.async.cg.shared.global" in ptx
+
+
+def test_softmax_stats_only_for_long_windows():
+    assert not cute_launch.supports_stats(8, 2, 128)
+    with pytest.raises(ValueError, match="direction must be"):
+        cute_launch._schedule("forward_stats", 4, 2, 128)

@@ -94,15 +94,62 @@ class ZeroStores:
         self.segment_tail, self.unowned = segment_tail, unowned
 
 
-def make_backward_host(kernel, ape_size: int, nchunk: int, threads: int, smem_bytes: int, carveout: int):
+def make_backward_host(
+    kernel, ape_size: int, nchunk: int, threads: int, smem_bytes: int, carveout: int, stats: bool = False
+):
     """The @cute.jit host function of a backward: ``kernel`` over ``[num_ctas, nchunk]`` persistent CTAs,
     then the grad_ape reduction, on ``stream``.
 
     Signature: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-    grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``.
+    grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``; with ``stats`` the softmax statistics
+    pointer follows ``ws`` (also in the kernel's arguments).
     """
     reduce_kernel = make_reduce_kernel(ape_size)
     min_blocks = max(1, 65536 // (threads * MAX_REGS))
+
+    def launch_both(main, ws, gape, num_ctas, stream):
+        # Plain Python, run while the host function is traced.
+        main.launch(
+            grid=[num_ctas, nchunk, 1],
+            block=[threads, 1, 1],
+            smem=smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=min_blocks,
+            preferred_smem_carveout=carveout,
+        )
+        reduce_kernel(ws, gape, num_ctas).launch(
+            grid=[(ape_size + 31) // 32, 1, 1],
+            block=[REDUCE_WARPS * 32, 1, 1],
+            smem=REDUCE_WARPS * 32 * 4 + 64,
+            stream=stream,
+        )
+
+    if stats:
+
+        @cute.jit
+        def host_st(
+            kv: cute.Pointer,
+            score: cute.Pointer,
+            ape: cute.Pointer,
+            cu: cute.Pointer,
+            cuc: cute.Pointer,
+            gout: cute.Pointer,
+            gkv: cute.Pointer,
+            gsc: cute.Pointer,
+            gape: cute.Pointer,
+            ws: cute.Pointer,
+            st: cute.Pointer,
+            B: Int32,
+            N: Int32,
+            T: Int32,
+            rows_per_cta: Int32,
+            num_ctas: Int32,
+            stream: cuda.CUstream,
+        ):
+            main = kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, st, B, N, T, rows_per_cta)
+            launch_both(main, ws, gape, num_ctas, stream)
+
+        return host_st
 
     @cute.jit
     def host(
@@ -123,19 +170,7 @@ def make_backward_host(kernel, ape_size: int, nchunk: int, threads: int, smem_by
         num_ctas: Int32,
         stream: cuda.CUstream,
     ):
-        kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta).launch(
-            grid=[num_ctas, nchunk, 1],
-            block=[threads, 1, 1],
-            smem=smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=min_blocks,
-            preferred_smem_carveout=carveout,
-        )
-        reduce_kernel(ws, gape, num_ctas).launch(
-            grid=[(ape_size + 31) // 32, 1, 1],
-            block=[REDUCE_WARPS * 32, 1, 1],
-            smem=REDUCE_WARPS * 32 * 4 + 64,
-            stream=stream,
-        )
+        main = kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta)
+        launch_both(main, ws, gape, num_ctas, stream)
 
     return host

@@ -117,7 +117,8 @@ def long_backward_smem_bytes(sch: Schedule) -> int:
     cw = sch.TC * sch.V
     window = sch.G * sch.SG * sch.NB
     staged = 2 * 2 * window * cw * 2 + 256 if sch.AS else 0  # two stages of kv and score, bf16
-    return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128 + staged
+    stats = 2 * 3 * cw * 4 + 16 if sch.ST else 0  # two stages of the rows' statistics, fp32
+    return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128 + staged + stats
 
 
 def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
@@ -138,9 +139,11 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
     APE_SIZE = ratio * WIDTH
     LINE_THREADS = max(1, 128 // (2 * V))  # column threads per 128-byte line
     AS = sch.AS
+    ST = sch.ST
     PIECES = CW // 8  # 16-byte pieces of a slot's columns
     CHUNKS = W * PIECES // NT  # cp.async copies per thread, tensor and row
     STAGE = W * CW  # elements of one stage of one tensor
+    assert not (ST and AS), "the statistics path stages its rows' statistics with cp.async; AS is separate"
     if AS:
         assert COLS_EXACT and D % 8 == 0 and CW % 8 == 0 and (W * PIECES) % NT == 0 and not sch.PF
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
@@ -191,22 +194,46 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 cp_async_16(skv + soff, kv + cute.assume(goff, divby=8))
                 cp_async_16(ssc + soff, score + cute.assume(goff, divby=8))
 
-    @cute.kernel
-    def kernel(
-        kv: cute.Pointer,
-        score: cute.Pointer,
-        ape: cute.Pointer,
-        cu: cute.Pointer,
-        cuc: cute.Pointer,
-        gout: cute.Pointer,
-        gkv: cute.Pointer,
-        gsc: cute.Pointer,
-        ws: cute.Pointer,
-        B: Int32,
-        N: Int32,
-        T: Int32,
-        rows_per_cta: Int32,
-    ):
+    @cute.jit
+    def copy_stats(stats, sst, rr, soff, g, c, col_ok, tc):
+        """cp.async of row rr's statistics (m, 1/l, output; this CTA's columns) into a shared-memory stage,
+        by the threads of group 0 (16-byte copies; no registers held while they fly)."""
+        if (g == 0) & col_ok:
+            for q in cutlass.range_constexpr(3):
+                if cutlass.const_expr(V % 4 == 0):
+                    for h in cutlass.range_constexpr(V // 4):
+                        cp_async_16(sst + (soff + q * CW + tc * V + 4 * h), stats + (rr * (3 * D) + q * D + c + 4 * h))
+                else:
+                    # Narrow columns (odd head_dims): plain copies, published by the next row's barrier.
+                    src = cute.make_tensor(stats + (rr * (3 * D) + q * D + c), cute.make_layout(V))
+                    dst = cute.make_tensor(sst + (soff + q * CW + tc * V), cute.make_layout(V))
+                    for i in cutlass.range_constexpr(V):
+                        dst[i] = src[i]
+
+    @cute.jit
+    def prefetch_next(kv, score, cu_t, cuc_t, B, r, row_lim, col_ok, tc, g, c):
+        """``PF``: the next row's window goes to L2 now (one prefetch per 128-byte line of the CTA's columns):
+        its first use then waits on L2, not DRAM, and DRAM stays busy during this row's gradient pass."""
+        if cutlass.const_expr(sch.PF):
+            rn = r + 1
+            if (rn < row_lim) & col_ok & (tc % LINE_THREADS == 0):
+                bn = find_segment(cuc_t, B, rn)
+                jn = rn - cuc_t[bn]
+                t0n = cu_t[bn] + jn * ratio
+                for k in cutlass.range_constexpr(SPG):
+                    s = g * SPG + k
+                    half = s // ratio
+                    okn = Boolean(True)
+                    if cutlass.const_expr(coff == 2):
+                        okn = (half == 1) | (jn != 0)
+                    if okn:
+                        off = (t0n - (coff - 1) * ratio + s) * WIDTH + half * D + c
+                        prefetch_l2(kv + off)
+                        prefetch_l2(score + off)
+
+    @cute.jit
+    def body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):
+        """The kernel; ``stats`` (the forward's softmax statistics) is read only with ``ST``."""
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()
@@ -228,6 +255,9 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
         sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * CW), byte_alignment=16)
         sm_kv = sm_res
         sm_sc = sm_res
+        sm_st = sm_res
+        if cutlass.const_expr(ST):
+            sm_st = smem.allocate_tensor(Float32, cute.make_layout(2 * 3 * CW), byte_alignment=16)
         if cutlass.const_expr(AS):
             sm_kv = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
             sm_sc = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
@@ -253,6 +283,11 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
+        if cutlass.const_expr(ST):
+            # Stage 0 <- the first row's statistics.
+            if row_begin < row_lim:
+                copy_stats(stats, sm_st.iterator, row_begin, 0, g, c, col_ok, tc)
+            cute.arch.cp_async_commit_group()
         if cutlass.const_expr(AS):
             # Stage 0 <- the first row's window; every iteration commits one group (maybe empty).
             if row_begin < row_lim:
@@ -281,104 +316,105 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
             if active:
                 gb.store(vec_view(gout, r * D + c, V).load())
 
-            # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
-            fetch(
-                kv,
-                score,
-                sm_kv.iterator,
-                sm_sc.iterator,
-                kvb[(0) % 2],
-                scb[(0) % 2],
-                0,
-                g,
-                c,
-                tc,
-                active,
-                t0,
-                first,
-                sbase,
-            )
-            for bi in cutlass.range_constexpr(NB):
-                if cutlass.const_expr(bi + 1 < NB):
-                    fetch(
-                        kv,
-                        score,
-                        sm_kv.iterator,
-                        sm_sc.iterator,
-                        kvb[(bi + 1) % 2],
-                        scb[(bi + 1) % 2],
-                        bi + 1,
-                        g,
-                        c,
-                        tc,
-                        active,
-                        t0,
-                        first,
-                        sbase,
-                    )
-                ops.load_ape(ape, apf, bi, g, c, col_ok)
-                ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi)
-            # The second pass's first batch is in flight during the combine.
-            fetch(
-                kv,
-                score,
-                sm_kv.iterator,
-                sm_sc.iterator,
-                kvb[(0) % 2],
-                scb[(0) % 2],
-                0,
-                g,
-                c,
-                tc,
-                active,
-                t0,
-                first,
-                sbase,
-            )
-            base = g * CW + tc * V
-            vec_view(sm_m.iterator, base, V).store(vm.load())
-            vec_view(sm_l.iterator, base, V).store(vl.load())
-            vec_view(sm_a.iterator, base, V).store(va.load())
-            cute.arch.sync_threads()
-            # Fixed-order combine of the groups, one thread per column: M, 1/L, sum p*v.
-            for q in cutlass.range(tidx, CW, NT):
-                mx = sm_m[q]
-                for h in cutlass.range_constexpr(1, G):
-                    mx = cute.arch.fmax(mx, sm_m[h * CW + q], nan=True)
-                total = Float32(0.0)
-                acc = Float32(0.0)
-                for h in cutlass.range_constexpr(G):
-                    scale = ex2(sm_m[h * CW + q] - mx)
-                    total = total + sm_l[h * CW + q] * scale
-                    acc = acc + sm_a[h * CW + q] * scale
-                inv = Float32(1.0) / total
-                sm_res[q] = mx
-                sm_res[CW + q] = inv
-                sm_res[2 * CW + q] = acc * inv
-            cute.arch.sync_threads()
-            # The next row's window goes to L2 now (one prefetch per 128-byte line of the CTA's columns):
-            # its first pass then waits on L2, not DRAM, and DRAM stays busy during this row's second pass.
-            if cutlass.const_expr(sch.PF):
-                rn = r + 1
-                if (rn < row_lim) & col_ok & (tc % LINE_THREADS == 0):
-                    bn = find_segment(cuc_t, B, rn)
-                    jn = rn - cuc_t[bn]
-                    t0n = cu_t[bn] + jn * ratio
-                    for k in cutlass.range_constexpr(SPG):
-                        s = g * SPG + k
-                        half = s // ratio
-                        okn = Boolean(True)
-                        if cutlass.const_expr(coff == 2):
-                            okn = (half == 1) | (jn != 0)
-                        if okn:
-                            off = (t0n - (coff - 1) * ratio + s) * WIDTH + half * D + c
-                            prefetch_l2(kv + off)
-                            prefetch_l2(score + off)
-            gf.store(gb.load().to(Float32))
-            for i in cutlass.range_constexpr(V):
-                vm[i] = sm_res[tc * V + i]
-                vl[i] = sm_res[CW + tc * V + i]
-                va[i] = gf[i] * sm_res[2 * CW + tc * V + i]  # S = g * sum p*v
+            if cutlass.const_expr(ST):
+                # The forward's statistics replace pass 1 and the combine: no barrier, one read of the window.
+                fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb[0], scb[0], 0, g, c, tc, active, t0, first, sbase)
+                # This row's statistics (copied during the previous row) are in stage `sb`; once every thread
+                # is past this barrier the other stage is free for the next row's.
+                sb = ((r - row_begin) % 2) * (3 * CW)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
+                if r + 1 < row_lim:
+                    copy_stats(stats, sm_st.iterator, r + 1, (3 * CW) - sb, g, c, col_ok, tc)
+                cute.arch.cp_async_commit_group()
+                prefetch_next(kv, score, cu_t, cuc_t, B, r, row_lim, col_ok, tc, g, c)
+                gf.store(gb.load().to(Float32))
+                for i in cutlass.range_constexpr(V):
+                    vm[i] = sm_st[sb + tc * V + i]
+                    vl[i] = sm_st[sb + CW + tc * V + i]
+                    va[i] = gf[i] * sm_st[sb + 2 * CW + tc * V + i]  # S = g * sum p*v
+            else:
+                # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
+                fetch(
+                    kv,
+                    score,
+                    sm_kv.iterator,
+                    sm_sc.iterator,
+                    kvb[(0) % 2],
+                    scb[(0) % 2],
+                    0,
+                    g,
+                    c,
+                    tc,
+                    active,
+                    t0,
+                    first,
+                    sbase,
+                )
+                for bi in cutlass.range_constexpr(NB):
+                    if cutlass.const_expr(bi + 1 < NB):
+                        fetch(
+                            kv,
+                            score,
+                            sm_kv.iterator,
+                            sm_sc.iterator,
+                            kvb[(bi + 1) % 2],
+                            scb[(bi + 1) % 2],
+                            bi + 1,
+                            g,
+                            c,
+                            tc,
+                            active,
+                            t0,
+                            first,
+                            sbase,
+                        )
+                    ops.load_ape(ape, apf, bi, g, c, col_ok)
+                    ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi)
+                # The second pass's first batch is in flight during the combine.
+                fetch(
+                    kv,
+                    score,
+                    sm_kv.iterator,
+                    sm_sc.iterator,
+                    kvb[(0) % 2],
+                    scb[(0) % 2],
+                    0,
+                    g,
+                    c,
+                    tc,
+                    active,
+                    t0,
+                    first,
+                    sbase,
+                )
+                base = g * CW + tc * V
+                vec_view(sm_m.iterator, base, V).store(vm.load())
+                vec_view(sm_l.iterator, base, V).store(vl.load())
+                vec_view(sm_a.iterator, base, V).store(va.load())
+                cute.arch.sync_threads()
+                # Fixed-order combine of the groups, one thread per column: M, 1/L, sum p*v.
+                for q in cutlass.range(tidx, CW, NT):
+                    mx = sm_m[q]
+                    for h in cutlass.range_constexpr(1, G):
+                        mx = cute.arch.fmax(mx, sm_m[h * CW + q], nan=True)
+                    total = Float32(0.0)
+                    acc = Float32(0.0)
+                    for h in cutlass.range_constexpr(G):
+                        scale = ex2(sm_m[h * CW + q] - mx)
+                        total = total + sm_l[h * CW + q] * scale
+                        acc = acc + sm_a[h * CW + q] * scale
+                    inv = Float32(1.0) / total
+                    sm_res[q] = mx
+                    sm_res[CW + q] = inv
+                    sm_res[2 * CW + q] = acc * inv
+                cute.arch.sync_threads()
+                prefetch_next(kv, score, cu_t, cuc_t, B, r, row_lim, col_ok, tc, g, c)
+                gf.store(gb.load().to(Float32))
+                for i in cutlass.range_constexpr(V):
+                    vm[i] = sm_res[tc * V + i]
+                    vl[i] = sm_res[CW + tc * V + i]
+                    va[i] = gf[i] * sm_res[2 * CW + tc * V + i]  # S = g * sum p*v
 
             # Pass 2: gradients per slot, stored right away; grad_ape in shared memory.
             for bi in cutlass.range_constexpr(NB):
@@ -436,5 +472,46 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 s = g * SPG + k
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(vec_view(sm_dape.iterator, s * CW + tc * V, V).load())
+
+    if ST:
+
+        @cute.kernel
+        def kernel_st(
+            kv: cute.Pointer,
+            score: cute.Pointer,
+            ape: cute.Pointer,
+            cu: cute.Pointer,
+            cuc: cute.Pointer,
+            gout: cute.Pointer,
+            gkv: cute.Pointer,
+            gsc: cute.Pointer,
+            ws: cute.Pointer,
+            stats: cute.Pointer,
+            B: Int32,
+            N: Int32,
+            T: Int32,
+            rows_per_cta: Int32,
+        ):
+            body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B, N, T, rows_per_cta)
+
+        return make_backward_host(kernel_st, APE_SIZE, NCHUNK, NT, smem_bytes, 100, stats=True)
+
+    @cute.kernel
+    def kernel(
+        kv: cute.Pointer,
+        score: cute.Pointer,
+        ape: cute.Pointer,
+        cu: cute.Pointer,
+        cuc: cute.Pointer,
+        gout: cute.Pointer,
+        gkv: cute.Pointer,
+        gsc: cute.Pointer,
+        ws: cute.Pointer,
+        B: Int32,
+        N: Int32,
+        T: Int32,
+        rows_per_cta: Int32,
+    ):
+        body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, ws, B, N, T, rows_per_cta)
 
     return make_backward_host(kernel, APE_SIZE, NCHUNK, NT, smem_bytes, 100)

@@ -195,13 +195,27 @@ class Schedule:
     LONG: bool = False  # backward: the two-pass streaming kernel of backward_long.py
     PF: bool = False  # long-window backward: L2 prefetch of the next row's window
     AS: bool = False  # long-window backward: rows' windows staged in shared memory by cp.async (2 stages)
+    ST: bool = False  # softmax statistics: the forward writes them, the long-window backward reads them
 
     @property
     def threads(self) -> int:
         return self.TC * self.G * self.R
 
     def key(self) -> tuple:
-        return (self.V, self.TC, self.G, self.SG, self.R, self.NB, self.CM, self.MD, self.LONG, self.PF, self.AS)
+        return (
+            self.V,
+            self.TC,
+            self.G,
+            self.SG,
+            self.R,
+            self.NB,
+            self.CM,
+            self.MD,
+            self.LONG,
+            self.PF,
+            self.AS,
+            self.ST,
+        )
 
 
 def vector_width(head_dim: int, cap: int = 8) -> int:
@@ -390,7 +404,10 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     """The @cute.jit host function for one configuration and schedule.
 
     Signature: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, B, N, stream)``
-    with bf16/fp32/int32 global pointers, ``B`` segments and ``N = total_comp`` rows.
+    with bf16/fp32/int32 global pointers, ``B`` segments and ``N = total_comp`` rows; with ``sch.ST``
+    ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, B, N, stream)``, where the kernel
+    also writes the softmax statistics ``(N, 3, D)`` fp32 (``reference.softmax_stats``: the log2-domain
+    max, 1 / sum and the fp32 output of every row and column).
     """
     V, TC, G, SG, R, NB, CM = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.NB, sch.CM
     W = coff * ratio
@@ -402,19 +419,13 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     SPG = SG * NB  # slots per group
     assert G * SPG == W and (G > 1 or NB == 1)
     SMEM_ROW = G * CW  # floats per (quantity, row lane)
+    ST = sch.ST
+    assert not ST or G > 1, "softmax statistics come from the cross-group combine (long windows)"
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
 
-    @cute.kernel
-    def kernel(
-        kv: cute.Pointer,
-        score: cute.Pointer,
-        ape: cute.Pointer,
-        cu: cute.Pointer,
-        cuc: cute.Pointer,
-        out: cute.Pointer,
-        B: Int32,
-        N: Int32,
-    ):
+    @cute.jit
+    def body(kv, score, ape, cu, cuc, out, stats, B: Int32, N: Int32):
+        """The kernel; ``stats`` is only written (and only a real pointer) with ``ST``."""
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         chunk = by
@@ -503,7 +514,13 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                         total = total + sm_l[qb + h * CW] * scale
                         acc = acc + sm_a[qb + h * CW] * scale
                     out_t = cute.make_tensor(out, cute.make_layout(N * D))
-                    out_t[row * D + col] = BFloat16(acc / total)
+                    res_q = acc / total
+                    out_t[row * D + col] = BFloat16(res_q)
+                    if cutlass.const_expr(ST):
+                        st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * D))
+                        st_t[row * 3 * D + col] = mx
+                        st_t[row * 3 * D + D + col] = Float32(1.0) / total
+                        st_t[row * 3 * D + 2 * D + col] = res_q
 
     smem_bytes = forward_smem_bytes(sch)
     # Long windows: at most 128 registers per thread (two 256-thread CTAs per SM); G == 1 is unbounded.
@@ -511,6 +528,59 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     LAUNCH_BOUNDS = {}
     if G > 1:
         LAUNCH_BOUNDS = dict(min_blocks_per_mp=max(1, 65536 // (NT * 128)), preferred_smem_carveout=50)
+
+    def grid_of(N):
+        if cutlass.const_expr(CM):
+            return [(N + R - 1) // R * NCHUNK, 1, 1]
+        return [(N + R - 1) // R, NCHUNK, 1]
+
+    if ST:
+
+        @cute.kernel
+        def kernel_st(
+            kv: cute.Pointer,
+            score: cute.Pointer,
+            ape: cute.Pointer,
+            cu: cute.Pointer,
+            cuc: cute.Pointer,
+            out: cute.Pointer,
+            stats: cute.Pointer,
+            B: Int32,
+            N: Int32,
+        ):
+            body(kv, score, ape, cu, cuc, out, stats, B, N)
+
+        @cute.jit
+        def host_st(
+            kv: cute.Pointer,
+            score: cute.Pointer,
+            ape: cute.Pointer,
+            cu: cute.Pointer,
+            cuc: cute.Pointer,
+            out: cute.Pointer,
+            stats: cute.Pointer,
+            B: Int32,
+            N: Int32,
+            stream: cuda.CUstream,
+        ):
+            kernel_st(kv, score, ape, cu, cuc, out, stats, B, N).launch(
+                grid=grid_of(N), block=[NT, 1, 1], smem=smem_bytes, stream=stream, **LAUNCH_BOUNDS
+            )
+
+        return host_st
+
+    @cute.kernel
+    def kernel(
+        kv: cute.Pointer,
+        score: cute.Pointer,
+        ape: cute.Pointer,
+        cu: cute.Pointer,
+        cuc: cute.Pointer,
+        out: cute.Pointer,
+        B: Int32,
+        N: Int32,
+    ):
+        body(kv, score, ape, cu, cuc, out, out, B, N)
 
     @cute.jit
     def host(
@@ -524,11 +594,8 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         N: Int32,
         stream: cuda.CUstream,
     ):
-        grid = [(N + R - 1) // R, NCHUNK, 1]
-        if cutlass.const_expr(CM):
-            grid = [(N + R - 1) // R * NCHUNK, 1, 1]
         kernel(kv, score, ape, cu, cuc, out, B, N).launch(
-            grid=grid, block=[NT, 1, 1], smem=smem_bytes, stream=stream, **LAUNCH_BOUNDS
+            grid=grid_of(N), block=[NT, 1, 1], smem=smem_bytes, stream=stream, **LAUNCH_BOUNDS
         )
 
     return host

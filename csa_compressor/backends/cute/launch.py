@@ -35,6 +35,7 @@ import shutil
 import struct
 import tempfile
 import threading
+from dataclasses import replace
 
 import torch
 
@@ -52,7 +53,7 @@ try:
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
 
-__all__ = ["backward", "compile", "device_unsupported_reason", "forward", "unavailable_reason"]
+__all__ = ["backward", "compile", "device_unsupported_reason", "forward", "supports_stats", "unavailable_reason"]
 
 # Launch path: "fast" (default: packed ctypes call of the compiled host function; measured ~20 us of
 # host time per forward call on the H200 machine before the single-pack_into rewrite), "raw"
@@ -66,8 +67,21 @@ _COMPILED: dict[tuple, object] = {}  # key -> compiled function (device independ
 _LAUNCHERS: dict[tuple, _Launcher] = {}  # (key, device index) -> launcher
 _FASTMAP: dict[tuple, _Launcher] = {}  # (direction, ratio, coff, head_dim, dtype, device index) -> launcher
 _DEVICE_INFO: dict[int, tuple[str, int]] = {}  # device index -> (arch, SM count)
-_N_PTR = {"forward": 6, "backward": 10}
-_N_INT = {"forward": 2, "backward": 5}
+# "forward_stats" / "backward_stats": the softmax-statistics variants (long windows), one more pointer each.
+_N_PTR = {"forward": 6, "backward": 10, "forward_stats": 7, "backward_stats": 11}
+_N_INT = {"forward": 2, "backward": 5, "forward_stats": 2, "backward_stats": 5}
+
+
+def _dtypes(direction: str) -> tuple:
+    """Element types of the host function's pointers, in order."""
+    fwd = (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16)
+    base = fwd if direction.startswith("forward") else (*fwd, BFloat16, BFloat16, Float32, Float32)
+    return (*base, Float32) if direction.endswith("_stats") else base
+
+
+def supports_stats(ratio: int, coff: int, head_dim: int) -> bool:
+    """Softmax statistics for windows of more than 16 slots (the long-window kernels' combine writes them)."""
+    return coff * ratio > 16
 
 
 def unavailable_reason() -> str | None:
@@ -124,7 +138,10 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
         return forward_schedule(ratio, coff, head_dim)
     if direction == "backward":
         return backward_schedule(ratio, coff, head_dim)
-    raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    if direction in ("forward_stats", "backward_stats") and supports_stats(ratio, coff, head_dim):
+        base = _schedule(direction[: -len("_stats")], ratio, coff, head_dim)
+        return replace(base, ST=True)
+    raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
 
 
 def _key(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, arch: str) -> tuple:
@@ -151,15 +168,9 @@ def _dump_dir() -> str:
 def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch):
     # PTX (kernel names and parameter lists) and cubin are kept for the raw driver launch path.
     options = f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={_dump_dir()}"
-    if direction == "forward":
-        host = build_forward(ratio, coff, head_dim, sch)
-        args = [_fake_ptr(t) for t in (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16)]
-        args += [Int32(1), Int32(1)]
-    else:
-        host = build_backward(ratio, coff, head_dim, sch)
-        args = [_fake_ptr(t) for t in (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, BFloat16, BFloat16)]
-        args += [_fake_ptr(Float32), _fake_ptr(Float32)]
-        args += [Int32(1)] * 5
+    build = build_forward if direction.startswith("forward") else build_backward
+    host = build(ratio, coff, head_dim, sch)
+    args = [_fake_ptr(t) for t in _dtypes(direction)] + [Int32(1)] * _N_INT[direction]
     return cute.compile(host, *args, cuda.CUstream(0), options=options)
 
 
@@ -326,7 +337,7 @@ class _Launcher:
                 self.raw_error = f"{type(exc).__name__}: {exc}"
         # Resident CTAs per SM of the backward kernel: its launch bounds cap registers at MAX_REGS, so
         # MIN_BLOCKS CTAs fit by registers; shared memory (50% carveout) may allow fewer.
-        if direction == "backward":
+        if direction.startswith("backward"):
             by_regs = max(1, 65536 // (sch.threads * MAX_REGS))
             # The long-window kernel asks for all of the unified L1/shared memory (227 KB per SM on sm_90).
             smem_cap = 227 if getattr(sch, "LONG", False) else 114
@@ -414,18 +425,18 @@ class _Launcher:
         if self.fast:
             self._launch_fast((*ptrs, *ints, stream_handle))
             return
-        dts = (
-            (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16)
-            if self.direction == "forward"
-            else (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, BFloat16, BFloat16, Float32, Float32)
-        )
+        dts = _dtypes(self.direction)
         args = [make_ptr(dt, p, AddressSpace.gmem, assumed_align=16) for dt, p in zip(dts, ptrs, strict=False)]
         args += [Int32(v) for v in ints]
         self.compiled(*args, cuda.CUstream(stream_handle))
 
 
 def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
-    _get_launcher(direction, int(ratio), int(coff), int(head_dim), dtype, torch.device(device))
+    """Build ``direction``'s kernel and, for long windows, its softmax-statistics variant."""
+    ratio, coff, head_dim, device = int(ratio), int(coff), int(head_dim), torch.device(device)
+    _get_launcher(direction, ratio, coff, head_dim, dtype, device)
+    if supports_stats(ratio, coff, head_dim):
+        _get_launcher(f"{direction}_stats", ratio, coff, head_dim, dtype, device)
 
 
 def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device) -> _Launcher:
@@ -452,7 +463,7 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
             _COMPILED[key] = compiled
         launcher = _LAUNCHERS.get(lk)
         if launcher is None:
-            smem = forward_smem_bytes(sch) if direction == "forward" else backward_smem_bytes(sch)
+            smem = forward_smem_bytes(sch) if direction.startswith("forward") else backward_smem_bytes(sch)
             launcher = _Launcher(compiled, direction, index, sch, num_sms, smem)
             launcher.nchunk = -(-head_dim // (sch.TC * sch.V))
             launcher.ape_size = ratio * coff * head_dim
@@ -475,26 +486,27 @@ def _stream_handle(stream, device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
-def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream) -> None:
+def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats=None) -> None:
     n = out.shape[0]
     if n == 0:
         return
     device = kv.device
     index = device.index
-    launcher = _FASTMAP.get(("forward", ratio, coff, out.shape[1], kv.dtype, index))
+    direction = "forward" if stats is None else "forward_stats"
+    launcher = _FASTMAP.get((direction, ratio, coff, out.shape[1], kv.dtype, index))
     if launcher is None:
-        launcher = _get_launcher("forward", ratio, coff, out.shape[1], kv.dtype, device)
-    args = (
+        launcher = _get_launcher(direction, ratio, coff, out.shape[1], kv.dtype, device)
+    ptrs = (
         kv.data_ptr(),
         score.data_ptr(),
         ape.data_ptr(),
         cu_seqlens.data_ptr(),
         cu_seqlens_comp.data_ptr(),
         out.data_ptr(),
-        cu_seqlens.shape[0] - 1,
-        n,
-        _stream_handle(stream, device),
     )
+    if stats is not None:
+        ptrs += (stats.data_ptr(),)
+    args = (*ptrs, cu_seqlens.shape[0] - 1, n, _stream_handle(stream, device))
     # Kernels launch into the current CUDA context: switch only when the tensors live elsewhere.
     if index is None or index == _GET_DEVICE():
         launcher.launch(args)
@@ -532,14 +544,27 @@ def backward_grid(launcher: _Launcher, n: int, ape_numel: int) -> tuple[int, int
 
 
 def backward(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream
+    kv,
+    score,
+    ape,
+    cu_seqlens,
+    cu_seqlens_comp,
+    grad_out,
+    grad_kv,
+    grad_score,
+    grad_ape,
+    ratio,
+    coff,
+    stream,
+    stats=None,
 ) -> None:
     device = kv.device
     n = grad_out.shape[0]
     head_dim = grad_out.shape[1]
-    launcher = _FASTMAP.get(("backward", ratio, coff, head_dim, kv.dtype, device.index))
+    direction = "backward" if stats is None else "backward_stats"
+    launcher = _FASTMAP.get((direction, ratio, coff, head_dim, kv.dtype, device.index))
     if launcher is None:
-        launcher = _get_launcher("backward", ratio, coff, head_dim, kv.dtype, device)
+        launcher = _get_launcher(direction, ratio, coff, head_dim, kv.dtype, device)
     if n == 0:
         grad_kv.zero_()
         grad_score.zero_()
@@ -561,13 +586,10 @@ def backward(
         grad_score.data_ptr(),
         grad_ape.data_ptr(),
         ws.data_ptr(),
-        cu_seqlens.shape[0] - 1,
-        n,
-        kv.shape[0],
-        rows_per_cta,
-        num_ctas,
-        handle,
     )
+    if stats is not None:
+        args += (stats.data_ptr(),)
+    args += (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas, handle)
     index = device.index
     if index is None or index == _GET_DEVICE():
         launcher.launch(args)

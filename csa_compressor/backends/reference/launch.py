@@ -34,8 +34,18 @@ def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None) -> None:
+def supports_stats(ratio: int, coff: int, head_dim: int) -> bool:
+    return reference.uses_softmax_stats(ratio, coff)
+
+
+def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None, stats=None) -> None:
     with _on(stream):
+        if stats is not None:
+            stats.copy_(
+                reference.softmax_stats(
+                    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio=ratio, coff=coff, total_comp=out.shape[0]
+                )
+            )
         result = reference.forward(
             kv,
             score,
@@ -51,12 +61,29 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, strea
 
 
 def backward(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream=None
+    kv,
+    score,
+    ape,
+    cu_seqlens,
+    cu_seqlens_comp,
+    grad_out,
+    grad_kv,
+    grad_score,
+    grad_ape,
+    ratio,
+    coff,
+    stream=None,
+    stats=None,
 ) -> None:
     with _on(stream):
-        d_kv, d_score, d_ape = reference.backward(
-            kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio=ratio, coff=coff, precision="fp32"
-        )
+        if stats is None:
+            d_kv, d_score, d_ape = reference.backward(
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio=ratio, coff=coff, precision="fp32"
+            )
+        else:
+            d_kv, d_score, d_ape = reference.backward_from_stats(
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stats, ratio=ratio, coff=coff
+            )
         grad_kv.copy_(d_kv)
         grad_score.copy_(d_score)
         grad_ape.copy_(d_ape)
