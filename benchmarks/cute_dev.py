@@ -286,7 +286,7 @@ def time_case(name, dev, reps, only=None):
         fwd_st()
         runs += [("fwd_st", fwd_st, floor_f, seed_f), ("bwd_st", bwd_st, floor_b, seed_b)]
     for tag, fn, floor, seed in runs:
-        if only is not None and tag.split("_")[0] != only:
+        if only is not None and tag != only:
             continue
         cold, names = _profile_kernel_us(fn, flush, reps)
         warm, _ = _profile_kernel_us(fn, None, reps)
@@ -322,19 +322,29 @@ def time_case(name, dev, reps, only=None):
 
 
 VARIANTS = {
-    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD[, LONG, PF, AS])), ...]
+    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD[, LONG, PF, AS, ST])), ...]; "bwd_st"/"fwd_st": the
+    # softmax-statistics variants (ST = 1).
     "1x65536-d512-r128-c2": [
-        ("bwd", (8, 8, 32, 2, 1, 4, 0, 0, 1, 0, 1)),
-        ("bwd", (8, 8, 32, 2, 1, 4, 0, 0, 1, 0, 0)),
+        ("bwd_st", (8, 8, 32, 2, 1, 4, 0, 0, 1, 0, 0, 1)),
+        ("bwd_st", (8, 8, 32, 2, 1, 4, 0, 0, 1, 1, 0, 1)),
+        ("bwd_st", (8, 4, 64, 2, 1, 2, 0, 0, 1, 0, 0, 1)),
+        ("bwd_st", (8, 4, 64, 4, 1, 1, 0, 0, 1, 0, 0, 1)),
+        ("bwd_st", (8, 4, 64, 2, 1, 2, 0, 0, 1, 1, 0, 1)),
     ],
     "3x8192-d512-r128-c1": [
-        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1, 0, 1)),
-        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1, 1, 0)),
-        ("bwd", (8, 8, 16, 2, 1, 4, 0, 0, 1, 0, 1)),
+        ("bwd_st", (8, 8, 32, 4, 1, 1, 0, 0, 1, 1, 0, 1)),
+        ("bwd_st", (8, 8, 32, 4, 1, 1, 0, 0, 1, 0, 0, 1)),
+        ("bwd_st", (8, 4, 64, 2, 1, 1, 0, 0, 1, 1, 0, 1)),
+        ("bwd_st", (8, 8, 16, 4, 1, 2, 0, 0, 1, 1, 0, 1)),
+        ("fwd", (4, 16, 16, 8, 1, 1, 1, 0)),
+        ("fwd", (8, 8, 32, 4, 1, 1, 1, 0)),
+        ("fwd", (8, 8, 16, 8, 1, 1, 1, 0)),
+        ("fwd", (8, 4, 32, 4, 1, 1, 1, 0)),
     ],
     "1x8192-d128-r128-c1": [
-        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1, 0, 1)),
-        ("bwd", (8, 8, 32, 4, 1, 1, 0, 0, 1, 1, 0)),
+        ("bwd_st", (8, 8, 32, 4, 1, 1, 0, 0, 1, 1, 0, 1)),
+        ("bwd_st", (8, 4, 64, 2, 1, 1, 0, 0, 1, 1, 0, 1)),
+        ("fwd", (8, 4, 32, 4, 1, 1, 1, 0)),
     ],
 }
 
@@ -353,6 +363,11 @@ def variant_numerics(ratio, coff, d, direction, dev):
         out = torch.full((n, d), float("nan"), dtype=torch.bfloat16, device=dev)
         launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
         rep = contract_report(pack, out=out)
+    elif direction == "bwd_st":
+        stats = reference.softmax_stats(kv, score, ape, cu, cuc, ratio=ratio, coff=coff, total_comp=n)
+        gkv, gsc, gape = (torch.full_like(t, float("nan")) for t in (kv, score, ape))
+        launch.backward(kv, score, ape, cu, cuc, pack.grad_out, gkv, gsc, gape, ratio, coff, None, stats)
+        rep = contract_report(pack, grads=(gkv, gsc, gape))
     else:
         gkv, gsc, gape = (torch.full_like(t, float("nan")) for t in (kv, score, ape))
         launch.backward(kv, score, ape, cu, cuc, pack.grad_out, gkv, gsc, gape, ratio, coff, None)
@@ -368,8 +383,8 @@ def time_variants(name, dev, reps):
     coff = int(name.split("-c")[1])
     d = int(name.split("-d")[1].split("-")[0])
     for direction, key in VARIANTS.get(name, []):
-        full = "forward" if direction == "fwd" else "backward"
-        extra = dict(zip(("NB", "CM", "MD", "LONG", "PF", "AS"), key[5:], strict=False))
+        full = {"fwd": "forward", "bwd": "backward", "bwd_st": "backward_stats", "fwd_st": "forward_stats"}[direction]
+        extra = dict(zip(("NB", "CM", "MD", "LONG", "PF", "AS", "ST"), key[5:], strict=False))
         extra.update({k: bool(v) for k, v in extra.items() if k != "NB"})
         launch.SCHEDULE_OVERRIDE[(full, ratio, coff, d)] = Schedule(*key[:5], **extra)
         launch._FASTMAP.pop((full, ratio, coff, d, torch.bfloat16, dev.index), None)

@@ -435,7 +435,7 @@ def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
     """Build ``direction``'s kernel and, for long windows, its softmax-statistics variant."""
     ratio, coff, head_dim, device = int(ratio), int(coff), int(head_dim), torch.device(device)
     _get_launcher(direction, ratio, coff, head_dim, dtype, device)
-    if supports_stats(ratio, coff, head_dim):
+    if direction in ("forward", "backward") and supports_stats(ratio, coff, head_dim):
         _get_launcher(f"{direction}_stats", ratio, coff, head_dim, dtype, device)
 
 

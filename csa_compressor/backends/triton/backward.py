@@ -228,6 +228,7 @@ def csa_bwd_long_kernel(
     n_iter,
     rows_per_prog,
     n_compute,
+    stats_ptr,
     RATIO: tl.constexpr,
     SP: tl.constexpr,
     COFF: tl.constexpr,
@@ -240,11 +241,16 @@ def csa_bwd_long_kernel(
     SWEEP_T: tl.constexpr,
     SWEEP_D: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
+    HAS_STATS: tl.constexpr,
 ):
     """Long-window backward: compute programs ``(rp, cb)`` hold a row's whole window (all ``coff * SP`` slots x
     ``BLOCK_D`` columns) in registers, walk ``rows_per_prog`` rows (the next row's window is loaded before the
     current one is computed), store dvalue/dlogit where the slots read and keep the dAPE partial of their rows in
     registers; the rest are zero-sweep programs as in ``csa_bwd_kernel``. Every input is read once.
+
+    ``HAS_STATS``: the forward's softmax statistics (``(N, 3, HEAD_DIM)`` fp32 at ``stats_ptr``: max of
+    ``y = x * log2e``, ``1 / sum 2^(y - max)``, fp32 output) are loaded per (row, column block) with the row's
+    grad_out, and replace the max, sum and output reductions over the window.
     """
     W: tl.constexpr = COFF * HEAD_DIM
     pid = tl.program_id(0)
@@ -270,11 +276,24 @@ def csa_bwd_long_kernel(
         sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
         g_n = tl.load(grad_out_ptr + row_base * HEAD_DIM + cols, mask=cols < tl.where(real, HEAD_DIM, 0), other=0.0)
+        if HAS_STATS:
+            # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM. Padding rows' stats are
+            # not read (nothing of theirs is stored).
+            stats_ptr += row_base.to(tl.int64) * (3 * HEAD_DIM)
+            st_mask = cols < tl.where(real, HEAD_DIM, 0)
+            st_ptr = stats_ptr + cols
+            m_n = tl.load(st_ptr, mask=st_mask, other=0.0)
+            il_n = tl.load(st_ptr + HEAD_DIM, mask=st_mask, other=0.0)
+            o_n = tl.load(st_ptr + 2 * HEAD_DIM, mask=st_mask, other=0.0)
         dape = tl.zeros([LANES, CS_IN, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
             kv_c = kv_n
             sc_c = sc_n
             g_c = g_n
+            if HAS_STATS:
+                m_c = m_n
+                il_c = il_n
+                o_c = o_n
             valid = lmask
             offs_c = base + t0 * W
             smask = valid & (cols < tl.where(real, HEAD_DIM, 0))[None, None, :]
@@ -288,17 +307,32 @@ def csa_bwd_long_kernel(
             g_n = tl.load(
                 grad_out_ptr + (row + 1) * HEAD_DIM + cols, mask=cols < tl.where(real_n & okn, HEAD_DIM, 0), other=0.0
             )
+            if HAS_STATS:
+                st_mask = cols < tl.where(real_n & okn, HEAD_DIM, 0)
+                st_ptr = stats_ptr + (row + 1 - row_base) * (3 * HEAD_DIM) + cols
+                m_n = tl.load(st_ptr, mask=st_mask, other=0.0)
+                il_n = tl.load(st_ptr + HEAD_DIM, mask=st_mask, other=0.0)
+                o_n = tl.load(st_ptr + 2 * HEAD_DIM, mask=st_mask, other=0.0)
 
             x = tl.where(valid, sc_c.to(tl.float32) + ape, float("-inf"))
-            mx = tl.max(tl.max(x, axis=1), axis=0)
-            mx = tl.where(mx == float("-inf"), 0.0, mx) * LOG2E
-            e = tl.exp2(x * LOG2E - mx[None, None, :])
-            inv = tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), tl.sum(tl.sum(e, axis=1), axis=0))
-            p = e * inv[None, None, :]
+            if HAS_STATS:
+                # p = 2^(y - m) / l from the forward's m and 1/l: no max or sum over the window (whose slots span
+                # threads and warps).
+                p = tl.exp2(x * LOG2E - m_c[None, None, :]) * il_c[None, None, :]
+            else:
+                mx = tl.max(tl.max(x, axis=1), axis=0)
+                mx = tl.where(mx == float("-inf"), 0.0, mx) * LOG2E
+                e = tl.exp2(x * LOG2E - mx[None, None, :])
+                inv = tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), tl.sum(tl.sum(e, axis=1), axis=0))
+                p = e * inv[None, None, :]
             v = kv_c.to(tl.float32)
             g = g_c.to(tl.float32)[None, None, :]
-            # sum_k p_k * g * v_k = g * sum_k p_k v_k (g is the same for every slot of a column).
-            gd = g * tl.sum(tl.sum(p * v, axis=1), axis=0)[None, None, :]
+            if HAS_STATS:
+                # sum_k p_k * g * v_k = g * (the forward's fp32 output).
+                gd = g * o_c[None, None, :]
+            else:
+                # sum_k p_k * g * v_k = g * sum_k p_k v_k (g is the same for every slot of a column).
+                gd = g * tl.sum(tl.sum(p * v, axis=1), axis=0)[None, None, :]
             dv = g * p
             dlogit = p * (g * v - gd)
             tl.store(grad_kv_ptr + offs_c, _round(dv, gdt, MANUAL_RTNE), mask=smask)

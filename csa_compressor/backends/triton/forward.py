@@ -362,6 +362,7 @@ def csa_fwd_long_kernel(
     B,
     n_iter,
     rows_per_prog,
+    stats_ptr,
     RATIO: tl.constexpr,
     COFF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -372,12 +373,15 @@ def csa_fwd_long_kernel(
     NCH_HALF: tl.constexpr,
     N_COL: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
+    WRITE_STATS: tl.constexpr,
 ):
     """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next chunk (of this row or the
     next) loaded before the current one is computed.
 
     Per (lane, column) the program keeps a running max ``m``, sum ``den`` of ``exp(x - m)`` and weighted sum
     ``acc``; a chunk's slots in a thread are folded in-thread, the lanes are combined once per row.
+    ``WRITE_STATS``: also store the row's softmax statistics (``reference.softmax_stats``) into the contiguous
+    ``(N, 3, HEAD_DIM)`` fp32 ``stats_ptr``: max of ``y = x * log2e``, ``1 / sum 2^(y - max)`` and the fp32 output.
     Grid: ``ceil(N / rows_per_prog) * N_COL``.
     """
     NCH: tl.constexpr = COFF * NCH_HALF
@@ -391,6 +395,9 @@ def csa_fwd_long_kernel(
     uniform, comp0, tok0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr)
     slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES)
     row_end = tl.minimum(row_base + rows_per_prog, N)
+    if WRITE_STATS:
+        # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM.
+        stats_ptr += row_base.to(tl.int64) * (3 * HEAD_DIM)
 
     t0, hp, _ir, ok = _row_start(row_base, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO)
     offs, aoffs, lmask, amask = _long_chunk_at(
@@ -433,7 +440,16 @@ def csa_fwd_long_kernel(
         # Combine the lanes: rescale every lane to the column max.
         mx = tl.max(m, axis=0)
         scale = tl.exp2(m * LOG2E - (tl.where(mx == float("-inf"), 0.0, mx) * LOG2E)[None, :])
-        res = tl.math.div_rn(tl.sum(acc * scale, axis=0), tl.sum(den * scale, axis=0))
+        num = tl.sum(acc * scale, axis=0)
+        total = tl.sum(den * scale, axis=0)
+        res = tl.math.div_rn(num, total)
         omask = cols < tl.where(ok, HEAD_DIM, 0)
         tl.store(out_ptr + row * HEAD_DIM + cols, _round(res, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
+        if WRITE_STATS:
+            # From the very values out was made of. mx * log2e is the max of y: scaling by a positive constant
+            # and rounding are monotone.
+            sptr = stats_ptr + (row - row_base) * (3 * HEAD_DIM) + cols
+            tl.store(sptr, mx * LOG2E, mask=omask)
+            tl.store(sptr + HEAD_DIM, tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), total), mask=omask)
+            tl.store(sptr + 2 * HEAD_DIM, res, mask=omask)
         ok = okn

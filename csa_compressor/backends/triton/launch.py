@@ -25,6 +25,7 @@ __all__ = [
     "config_unsupported_reason",
     "device_unsupported_reason",
     "forward",
+    "supports_stats",
     "unavailable_reason",
 ]
 
@@ -253,6 +254,20 @@ def _is_long(ratio: int, coff: int) -> bool:
     return coff * _pow2(ratio) > 16
 
 
+def supports_stats(ratio: int, coff: int, head_dim: int) -> bool:
+    """Softmax statistics (``reference.softmax_stats``) are written and read by the long-window kernels only."""
+    return _is_long(ratio, coff)
+
+
+def _check_stats(stats, ratio: int, coff: int) -> None:
+    # Shapes and dtypes are checked by csa_compressor.support; a short-window kernel would silently ignore stats.
+    if stats is not None and not _is_long(ratio, coff):
+        raise ValueError(
+            f"softmax stats are supported for long windows only (coff * next_pow2(ratio) > 16), "
+            f"got ratio={ratio}, coff={coff}; pass stats=None"
+        )
+
+
 def _long_shape(direction: str, cfg: KernelConfig, ratio: int, coff: int) -> tuple[int, int]:
     """``(LANES, CS_IN)`` of the long-window tile ``[LANES, CS_IN, block_d]`` (powers of two).
 
@@ -333,8 +348,11 @@ def _search_iters(num_segments: int) -> int:
     return max(0, num_segments - 1).bit_length()
 
 
-def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg: KernelConfig) -> None:
-    """Enqueue the forward kernel with tiles ``cfg`` on the current stream."""
+def launch_forward(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg: KernelConfig, stats=None
+) -> None:
+    """Enqueue the forward kernel with tiles ``cfg`` on the current stream (and fill ``stats``, if given)."""
+    _check_stats(stats, ratio, coff)
     n_rows = out.shape[0]
     if n_rows == 0:
         return
@@ -358,7 +376,14 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
         lanes, cs_in = _long_shape("forward", cfg, ratio, coff)
         rows = _long_rows(cfg, "forward", n_rows, n_col, kv.device)
         fwd_mod.csa_fwd_long_kernel[(_cdiv(n_rows, rows) * n_col,)](
-            *args, rows, LANES=lanes, CS_IN=cs_in, NCH_HALF=_cdiv(ratio, lanes * cs_in), **consts
+            *args,
+            rows,
+            stats,
+            LANES=lanes,
+            CS_IN=cs_in,
+            NCH_HALF=_cdiv(ratio, lanes * cs_in),
+            WRITE_STATS=stats is not None,
+            **consts,
         )
         return
     tiles = max(1, _rows_per_prog(cfg, "forward", n_rows, n_col, coff * _pow2(ratio), kv.device) // cfg.block_r)
@@ -377,9 +402,11 @@ def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff
 
 
 def launch_backward(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, cfg
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, cfg, stats=None
 ) -> None:
-    """Enqueue the backward kernel and the dAPE reduction with tiles ``cfg`` on the current stream."""
+    """Enqueue the backward kernel and the dAPE reduction with tiles ``cfg`` on the current stream (reading the
+    forward's ``stats``, if given)."""
+    _check_stats(stats, ratio, coff)
     n_rows = grad_out.shape[0]
     if n_rows == 0:
         grad_kv.zero_()
@@ -418,7 +445,9 @@ def launch_backward(
     )
     if _is_long(ratio, coff):
         lanes, cs_in = _long_shape("backward", cfg, ratio, coff)
-        bwd_mod.csa_bwd_long_kernel[grid](*args, rows_per_part, n_compute, LANES=lanes, CS_IN=cs_in, **consts)
+        bwd_mod.csa_bwd_long_kernel[grid](
+            *args, rows_per_part, n_compute, stats, LANES=lanes, CS_IN=cs_in, HAS_STATS=stats is not None, **consts
+        )
     else:
         bwd_mod.csa_bwd_kernel[grid](
             *args,
@@ -471,29 +500,38 @@ def compile(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.d
         ape = torch.zeros((ratio, width), dtype=torch.float32, device=device)
         cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
         cu_comp = torch.tensor([0, 2], dtype=torch.int32, device=device)
-        if direction == "forward":
-            out = torch.empty((2, head_dim), dtype=dtype, device=device)
-            launch_forward(kv, score, ape, cu, cu_comp, out, ratio, coff, cfg)
-        else:
-            grad_out = torch.zeros((2, head_dim), dtype=dtype, device=device)
-            grads = torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape)
-            launch_backward(kv, score, ape, cu, cu_comp, grad_out, *grads, ratio, coff, cfg)
+        # Long windows: the stats variant too (another specialisation), so that a first call with stats under
+        # CUDA-graph capture does not compile either.
+        variants = [None]
+        if _is_long(ratio, coff):
+            variants.append(torch.zeros((2, 3, head_dim), dtype=torch.float32, device=device))
+        for stats in variants:
+            if direction == "forward":
+                out = torch.empty((2, head_dim), dtype=dtype, device=device)
+                launch_forward(kv, score, ape, cu, cu_comp, out, ratio, coff, cfg, stats)
+            else:
+                grad_out = torch.zeros((2, head_dim), dtype=dtype, device=device)
+                grads = torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape)
+                launch_backward(kv, score, ape, cu, cu_comp, grad_out, *grads, ratio, coff, cfg, stats)
         torch.cuda.current_stream(device).synchronize()
 
 
-def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None) -> None:
+def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None, stats=None) -> None:
+    """``stats``: None, or a ``(N, 3, d)`` float32 buffer the long-window kernel fills (``reference.softmax_stats``)."""
     if out.shape[0] == 0:
+        _check_stats(stats, ratio, coff)
         return
     cfg = _config("forward", ratio, coff, out.shape[1], kv.dtype, kv.device)
     with _launch_context(kv, stream):
-        launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg)
+        launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg, stats)
 
 
 def backward(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream=None
-) -> None:
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream=None,
+    stats=None,
+) -> None:  # fmt: skip
+    """``stats``: None, or the forward's ``(N, 3, d)`` float32 softmax statistics (long windows only)."""
     cfg = _config("backward", ratio, coff, grad_out.shape[1], kv.dtype, kv.device)
+    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
     with _launch_context(kv, stream):
-        launch_backward(
-            kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, cfg
-        )
+        launch_backward(*tensors, ratio, coff, cfg, stats)

@@ -1,0 +1,248 @@
+"""Triton long-window kernels with softmax statistics (``reference.softmax_stats``).
+
+The forward can also write, per row and column, the max ``m`` of ``y = (score + ape) * log2(e)``, ``1 / l`` and the
+fp32 output; the backward then reads them instead of reducing over the window. Checked here: the statistics
+against the reference, ``out`` unchanged by the flag, the backward within the SPEC section 3 contract, that it
+really reads each statistic (wrong statistics give a wrong result), padding rows, NaN canaries, determinism.
+
+Runs under Triton's interpreter on a CPU-only machine (as ``test_triton.py``, whose helpers are reused).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from csa_compressor import reference  # noqa: E402
+from csa_compressor.backends.triton import launch  # noqa: E402
+from csa_compressor.testing import contract_report  # noqa: E402
+from tests.backends.test_triton import DEVICE, LONG_TILINGS, _bits, _nan_like, _pack  # noqa: E402
+
+_REASON = launch.device_unsupported_reason(DEVICE)
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
+
+
+def _forward(pack, stats=True, cfg=None):
+    """``(out, stats)`` into NaN-filled buffers (``stats`` None when not asked for)."""
+    out = torch.full((pack.total_comp, pack.head_dim), float("nan"), dtype=pack.kv.dtype, device=DEVICE)
+    st = None
+    if stats:
+        st = torch.full((pack.total_comp, 3, pack.head_dim), float("nan"), dtype=torch.float32, device=DEVICE)
+    if cfg is None:
+        launch.forward(*pack.inputs, out, pack.ratio, pack.coff, None, st)
+    else:
+        launch.launch_forward(*pack.inputs, out, pack.ratio, pack.coff, cfg, st)
+    return out, st
+
+
+def _backward(pack, stats, cfg=None):
+    """``(grad_kv, grad_score, grad_ape)`` from NaN-filled buffers."""
+    grads = _nan_like(pack.kv), _nan_like(pack.score), _nan_like(pack.ape)
+    if cfg is None:
+        launch.backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, None, stats)
+    else:
+        launch.launch_backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, cfg, stats)
+    return grads
+
+
+def _ref_stats(pack):
+    kw = dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp)
+    return reference.softmax_stats(*pack.inputs, **kw)
+
+
+def _assert_stats_match(pack, stats):
+    ref = _ref_stats(pack)
+    assert stats.shape == ref.shape
+    assert not torch.isnan(stats).any(), "stats not fully written"
+    # m: the max of the same fp32 products (bitwise in practice).
+    torch.testing.assert_close(stats[:, 0], ref[:, 0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats[:, 1], ref[:, 1], rtol=1e-5, atol=0)
+    # The output can cancel towards 0: a small absolute slack (values are O(1)).
+    torch.testing.assert_close(stats[:, 2], ref[:, 2], rtol=1e-5, atol=1e-6)
+
+
+def _ok(pack, grads) -> bool:
+    return contract_report(pack, None, grads)["ok"]
+
+
+def _assert_contract(pack, grads):
+    assert not any(bool(torch.isnan(g).any()) for g in grads), "NaN canary: a gradient was not written"
+    report = contract_report(pack, None, grads)
+    assert report["ok"], f"numerics contract broken: {report}"
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True))
+
+
+# (seqlens, head_dim, ratio, coff, token_padding, comp_padding)
+CASES = [
+    ((40, 5, 0, 33, 16), 8, 16, 2, 3, 2),  # ragged: short and empty segments, both paddings
+    ((52, 10, 0, 17), 9, 17, 1, 2, 2),  # non-power-of-two ratio
+    ((70, 31, 0, 64), 7, 32, 2, 1, 3),  # odd head_dim
+    ((300, 5), 5, 128, 1, 1, 1),
+    ((520,), 2, 256, 2, 3, 1),
+    ((5, 0, 3), 8, 16, 2, 12, 2),  # no segment reaches ratio: every row is padding
+]
+
+
+def _case_id(case):
+    seqlens, d, r, c, tp, cp = case
+    return f"r{r}c{c}d{d}B{len(seqlens)}tp{tp}cp{cp}"
+
+
+def _case_pack(case):
+    seqlens, head_dim, ratio, coff, tok_pad, comp_pad = case
+    return _pack(seqlens, head_dim, ratio, coff, tok_pad, comp_pad, seed=len(seqlens) + ratio)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_forward_stats_match_reference_and_leave_out_unchanged(case):
+    pack = _case_pack(case)
+    out, stats = _forward(pack)
+    plain, none = _forward(pack, stats=False)
+    assert none is None
+    assert torch.equal(_bits(out), _bits(plain)), "the stats flag changed out"
+    assert not torch.isnan(out).any()
+    _assert_stats_match(pack, stats)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_backward_with_stats_meets_the_contract(case):
+    pack = _case_pack(case)
+    _, stats = _forward(pack)
+    grads = _backward(pack, stats)
+    _assert_contract(pack, grads)
+    # The reference's statistics serve as well as the kernel's.
+    _assert_contract(pack, _backward(pack, _ref_stats(pack)))
+    # The stats are what the backward uses: a wrong 1/l changes every real row's gradients.
+    wrong = stats.clone()
+    wrong[:, 1] *= 1.5
+    changed = not _same(grads, _backward(pack, wrong))
+    assert changed == (pack.true_comp > 0)
+
+
+def test_backward_reads_each_statistic():
+    """``p = 2^(y - m) * inv_l``, ``S = g * out``: shifting m by 1 and doubling 1/l is the same softmax; a wrong 1/l
+    scales dKV; a wrong output changes dScore only."""
+    pack = _pack((40, 5, 0, 33), 8, 16, 2, 3, 2, seed=21)
+    _, stats = _forward(pack)
+    base = _backward(pack, stats)
+    _assert_contract(pack, base)
+
+    shifted = stats.clone()
+    shifted[:, 0] += 1.0
+    shifted[:, 1] *= 2.0
+    _assert_contract(pack, _backward(pack, shifted))
+
+    scaled = stats.clone()
+    scaled[:, 1] *= 1.25
+    grads = _backward(pack, scaled)
+    assert not _ok(pack, grads)
+    nz = base[0] != 0
+    ratio = grads[0][nz].float() / base[0][nz].float()
+    assert float((ratio - 1.25).abs().max()) < 2**-6  # bf16 rounding of both sides
+
+    moved = stats.clone()
+    moved[:, 2] += 0.5
+    grads = _backward(pack, moved)
+    assert torch.equal(_bits(grads[0]), _bits(base[0])), "dKV must not depend on the saved output"
+    assert not torch.equal(_bits(grads[1]), _bits(base[1]))
+    assert not _ok(pack, grads)
+
+
+def test_padding_row_stats_are_not_read():
+    """Rows past cu_seqlens_comp[-1] are ignored by the backward, their statistics included."""
+    pack = _pack((40, 0, 21), 8, 16, 2, 3, 4, seed=5)
+    _, stats = _forward(pack)
+    first = _backward(pack, stats)
+    garbage = stats.clone()
+    garbage[pack.true_comp :] = float("nan")
+    second = _backward(pack, garbage)
+    _assert_contract(pack, second)
+    assert _same(first, second)
+
+
+@pytest.mark.parametrize("cfg", LONG_TILINGS, ids=["d16w1c2", "d8w2c4", "d32w1c8"])
+@pytest.mark.parametrize("ratio,coff", [(128, 2), (40, 1)])
+def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
+    """GPU-like tiles: several lanes per column (the forward combines them before writing the stats), several
+    column blocks with a partial last one, several rows per program (the backward prefetches the next row's stats)."""
+    pack = _pack((3 * ratio + 5, ratio - 1, 2 * ratio), 24, ratio, coff, tok_pad=3, comp_pad=2, seed=13)
+    out, stats = _forward(pack, cfg=cfg)
+    plain, _ = _forward(pack, stats=False, cfg=cfg)
+    assert torch.equal(_bits(out), _bits(plain))
+    _assert_stats_match(pack, stats)
+    grads = _backward(pack, stats, cfg=cfg)
+    _assert_contract(pack, grads)
+    wrong = stats.clone()
+    wrong[:, 2] -= 0.25
+    assert not _same(grads, _backward(pack, wrong, cfg=cfg))
+
+
+def test_run_to_run_bitwise_determinism_with_stats():
+    pack = _pack((37, 0, 70, 9), 12, 16, 2, 3, 2, seed=11)
+    out1, stats1 = _forward(pack)
+    out2, stats2 = _forward(pack)
+    assert _same((out1, stats1), (out2, stats2))
+    assert _same(_backward(pack, stats1), _backward(pack, stats1))
+
+
+def test_stats_rejected_for_short_windows():
+    pack = _pack((24, 13), 8, 4, 2, 2, 1)
+    out = torch.empty((pack.total_comp, 8), dtype=torch.bfloat16, device=DEVICE)
+    stats = torch.empty((pack.total_comp, 3, 8), dtype=torch.float32, device=DEVICE)
+    grads = _nan_like(pack.kv), _nan_like(pack.score), _nan_like(pack.ape)
+    cfg = launch.choose_config("forward", 4, 2, 8, not HAS_CUDA)
+    with pytest.raises(ValueError, match="long windows"):
+        launch.forward(*pack.inputs, out, 4, 2, None, stats)
+    with pytest.raises(ValueError, match="long windows"):
+        launch.forward(*pack.inputs, out[:0], 4, 2, None, stats[:0])
+    with pytest.raises(ValueError, match="long windows"):
+        launch.launch_forward(*pack.inputs, out, 4, 2, cfg, stats)
+    with pytest.raises(ValueError, match="long windows"):
+        launch.backward(*pack.inputs, pack.grad_out, *grads, 4, 2, None, stats)
+    with pytest.raises(ValueError, match="long windows"):
+        launch.launch_backward(*pack.inputs, pack.grad_out, *grads, 4, 2, cfg, stats)
+    # Nothing was launched.
+    assert all(bool(torch.isnan(g).all()) for g in grads)
+
+
+def test_supports_stats_is_the_long_window_split():
+    for coff in (1, 2):
+        for ratio in range(1, launch.MAX_RATIO + 1):
+            want = launch._is_long(ratio, coff)
+            assert launch.supports_stats(ratio, coff, 64) is want
+            assert reference.uses_softmax_stats(ratio, coff) is want
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_with_stats_after_compile():
+    # compile() builds the stats variants too: nothing may compile under capture.
+    ratio, coff, d = 16, 2, 128
+    pack = _pack((640, 37, 0, 397), d, ratio, coff, 4, 3, seed=9)
+    for direction in ("forward", "backward"):
+        launch.compile(direction, ratio, coff, d, torch.bfloat16, DEVICE)
+    out = torch.empty((pack.total_comp, d), dtype=torch.bfloat16, device=DEVICE)
+    stats = torch.empty((pack.total_comp, 3, d), dtype=torch.float32, device=DEVICE)
+    grads = torch.empty_like(pack.kv), torch.empty_like(pack.score), torch.empty_like(pack.ape)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        launch.forward(*pack.inputs, out, ratio, coff, None, stats)
+        launch.backward(*pack.inputs, pack.grad_out, *grads, ratio, coff, None, stats)
+    for t in (out, stats, *grads):
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_stats_match(pack, stats)
+    _assert_contract(pack, grads)
