@@ -117,7 +117,8 @@ def long_backward_smem_bytes(sch: Schedule) -> int:
     cw = sch.TC * sch.V
     window = sch.G * sch.SG * sch.NB
     staged = 2 * 2 * window * cw * 2 + 256 if sch.AS else 0  # two stages of kv and score, bf16
-    stats = 2 * 3 * cw * 4 + 16 if sch.ST else 0  # two stages of the rows' statistics, fp32
+    copies = sch.threads // 32 if sch.SW and 32 % sch.TC == 0 and sch.threads % 32 == 0 else 1  # per warp or CTA
+    stats = copies * 2 * 3 * cw * 4 + 16 if sch.ST else 0  # two stages of the rows' statistics, fp32
     return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128 + staged + stats
 
 
@@ -144,6 +145,13 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
     CHUNKS = W * PIECES // NT  # cp.async copies per thread, tensor and row
     STAGE = W * CW  # elements of one stage of one tensor
     assert not (ST and AS), "the statistics path stages its rows' statistics with cp.async; AS is separate"
+    # Statistics path: each warp stages its own copy of a row's statistics (a warp spans all TC column threads),
+    # so rows need a warp barrier, not a CTA one; with an even batch count the next row's first batch is
+    # loaded into the buffer the last batch leaves free, so there is no gap between rows.
+    WARP_ST = ST and sch.SW and 32 % TC == 0 and NT % 32 == 0
+    NEXT_ROW = ST and sch.NR and NB % 2 == 0
+    ST_STAGE = 3 * CW  # floats of one row's statistics
+    ST_REGION = 2 * ST_STAGE  # two stages, per warp (WARP_ST) or per CTA
     if AS:
         assert COLS_EXACT and D % 8 == 0 and CW % 8 == 0 and (W * PIECES) % NT == 0 and not sch.PF
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
@@ -195,10 +203,14 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 cp_async_16(ssc + soff, score + cute.assume(goff, divby=8))
 
     @cute.jit
-    def copy_stats(stats, sst, rr, soff, g, c, col_ok, tc):
+    def copy_stats(stats, sst, rr, soff, g, c, col_ok, tc, tidx):
         """cp.async of row rr's statistics (m, 1/l, output; this CTA's columns) into a shared-memory stage,
-        by the threads of group 0 (16-byte copies; no registers held while they fly)."""
-        if (g == 0) & col_ok:
+        by the first group's threads of each warp (``WARP_ST``) or of the CTA (16-byte copies; no registers
+        held while they fly)."""
+        issuer = g == 0
+        if cutlass.const_expr(WARP_ST):
+            issuer = tidx % 32 < TC
+        if issuer & col_ok:
             for q in cutlass.range_constexpr(3):
                 if cutlass.const_expr(V % 4 == 0):
                     for h in cutlass.range_constexpr(V // 4):
@@ -257,7 +269,11 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
         sm_sc = sm_res
         sm_st = sm_res
         if cutlass.const_expr(ST):
-            sm_st = smem.allocate_tensor(Float32, cute.make_layout(2 * 3 * CW), byte_alignment=16)
+            sm_st = smem.allocate_tensor(Float32, cute.make_layout((NT // 32 if WARP_ST else 1) * ST_REGION),
+                                         byte_alignment=16)  # fmt: skip
+        wbase = Int32(0)
+        if cutlass.const_expr(WARP_ST):
+            wbase = (tidx // 32) * ST_REGION
         if cutlass.const_expr(AS):
             sm_kv = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
             sm_sc = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
@@ -286,7 +302,7 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
         if cutlass.const_expr(ST):
             # Stage 0 <- the first row's statistics.
             if row_begin < row_lim:
-                copy_stats(stats, sm_st.iterator, row_begin, 0, g, c, col_ok, tc)
+                copy_stats(stats, sm_st.iterator, row_begin, wbase, g, c, col_ok, tc, tidx)
             cute.arch.cp_async_commit_group()
         if cutlass.const_expr(AS):
             # Stage 0 <- the first row's window; every iteration commits one group (maybe empty).
@@ -318,14 +334,23 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
             if cutlass.const_expr(ST):
                 # The forward's statistics replace pass 1 and the combine: no barrier, one read of the window.
-                fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb[0], scb[0], 0, g, c, tc, active, t0, first, sbase)
+                if cutlass.const_expr(NEXT_ROW):
+                    if r == row_begin:  # later rows' first batch was loaded during the previous row
+                        fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb[0], scb[0], 0, g, c, tc, active, t0,
+                              first, sbase)  # fmt: skip
+                else:
+                    fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb[0], scb[0], 0, g, c, tc, active, t0, first,
+                          sbase)  # fmt: skip
                 # This row's statistics (copied during the previous row) are in stage `sb`; once every thread
-                # is past this barrier the other stage is free for the next row's.
-                sb = ((r - row_begin) % 2) * (3 * CW)
+                # (of the warp, or of the CTA) is past this barrier the other stage is free for the next row's.
+                sb = wbase + ((r - row_begin) % 2) * ST_STAGE
                 cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()
+                if cutlass.const_expr(WARP_ST):
+                    cute.arch.sync_warp()
+                else:
+                    cute.arch.sync_threads()
                 if r + 1 < row_lim:
-                    copy_stats(stats, sm_st.iterator, r + 1, (3 * CW) - sb, g, c, col_ok, tc)
+                    copy_stats(stats, sm_st.iterator, r + 1, 2 * wbase + ST_STAGE - sb, g, c, col_ok, tc, tidx)
                 cute.arch.cp_async_commit_group()
                 prefetch_next(kv, score, cu_t, cuc_t, B, r, row_lim, col_ok, tc, g, c)
                 gf.store(gb.load().to(Float32))
@@ -418,6 +443,13 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
             # Pass 2: gradients per slot, stored right away; grad_ape in shared memory.
             for bi in cutlass.range_constexpr(NB):
+                if cutlass.const_expr(NEXT_ROW and bi + 1 == NB):
+                    rn = r + 1
+                    if rn < row_lim:
+                        bn = find_segment(cuc_t, B, rn)
+                        jn = rn - cuc_t[bn]
+                        fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb[0], scb[0], 0, g, c, tc, active,
+                              cu_t[bn] + jn * ratio, jn == 0, sbase)  # fmt: skip
                 if cutlass.const_expr(bi + 1 < NB):
                     fetch(
                         kv,
