@@ -12,6 +12,7 @@ import sys
 import torch
 
 from csa_compressor import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
+from csa_compressor.reference import uses_softmax_stats
 from csa_compressor.testing import contract_report, make_pack
 
 # (ratio, coff, head_dim, seqlens, token_padding, comp_padding)
@@ -37,6 +38,13 @@ def main() -> int:
         out = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]
         grads = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
         good = contract_report(p, out, tuple(grads))["ok"]
+        if uses_softmax_stats(ratio, coff):
+            # The softmax-statistics pair as autograd runs it (cp.async staging in the cute backward).
+            out, stats = csa_compressor_forward_wrapper(
+                *p.inputs, total_comp=p.total_comp, return_softmax_stats=True, **kw
+            )
+            grads = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, softmax_stats=stats, **kw)
+            good &= contract_report(p, out, tuple(grads))["ok"]
         ok &= good
         print(f"{opts.backend} r{ratio} c{coff} d{head_dim} {seqlens}: {'ok' if good else 'NUMERICS FAIL'}")
     torch.cuda.synchronize()
