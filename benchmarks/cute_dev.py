@@ -220,12 +220,13 @@ def _profile_kernel_us(fn, flush, reps):
             fn()
         torch.cuda.synchronize()
     total = 0.0
-    names = set()
+    names: dict[str, float] = {}
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA and "cutlass" in evt.name:
-            total += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
-            names.add(evt.name[:60])
-    return total / reps, sorted(names)
+            t = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+            total += t
+            names[evt.name[:60]] = names.get(evt.name[:60], 0.0) + t / reps  # per-kernel us per call
+    return total / reps, names
 
 
 def _wall_us(fn, reps=50):

@@ -15,6 +15,7 @@ from cutlass import Float32, Int32
 from .forward import add_rn, vec_view
 
 REDUCE_WARPS = 8
+REDUCE_UNROLL = 4
 MAX_REGS = 128  # launch bound of the main kernels: no spills, and the residency launch.py assumes
 
 
@@ -34,8 +35,16 @@ def make_reduce_kernel(APE_SIZE: int):
         ws_t = cute.make_tensor(ws, cute.make_layout(num_ctas * APE_SIZE))
         acc = Float32(0.0)
         if e < APE_SIZE:
-            for p in cutlass.range(w, num_ctas, REDUCE_WARPS):
-                acc = add_rn(acc, ws_t[p * APE_SIZE + e])
+            # REDUCE_UNROLL slabs per step: their loads are all in flight before the first add; the adds keep
+            # the slab order w, w+8, ... (the same sum as one slab per step).
+            for p0 in cutlass.range(w, num_ctas, REDUCE_WARPS * REDUCE_UNROLL):
+                # Past the last slab the load is clamped to it (in bounds) and not added.
+                vals = [
+                    ws_t[cutlass.min(p0 + u * REDUCE_WARPS, num_ctas - 1) * APE_SIZE + e] for u in range(REDUCE_UNROLL)
+                ]
+                for u in cutlass.range_constexpr(REDUCE_UNROLL):
+                    if p0 + u * REDUCE_WARPS < num_ctas:
+                        acc = add_rn(acc, vals[u])
         part[tidx] = acc
         cute.arch.sync_threads()
         if (w == 0) & (e < APE_SIZE):
