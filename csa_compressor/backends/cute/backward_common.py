@@ -14,7 +14,7 @@ from cutlass import Float32, Int32
 
 from .forward import add_rn, vec_view
 
-REDUCE_WARPS = 8
+REDUCE_WARPS = 32  # 1024 threads: a warp sums ~num_ctas / 32 slabs (short dependent chains)
 REDUCE_UNROLL = 4
 MAX_REGS = 128  # launch bound of the main kernels: no spills, and the residency launch.py assumes
 
@@ -24,7 +24,7 @@ def make_reduce_kernel(APE_SIZE: int):
 
     @cute.kernel
     def reduce_kernel(ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
-        # 32 consecutive entries per CTA; warp w sums slabs w, w+8, ... ; warp partials summed in order.
+        # 32 consecutive entries per CTA; warp w sums slabs w, w + REDUCE_WARPS, ...; warp partials summed in order.
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
@@ -36,7 +36,7 @@ def make_reduce_kernel(APE_SIZE: int):
         acc = Float32(0.0)
         if e < APE_SIZE:
             # REDUCE_UNROLL slabs per step: their loads are all in flight before the first add; the adds keep
-            # the slab order w, w+8, ... (the same sum as one slab per step).
+            # the slab order w, w + REDUCE_WARPS, ... (the same sum as one slab per step).
             for p0 in cutlass.range(w, num_ctas, REDUCE_WARPS * REDUCE_UNROLL):
                 # Past the last slab the load is clamped to it (in bounds) and not added.
                 vals = [
