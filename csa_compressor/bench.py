@@ -359,6 +359,9 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
 
     def kernel_table(direction: str, title: str, rows_for: list[str], seed_keys: tuple[str, str], with_compile: bool):
         head = ["case", "floor", "backend", "cold", "warm", "wall", "cold / floor"]
+        clean = any(r.get("kernel_us_cold_clean") is not None for r in records)
+        if clean:
+            head += ["cold, clean L2", "clean / floor"]
         if with_compile:
             head.append("vs torch.compile (cold)")
         head += ["seed cold (SPEC)", "vs seed (cold)", "wall - warm", "seed wall (SPEC)"]
@@ -372,6 +375,9 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
                 cold = rec.get("kernel_us_cold")
                 row = [case, _fmt_us(rec.get("floor_us")), backend, _fmt_us(cold), _fmt_us(rec.get("kernel_us_warm")),
                        _fmt_us(rec.get("wall_us")), _fmt_ratio(cold, rec.get("floor_us"))]  # fmt: skip
+                if clean:
+                    cc = rec.get("kernel_us_cold_clean")
+                    row += [_fmt_us(cc), _fmt_ratio(cc, rec.get("floor_us")) if cc is not None else "—"]
                 if with_compile:
                     row.append(_fmt_ratio(ref_compile.get("kernel_us_cold") if ref_compile else None, cold))
                 s_cold, s_wall = (seed(case, k) for k in seed_keys)
@@ -637,14 +643,21 @@ class _Timer:
         # measured code launches.
         self.flush_bytes = max(2 * l2, 128 << 20) if l2 else 128 << 20
         self.flush_buf = torch.empty(self.flush_bytes // 8, dtype=torch.float64, device=device)
+        self.read_buf = None
         self._flush_value = 0.0
         # The first profiler session of a process can lose device records while CUPTI starts up (seen on the
         # H200: the first case's cold time came out below its warm time); spend it on the flush alone.
         self.kernel_us(self.flush, 2, cold=False)
 
-    def flush(self) -> None:
+    def flush(self, clean: bool = False) -> None:
         self._flush_value = 1.0 - self._flush_value
         self.flush_buf.fill_(self._flush_value)
+        if clean:
+            # Then read another 2x-L2 buffer: L2 holds clean lines, so the timed call does not also pay for
+            # writing the flush's dirty lines back to DRAM (the plain flush leaves up to one L2 of them).
+            if self.read_buf is None:
+                self.read_buf = self.torch.ones(self.flush_bytes // 4, dtype=self.torch.float32, device=self.device)
+            self.read_buf.sum()
 
     def copy_rate(self, nbytes: int = 512 << 20, reps: int = 10) -> float:
         """Device-to-device copy rate, bytes/s counting read + write, median over ``reps`` copies."""
@@ -666,7 +679,7 @@ class _Timer:
         torch.cuda.empty_cache()
         return copy_rate(nbytes, times)
 
-    def kernel_us(self, fn: Callable[[], object], calls: int, cold: bool) -> float:
+    def kernel_us(self, fn: Callable[[], object], calls: int, cold: bool, clean: bool = False) -> float:
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -676,7 +689,7 @@ class _Timer:
             for _ in range(calls):
                 if cold:
                     with record_function(FLUSH_RANGE):
-                        self.flush()
+                        self.flush(clean)
                 fn()
             torch.cuda.synchronize(self.device)
         events = list(prof.events())
@@ -809,13 +822,15 @@ def run_bench(
     progress: bool = True,
     device=None,
     commit: str | None = None,
+    clean_cold: bool = False,
 ) -> BenchResult:
     """Run the benchmark; returns the records, the markdown report and, if ``out_dir`` is set, the written paths.
 
     ``cases``: case names / indices (see ``CASES``) or ``Case`` objects; default all. ``backends``: names among
     cute, triton, reference, torch.compile, eager (default all available). ``directions``: "fwd", "bwd" (for
     the baselines "bwd" means forward+backward). ``reps``: (cold, warm, wall) timed calls per measurement.
-    ``commit`` overrides ``git rev-parse HEAD`` (for copies of the tree without ``.git``).
+    ``commit`` overrides ``git rev-parse HEAD`` (for copies of the tree without ``.git``). ``clean_cold``: also
+    time the kernel backends cold after a flush that leaves L2 clean (``kernel_us_cold_clean``).
     Raises ``NoGPUError`` without a CUDA device.
     """
     import torch
@@ -878,6 +893,8 @@ def run_bench(
                         raise RuntimeError(setup_error)
                     cold, warm, wall = timer.measure(calls[what])
                     rec.update(kernel_us_cold=cold, kernel_us_warm=warm, wall_us=wall)
+                    if clean_cold and backend not in BASELINES:
+                        rec["kernel_us_cold_clean"] = timer.kernel_us(calls[what], reps[0], cold=True, clean=True)
                     status = (
                         f"cold {cold:.1f} us, warm {warm:.1f} us, wall {wall:.1f} us, "
                         f"floor {rec['floor_us']:.1f} us ({rec['floor_us'] / cold:.2f} of floor)"
@@ -946,6 +963,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="file stem of the outputs (default bench_<device>_<UTC time>)")
     p.add_argument("--commit", help="commit id to record when the tree has no .git (default: git rev-parse HEAD)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument(
+        "--clean-cold",
+        action="store_true",
+        help="also time kernel backends cold after a flush that leaves L2 clean (write, then read 2x L2)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
@@ -981,6 +1003,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name=args.name,
             progress=not args.quiet,
             commit=args.commit,
+            clean_cold=args.clean_cold,
         )
     except NoGPUError as exc:
         print(f"csa_compressor bench: {exc}; nothing was measured.")
