@@ -48,7 +48,21 @@ def check(name: str, backend: str, dev) -> dict:
     mod.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, ratio, coff, None)
     torch.cuda.synchronize()
     rep = contract_report(pack, out, grads)
-    return {k: v for k, v in rep.items() if isinstance(v, (bool, int, float))}
+    res = {k: v for k, v in rep.items() if isinstance(v, (bool, int, float))}
+    supports = getattr(mod, "supports_stats", None)
+    if supports is not None and supports(ratio, coff, d):
+        # The softmax-statistics pair, as autograd runs long windows.
+        stats = torch.full((pack.total_comp, 3, d), float("nan"), dtype=torch.float32, device=dev)
+        out_st = torch.full_like(out, float("nan"))
+        mod.forward(kv, score, ape, cu, cuc, out_st, ratio, coff, None, stats)
+        grads_st = tuple(torch.full_like(t, float("nan")) for t in (kv, score, ape))
+        mod.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads_st, ratio, coff, None, stats)
+        torch.cuda.synchronize()
+        rep_st = contract_report(pack, out_st, grads_st)
+        res["stats_ok"] = bool(rep_st["ok"])
+        res["stats_out_equal"] = bool(torch.equal(out_st, out))
+        res["ok"] = bool(res["ok"] and rep_st["ok"] and res["stats_out_equal"])
+    return res
 
 
 def main() -> int:

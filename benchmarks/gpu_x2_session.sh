@@ -3,8 +3,8 @@
 #   PHASE=1: GPU 0 runs the benchmark (alone on its GPU, timing-sensitive) while GPU 1 runs the full test suite;
 #   PHASE=2: the non-current-device tests on both GPUs, then compute-sanitizer memcheck/racecheck (GPU 1)
 #            beside the self-check (GPU 0);
-#   PHASE=3: after a change, in one call: the test suite (GPU 1) beside the benchmark, the launch-overhead
-#            breakdown and memcheck (GPU 0);
+#   PHASE=3: after a change, in one call: the test suite and the sanitizers (GPU 1) beside the benchmark and
+#            the launch-overhead breakdown (GPU 0), then the two-GPU tests;
 #   PHASE=dev: development: the test suite (GPU 1) beside benchmarks/cute_dev.py timing + schedule variants
 #            and an optional $DEV_EXTRA command (GPU 0).
 # Logs come back as one tarball (the device tool returns at most 8 files). The device copy's .git can be
@@ -49,24 +49,27 @@ elif [ "${PHASE:-1}" = 1 ]; then
     ) &
     wait
 elif [ "${PHASE:-1}" = 3 ]; then
-    # One call for everything after a change: tests on GPU 1; on GPU 0 the benchmark, the launch-overhead
-    # breakdown and compute-sanitizer memcheck of both GPU backends.
+    # One call for everything after a change: on GPU 1 the test suite, then compute-sanitizer memcheck of both
+    # GPU backends and racecheck of cute; on GPU 0 the benchmark, alone on its GPU, and the launch-overhead
+    # breakdown.
     (
         export CUDA_VISIBLE_DEVICES=1
-        timeout ${TEST_TIMEOUT:-330} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest.log" 2>&1
+        timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest.log" 2>&1
         echo "pytest rc=$?" >>"$LOGS/pytest.log"
-    ) &
-    (
-        export CUDA_VISIBLE_DEVICES=0
-        timeout ${BENCH_TIMEOUT:-240} python3 -m csa_compressor bench --out "$LOGS/bench" ${RUN_COMMIT:+--commit "$RUN_COMMIT"} ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
-        echo "bench rc=$?" >>"$LOGS/bench.txt"
-        timeout 60 python3 benchmarks/launch_overhead.py --out "$LOGS/launch_overhead.json" >"$LOGS/launch_overhead.txt" 2>&1
         for spec in "cute memcheck" "triton memcheck" "cute racecheck"; do
             set -- $spec
             timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool "$2" --report-api-errors no --error-exitcode 9 \
                 python3 tests/sanitize_cases.py --backend "$1" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_$1_$2.log" 2>&1
             echo "rc=$?" >>"$LOGS/sanitize_$1_$2.log"
         done
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout ${BENCH_TIMEOUT:-300} python3 -m csa_compressor bench --out "$LOGS/bench" ${RUN_COMMIT:+--commit "$RUN_COMMIT"} ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
+        echo "bench rc=$?" >>"$LOGS/bench.txt"
+        timeout 60 python3 benchmarks/launch_overhead.py --out "$LOGS/launch_overhead.json" >"$LOGS/launch_overhead.txt" 2>&1
+        timeout ${NUM_TIMEOUT:-120} python3 benchmarks/full_numerics.py --out "$LOGS" >"$LOGS/full_numerics.txt" 2>&1
+        echo "rc=$?" >>"$LOGS/full_numerics.txt"
     ) &
     wait
     # Both GPUs: the non-current-device tests.
@@ -104,6 +107,7 @@ elif [ "${PHASE:-1}" = 3 ]; then
     echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
     echo "==== two GPUs"; tail -n 2 "$LOGS/pytest_two_gpus.log"
     echo "==== launch overhead"; grep -E "^\[|wrapper|target|bare|x.add_" "$LOGS/launch_overhead.txt"
+    echo "==== full-size numerics"; tail -n 16 "$LOGS/full_numerics.txt" | cut -c1-200
     echo "==== bench"; grep -E "cute|triton|^\| case|^###" "$LOGS/bench.txt" | head -n 60
 elif [ "${PHASE:-1}" = 1 ]; then
     echo "==== pytest (GPU 1)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest.log" | head -n 30; tail -n 3 "$LOGS/pytest.log"
