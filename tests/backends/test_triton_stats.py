@@ -188,6 +188,143 @@ def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
     assert not _same(grads, _backward(pack, wrong, cfg=cfg))
 
 
+# --------------------------------------------------------------------------- streaming statistics backward tiles
+#
+# ``csa_bwd_stats_kernel``: programs own (rows, a chunk of window slots, a column block); the tile comes from
+# ``launch.STATS_TILE_OVERRIDE`` (block_d, slots, num_warps, rows per program). The interpreter default is one chunk
+# and one column block, so these cases force several row ranges, chunks and column blocks.
+
+# (seqlens, head_dim, ratio, coff, token_padding, comp_padding), tile
+STREAM_CASES = [
+    # W = 48 in 16-slot chunks: chunk 1 straddles the halves (8 previous-group + 8 own slots); odd head_dim in 2
+    # column blocks (the last one partial); 3 rows per range: ranges across segment boundaries, ending in and made
+    # of padding rows; short and empty segments, token padding.
+    (((80, 5, 0, 49, 24), 13, 24, 2, 3, 4), (8, 16, 1, 3)),
+    # Same pack, 32-slot chunks: chunk 1 is 16 own slots + 16 pad slots; 2 rows per range.
+    (((80, 5, 0, 49, 24), 13, 24, 2, 3, 4), (8, 32, 1, 2)),
+    # ratio 17, coff 1: 8-slot chunks, the third one 1 slot + 7 pad; 2 column blocks (d = 9); 2 rows per range.
+    (((52, 10, 0, 40), 9, 17, 1, 2, 3), (8, 8, 1, 2)),
+    # Powers of two, head_dim a multiple of block_d (no column mask): 4 chunks x 2 column blocks, 4 rows per range.
+    (((100, 31, 64), 16, 32, 2, 1, 5), (8, 16, 1, 4)),
+    # One row per program, one chunk, 2 column blocks.
+    (((70, 31, 0, 64), 12, 16, 2, 1, 3), (8, 32, 1, 1)),
+]
+
+
+def _stream_id(item):
+    (seqlens, d, r, c, _tp, _cp), (bd, slots, _w, rows) = item
+    return f"r{r}c{c}d{d}B{len(seqlens)}-d{bd}s{slots}x{rows}"
+
+
+@pytest.fixture
+def nan_workspace(monkeypatch):
+    """dAPE partials start as NaN: an entry the kernel leaves unwritten poisons grad_ape."""
+
+    def workspace(shape, device):
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+    monkeypatch.setattr(launch, "_workspace", workspace)
+
+
+def _stream_pack(case):
+    seqlens, head_dim, ratio, coff, tok_pad, comp_pad = case
+    pack = _pack(seqlens, head_dim, ratio, coff, tok_pad, comp_pad, seed=len(seqlens) + ratio + head_dim)
+    # Padding rows are never read: NaN canaries in their grad_out (the reference ignores them).
+    pack.grad_out[pack.true_comp :] = float("nan")
+    return pack
+
+
+def _tiled(pack, tile, stats):
+    """The backward with statistics, in ``tile`` (through the override hook, removed again afterwards)."""
+    key = (pack.ratio, pack.coff, pack.head_dim)
+    assert key not in launch.STATS_TILE_OVERRIDE
+    launch.STATS_TILE_OVERRIDE[key] = tile
+    try:
+        return _backward(pack, stats)
+    finally:
+        del launch.STATS_TILE_OVERRIDE[key]
+
+
+def _programs(pack, tile):
+    """(row ranges, slot chunks, column blocks) of a tile on a pack."""
+    block_d, slots, _w, rows = tile
+    n_rows = pack.total_comp
+    return -(-n_rows // rows), -(-(pack.coff * pack.ratio) // slots), -(-pack.head_dim // block_d)
+
+
+@pytest.mark.parametrize("item", STREAM_CASES, ids=[_stream_id(i) for i in STREAM_CASES])
+def test_streaming_tiles_meet_the_contract(item, nan_workspace):
+    """Several row ranges, slot chunks and column blocks: contract vs the fp32 reference, NaN canaries (gradients,
+    dAPE partials, padding rows' grad_out and statistics), and dKV/dScore bitwise those of the default tile (nothing
+    is reduced over slots: a tile only moves work between programs)."""
+    case, tile = item
+    pack = _stream_pack(case)
+    parts, chunks, col_blocks = _programs(pack, tile)
+    assert parts > 1 and col_blocks > 1 and (chunks > 1 or tile[1] >= pack.coff * pack.ratio)
+    _, stats = _forward(pack)
+    stats[pack.true_comp :] = float("nan")
+    grads = _tiled(pack, tile, stats)
+    _assert_contract(pack, grads)
+    default = _backward(pack, stats)
+    _assert_contract(pack, default)
+    assert _same(grads[:2], default[:2])
+    torch.testing.assert_close(grads[2], default[2], rtol=1e-5, atol=1e-6)
+    # The statistics are read per (row, column): a wrong output in one real row's column changes dScore.
+    if pack.true_comp:
+        moved = stats.clone()
+        moved[pack.true_comp - 1, 2, pack.head_dim - 1] += 1.0
+        other = _tiled(pack, tile, moved)
+        assert _same(other[:1], grads[:1]) and not _same(other[1:2], grads[1:2])
+
+
+def test_streaming_tile_is_deterministic(nan_workspace):
+    case, tile = STREAM_CASES[0]
+    pack = _stream_pack(case)
+    _, stats = _forward(pack)
+    first = _tiled(pack, tile, stats)
+    assert _same(first, _tiled(pack, tile, stats))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_streaming_tile_reference_stats_and_empty_ranges(rows, nan_workspace):
+    """The reference's statistics; more padding rows than a range holds (ranges with no real row still write their
+    partial: zeros); every row padding."""
+    for case in [((50, 7, 0, 33), 10, 16, 2, 2, 7), ((5, 0, 3), 8, 16, 2, 12, 2)]:
+        pack = _stream_pack(case)
+        stats = _ref_stats(pack)
+        stats[pack.true_comp :] = float("nan")
+        _assert_contract(pack, _tiled(pack, (8, 8, 1, rows), stats))
+
+
+def test_default_stats_tiles():
+    """GPU defaults (tile constexprs never depend on the problem size; rows per program do) and the override."""
+    cases = [((1, 65536), 512, 128, 2, 2000), ((3, 8192), 512, 128, 1, 1000), ((1, 8192), 128, 128, 1, 200)]
+    for (n, seqlen), d, ratio, coff, min_programs in cases:
+        tile = launch.stats_tile(ratio, coff, d, interpret=False)
+        assert tile == launch.StatsTile(64, 32, 4, 0)
+        n_rows = n * seqlen // ratio
+        rows = launch._stats_rows(tile, ratio, coff, d, n_rows)
+        parts = -(-n_rows // rows)
+        programs = parts * -(-(coff * ratio) // tile.slots) * -(-d // tile.block_d)
+        assert programs >= min_programs, (n, seqlen, d, ratio, coff, rows, programs)
+        assert parts * ratio * coff * d * 4 <= 20 << 20
+        assert 2 <= rows <= 16
+    # A 128K pack: the workspace bound sets the rows.
+    tile = launch.stats_tile(128, 2, 512, interpret=False)
+    rows = launch._stats_rows(tile, 128, 2, 512, 1024)
+    assert rows > 16 and -(-1024 // rows) * 128 * 1024 * 4 <= 20 << 20
+    # Small head_dim / windows: tiles shrink to the problem.
+    assert launch.stats_tile(9, 2, 24, interpret=False) == launch.StatsTile(32, 32, 4, 0)
+    key = (128, 2, 512)
+    assert key not in launch.STATS_TILE_OVERRIDE
+    launch.STATS_TILE_OVERRIDE[key] = (128, 16, 8, 3)
+    try:
+        assert launch.stats_tile(*key, interpret=False) == launch.StatsTile(128, 16, 8, 3)
+        assert launch._stats_rows(launch.stats_tile(*key, interpret=True), 128, 2, 512, 10**6) == 3
+    finally:
+        del launch.STATS_TILE_OVERRIDE[key]
+
+
 def test_run_to_run_bitwise_determinism_with_stats():
     pack = _pack((37, 0, 70, 9), 12, 16, 2, 3, 2, seed=11)
     out1, stats1 = _forward(pack)

@@ -15,8 +15,11 @@ One launch, two kinds of programs:
   first ``d`` columns of a segment's last group when coff = 2). Consumed
   positions are never touched by the sweep, so all stores stay disjoint.
 
-``dape_reduce_kernel`` then sums the ``P`` partials in a fixed order into
-grad_ape: no atomics, bitwise reproducible.
+``csa_bwd_long_kernel`` is the same for long windows (a row's whole window per
+program); ``csa_bwd_stats_kernel`` streams long windows in slot chunks from the
+forward's softmax statistics (no reduction over the window). ``dape_reduce_kernel``
+then sums the ``P`` partials in a fixed order into grad_ape: no atomics, bitwise
+reproducible.
 """
 
 from __future__ import annotations
@@ -228,7 +231,6 @@ def csa_bwd_long_kernel(
     n_iter,
     rows_per_prog,
     n_compute,
-    stats_ptr,
     RATIO: tl.constexpr,
     SP: tl.constexpr,
     COFF: tl.constexpr,
@@ -241,16 +243,12 @@ def csa_bwd_long_kernel(
     SWEEP_T: tl.constexpr,
     SWEEP_D: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
-    HAS_STATS: tl.constexpr,
 ):
     """Long-window backward: compute programs ``(rp, cb)`` hold a row's whole window (all ``coff * SP`` slots x
     ``BLOCK_D`` columns) in registers, walk ``rows_per_prog`` rows (the next row's window is loaded before the
     current one is computed), store dvalue/dlogit where the slots read and keep the dAPE partial of their rows in
-    registers; the rest are zero-sweep programs as in ``csa_bwd_kernel``. Every input is read once.
-
-    ``HAS_STATS``: the forward's softmax statistics (``(N, 3, HEAD_DIM)`` fp32 at ``stats_ptr``: max of
-    ``y = x * log2e``, ``1 / sum 2^(y - max)``, fp32 output) are loaded per (row, column block) with the row's
-    grad_out, and replace the max, sum and output reductions over the window.
+    registers; the rest are zero-sweep programs as in ``csa_bwd_kernel``. Every input is read once. (With the
+    forward's softmax statistics the backward runs ``csa_bwd_stats_kernel`` instead.)
     """
     W: tl.constexpr = COFF * HEAD_DIM
     pid = tl.program_id(0)
@@ -276,24 +274,11 @@ def csa_bwd_long_kernel(
         sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
         g_n = tl.load(grad_out_ptr + row_base * HEAD_DIM + cols, mask=cols < tl.where(real, HEAD_DIM, 0), other=0.0)
-        if HAS_STATS:
-            # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM. Padding rows' stats are
-            # not read (nothing of theirs is stored).
-            stats_ptr += row_base.to(tl.int64) * (3 * HEAD_DIM)
-            st_mask = cols < tl.where(real, HEAD_DIM, 0)
-            st_ptr = stats_ptr + cols
-            m_n = tl.load(st_ptr, mask=st_mask, other=0.0)
-            il_n = tl.load(st_ptr + HEAD_DIM, mask=st_mask, other=0.0)
-            o_n = tl.load(st_ptr + 2 * HEAD_DIM, mask=st_mask, other=0.0)
         dape = tl.zeros([LANES, CS_IN, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
             kv_c = kv_n
             sc_c = sc_n
             g_c = g_n
-            if HAS_STATS:
-                m_c = m_n
-                il_c = il_n
-                o_c = o_n
             valid = lmask
             offs_c = base + t0 * W
             smask = valid & (cols < tl.where(real, HEAD_DIM, 0))[None, None, :]
@@ -307,32 +292,17 @@ def csa_bwd_long_kernel(
             g_n = tl.load(
                 grad_out_ptr + (row + 1) * HEAD_DIM + cols, mask=cols < tl.where(real_n & okn, HEAD_DIM, 0), other=0.0
             )
-            if HAS_STATS:
-                st_mask = cols < tl.where(real_n & okn, HEAD_DIM, 0)
-                st_ptr = stats_ptr + (row + 1 - row_base) * (3 * HEAD_DIM) + cols
-                m_n = tl.load(st_ptr, mask=st_mask, other=0.0)
-                il_n = tl.load(st_ptr + HEAD_DIM, mask=st_mask, other=0.0)
-                o_n = tl.load(st_ptr + 2 * HEAD_DIM, mask=st_mask, other=0.0)
 
             x = tl.where(valid, sc_c.to(tl.float32) + ape, float("-inf"))
-            if HAS_STATS:
-                # p = 2^(y - m) / l from the forward's m and 1/l: no max or sum over the window (whose slots span
-                # threads and warps).
-                p = tl.exp2(x * LOG2E - m_c[None, None, :]) * il_c[None, None, :]
-            else:
-                mx = tl.max(tl.max(x, axis=1), axis=0)
-                mx = tl.where(mx == float("-inf"), 0.0, mx) * LOG2E
-                e = tl.exp2(x * LOG2E - mx[None, None, :])
-                inv = tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), tl.sum(tl.sum(e, axis=1), axis=0))
-                p = e * inv[None, None, :]
+            mx = tl.max(tl.max(x, axis=1), axis=0)
+            mx = tl.where(mx == float("-inf"), 0.0, mx) * LOG2E
+            e = tl.exp2(x * LOG2E - mx[None, None, :])
+            inv = tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), tl.sum(tl.sum(e, axis=1), axis=0))
+            p = e * inv[None, None, :]
             v = kv_c.to(tl.float32)
             g = g_c.to(tl.float32)[None, None, :]
-            if HAS_STATS:
-                # sum_k p_k * g * v_k = g * (the forward's fp32 output).
-                gd = g * o_c[None, None, :]
-            else:
-                # sum_k p_k * g * v_k = g * sum_k p_k v_k (g is the same for every slot of a column).
-                gd = g * tl.sum(tl.sum(p * v, axis=1), axis=0)[None, None, :]
+            # sum_k p_k * g * v_k = g * sum_k p_k v_k (g is the same for every slot of a column).
+            gd = g * tl.sum(tl.sum(p * v, axis=1), axis=0)[None, None, :]
             dv = g * p
             dlogit = p * (g * v - gd)
             tl.store(grad_kv_ptr + offs_c, _round(dv, gdt, MANUAL_RTNE), mask=smask)
@@ -340,6 +310,144 @@ def csa_bwd_long_kernel(
             dape += tl.where(smask, dlogit, 0.0)
             real = real_n
         # Slot k added ape entry aoffs: the partial has grad_ape's [ratio, coff*d] layout.
+        tl.store(ws_ptr + rp * (RATIO * W) + aoffs, dape, mask=amask)
+    else:
+        _zero_sweep(
+            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, T, B, n_iter, RATIO, COFF, HEAD_DIM, SWEEP_T, SWEEP_D
+        )
+
+
+@triton.jit
+def _stats_row_mask(w, has_prev, ok, col_ok, PREV: tl.constexpr, WIN: tl.constexpr, EVEN_D: tl.constexpr):
+    """``[SLOTS, BLOCK_D]`` mask of the slots ``w`` a row reads: ``w < WIN`` (the chunk's padding), not the previous
+    half of a segment's first group, nothing where ``ok`` is false; columns ``< HEAD_DIM``."""
+    # (Thresholds rather than scalar-bool broadcasts: the interpreter turns bool tensor & 0-d bool into int32.)
+    row = (w >= tl.where(has_prev, 0, PREV)) & (w < tl.where(ok, WIN, 0))
+    if EVEN_D:
+        return tl.broadcast_to(row[:, None], [w.shape[0], col_ok.shape[0]])
+    else:
+        return row[:, None] & col_ok[None, :]
+
+
+@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"])
+def csa_bwd_stats_kernel(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    cu_ptr,
+    cu_comp_ptr,
+    grad_out_ptr,
+    grad_kv_ptr,
+    grad_score_ptr,
+    ws_ptr,
+    stats_ptr,
+    N,
+    T,
+    B,
+    n_iter,
+    rows_per_prog,
+    n_compute,
+    RATIO: tl.constexpr,
+    COFF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SLOTS: tl.constexpr,
+    VEC: tl.constexpr,
+    N_COL: tl.constexpr,
+    N_CHUNK: tl.constexpr,
+    SWEEP_T: tl.constexpr,
+    SWEEP_D: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr,
+):
+    """Long-window backward from the forward's softmax statistics (``(N, 3, HEAD_DIM)`` fp32 at ``stats_ptr``:
+    max ``m`` of ``y = (score + ape) * log2e``, ``1 / l = 1 / sum 2^(y - m)``, the fp32 output ``o``).
+
+    With the statistics nothing is reduced over the window: ``p = 2^(y - m) / l``, ``dvalue = g * p`` and
+    ``dlogit = p * (g * value - g * o)`` per element. So the window is streamed in chunks: compute program
+    ``(rp, ch, cb)`` (``cb`` fastest, then the chunk: a row range's chunks run side by side and share its
+    statistics and grad_out in L2) owns rows ``[rp * rows_per_prog, +rows_per_prog)``, window slots
+    ``[ch * SLOTS, +SLOTS)`` of the ``WIN = COFF * RATIO`` (the last chunk padded) and columns
+    ``[cb * BLOCK_D, +BLOCK_D)``. Slot ``w`` of the row starting at token ``t0`` reads token ``t0 + w - PREV``
+    (``PREV = (COFF - 1) * RATIO``: the previous group's slots come first), at column ``col + shift`` with
+    ``shift = HEAD_DIM`` in the own half ``w >= PREV`` (a chunk may straddle the halves), and added ape entry
+    ``[w - PREV if own else w, col + shift]``. Per row the program loads the row's statistics and grad_out (``[BLOCK_D]``
+    each, shared by the slots) and the ``[SLOTS, BLOCK_D]`` kv and score tiles (the next row's tiles are loaded
+    before the current row is computed), stores grad_kv/grad_score and adds dlogit into a ``[SLOTS, BLOCK_D]``
+    fp32 accumulator; at the end that is its slice of the dAPE partial ``ws[rp]`` (``[RATIO, COFF * HEAD_DIM]``,
+    the slices of a row range's programs are disjoint and cover it). Rows past ``cu_seqlens_comp[-1]`` are not
+    visited. Programs ``pid >= n_compute`` are the zero sweep of ``csa_bwd_kernel``.
+    """
+    W: tl.constexpr = COFF * HEAD_DIM
+    WIN: tl.constexpr = COFF * RATIO
+    PREV: tl.constexpr = (COFF - 1) * RATIO
+    EVEN_D: tl.constexpr = HEAD_DIM % BLOCK_D == 0
+    pid = tl.program_id(0)
+    gdt = grad_kv_ptr.dtype.element_ty
+    if pid < n_compute:
+        cb = pid % N_COL
+        ch = (pid // N_COL) % N_CHUNK
+        rp = pid // (N_COL * N_CHUNK)
+        total_real = tl.load(cu_comp_ptr + B)
+        row_base = rp * rows_per_prog
+        # Padding rows (>= cu_seqlens_comp[-1]) store nothing and add nothing: the row loop ends before them.
+        row_end = tl.minimum(tl.minimum(row_base + rows_per_prog, N), total_real)
+        uniform, comp0, tok0 = _program_segment(
+            row_base, rows_per_prog, row_end, B, n_iter, total_real, cu_ptr, cu_comp_ptr
+        )  # fmt: skip
+
+        # Per-program constants; a row only adds t0 * W to the kv/score offsets.
+        w = ch * SLOTS + tl.arange(0, SLOTS)
+        # (Products rather than tl.where on integers: a select hides the offsets' divisibility, and the loads fall
+        # back to scalar accesses.)
+        own = (w >= PREV).to(tl.int32)
+        shift = own * ((COFF - 1) * HEAD_DIM)
+        lane = tl.arange(0, BLOCK_D)
+        # Contiguous in runs of VEC only: caps the vector width Triton picks at VEC elements.
+        cols = cb * BLOCK_D + (lane // VEC) * VEC + lane % VEC
+        col_ok = cols < HEAD_DIM
+        base = ((w - PREV) * W + shift)[:, None] + cols[None, :]
+        aoffs = ((w - own * PREV) * W + shift)[:, None] + cols[None, :]
+        amask = (w < WIN)[:, None] & col_ok[None, :]
+        ape = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+        # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM.
+        st_cols = stats_ptr + row_base.to(tl.int64) * (3 * HEAD_DIM) + cols
+
+        t0, hp, _r, _o = _row_start(
+            row_base, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+        )  # fmt: skip
+        lmask = _stats_row_mask(w, hp, row_base < row_end, col_ok, PREV, WIN, EVEN_D)
+        offs = base + t0 * W
+        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
+        dape = tl.zeros([SLOTS, BLOCK_D], dtype=tl.float32)
+        for row in range(row_base, row_end):
+            kv_c = kv_n
+            sc_c = sc_n
+            mask_c = lmask
+            offs_c = offs
+            # The next row's tiles first: their loads are in flight while this row waits for its statistics.
+            t0, hp, _r, _o = _row_start(
+                row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+            )  # fmt: skip
+            lmask = _stats_row_mask(w, hp, row + 1 < row_end, col_ok, PREV, WIN, EVEN_D)
+            offs = base + t0 * W
+            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
+            # This row's statistics and grad_out: one value per column, shared by the slots.
+            st = st_cols + (row - row_base) * (3 * HEAD_DIM)
+            m = tl.load(st, mask=col_ok, other=0.0)[None, :]
+            inv_l = tl.load(st + HEAD_DIM, mask=col_ok, other=0.0)[None, :]
+            o = tl.load(st + 2 * HEAD_DIM, mask=col_ok, other=0.0)[None, :]
+            g = tl.load(grad_out_ptr + row * HEAD_DIM + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+
+            p = tl.exp2((sc_c.to(tl.float32) + ape) * LOG2E - m) * inv_l
+            dv = g * p
+            # sum_k p_k * g * v_k = g * o.
+            dlogit = p * (g * kv_c.to(tl.float32) - g * o)
+            tl.store(grad_kv_ptr + offs_c, _round(dv, gdt, MANUAL_RTNE), mask=mask_c)
+            tl.store(grad_score_ptr + offs_c, _round(dlogit, gdt, MANUAL_RTNE), mask=mask_c)
+            dape += tl.where(mask_c, dlogit, 0.0)
+        # The dAPE partial has grad_ape's [RATIO, COFF * HEAD_DIM] layout: slot w added ape entry aoffs.
         tl.store(ws_ptr + rp * (RATIO * W) + aoffs, dape, mask=amask)
     else:
         _zero_sweep(

@@ -14,17 +14,21 @@ import functools
 import importlib
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
+    "STATS_TILE_OVERRIDE",
     "KernelConfig",
+    "StatsTile",
     "backward",
     "choose_config",
     "compile",
     "config_unsupported_reason",
     "device_unsupported_reason",
     "forward",
+    "stats_tile",
     "supports_stats",
     "unavailable_reason",
 ]
@@ -302,6 +306,62 @@ def _long_rows(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, devic
     return max(2, min(64, _cdiv(n_rows, parts)))
 
 
+class StatsTile(NamedTuple):
+    """Tile of the softmax-statistics backward (``csa_bwd_stats_kernel``): ``block_d`` columns x ``slots`` window
+    slots per program (powers of two), ``num_warps``, ``rows`` rows per program (0: from the problem size)."""
+
+    block_d: int
+    slots: int
+    num_warps: int
+    rows: int = 0
+
+
+# Statistics-backward tiles that replace stats_tile()'s defaults, keyed by (ratio, coff, head_dim): a StatsTile or a
+# (block_d, slots, num_warps, rows) tuple, rows 0 = from the problem size. For GPU sweeps
+# (benchmarks/triton_stats_sweep.py) and tests. compile() builds the tile in force when it runs: set it before.
+STATS_TILE_OVERRIDE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+# Statistics backward, rows per program from the problem size: about this many compute programs, rows per program
+# within these bounds, and at most this many bytes of dAPE partials.
+_STATS_PROGRAMS = 1024
+_STATS_ROWS = (2, 16)
+_STATS_WORKSPACE_BYTES = 20 << 20
+
+
+def stats_tile(ratio: int, coff: int, head_dim: int, interpret: bool) -> StatsTile:
+    """Tile of the statistics backward: ``STATS_TILE_OVERRIDE``, else the defaults below. Never depends on the
+    problem size (only ``rows``, a runtime argument, does), so what compile() builds serves every later call.
+
+    GPU (not yet swept on the H200): 64 columns x 32 slots (fewer for smaller problems), 4 warps: 16-byte
+    accesses, 8 threads across the columns, 2 slots x 8 columns = 16 elements per thread of each tile (kv, score,
+    ape, the dAPE accumulator; the next row's kv/score in flight); per row 3 x 64 fp32 statistics and 64 bf16
+    grad_out shared by the 32 slots. 124 (coff 1) / 128 (coff 2) registers, no spills (Triton 3.9, sm_90 offline):
+    4 programs per SM.
+    3x8192 d512 r128 c1: 8 column blocks x 4 chunks x 32 row ranges of 6 rows = 1024 programs, 8 MB of partials;
+    1x65536 d512 r128 c2: 8 x 8 x 32 ranges of 16 rows = 2048 programs, 16 MB.
+    Interpreter: whole column range and window, 2 rows per program (few, large programs).
+    """
+    override = STATS_TILE_OVERRIDE.get((ratio, coff, head_dim))
+    if override is not None:
+        return StatsTile(*override)
+    if interpret:
+        return StatsTile(_pow2(head_dim), _pow2(coff * ratio), 1, 2)
+    return StatsTile(min(64, max(8, _pow2(head_dim))), min(32, _pow2(coff * ratio)), 4, 0)
+
+
+def _stats_rows(tile: StatsTile, ratio: int, coff: int, head_dim: int, n_rows: int) -> int:
+    """Rows per statistics-backward program: ``tile.rows``, else about ``_STATS_PROGRAMS`` programs with 2-16 rows
+    each (a program writes ``slots x block_d`` fp32 of partials, ``1 / (2 * rows)`` of the bytes it moves), and no
+    more than ``_STATS_WORKSPACE_BYTES`` of partials."""
+    if tile.rows > 0:
+        return tile.rows
+    units = _cdiv(head_dim, tile.block_d) * _cdiv(coff * ratio, tile.slots)
+    lo, hi = _STATS_ROWS
+    rows = max(lo, min(hi, _cdiv(n_rows * units, _STATS_PROGRAMS)))
+    max_parts = max(1, _STATS_WORKSPACE_BYTES // (ratio * coff * head_dim * 4))
+    return max(rows, _cdiv(n_rows, max_parts))
+
+
 @functools.cache
 def _cached_config(direction, ratio, coff, head_dim, dtype, arch) -> KernelConfig:
     return choose_config(direction, ratio, coff, head_dim, arch == "interpret")
@@ -414,6 +474,12 @@ def launch_backward(
         grad_ape.zero_()
         return
     _, bwd_mod = _kernels()
+    if stats is not None:
+        _launch_stats_backward(
+            bwd_mod, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff,
+            cfg, stats,
+        )  # fmt: skip
+        return
     tokens, width = kv.shape
     head_dim = width // coff
     num_segments = cu_seqlens.shape[0] - 1
@@ -426,7 +492,7 @@ def launch_backward(
         n_parts = _cdiv(_cdiv(n_rows, cfg.block_r), tiles)
     n_compute = n_parts * n_col
     grid = (n_compute + _cdiv(tokens, cfg.sweep_t),)  # compute programs, then the zero-sweep programs
-    workspace = torch.empty((n_parts, ratio, width), dtype=torch.float32, device=kv.device)
+    workspace = _workspace((n_parts, ratio, width), kv.device)
     args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
     args += (n_rows, tokens, num_segments, _search_iters(num_segments))
     consts = dict(
@@ -445,9 +511,7 @@ def launch_backward(
     )
     if _is_long(ratio, coff):
         lanes, cs_in = _long_shape("backward", cfg, ratio, coff)
-        bwd_mod.csa_bwd_long_kernel[grid](
-            *args, rows_per_part, n_compute, stats, LANES=lanes, CS_IN=cs_in, HAS_STATS=stats is not None, **consts
-        )
+        bwd_mod.csa_bwd_long_kernel[grid](*args, rows_per_part, n_compute, LANES=lanes, CS_IN=cs_in, **consts)
     else:
         bwd_mod.csa_bwd_kernel[grid](
             *args,
@@ -461,6 +525,42 @@ def launch_backward(
             **consts,
         )
     _reduce_dape(bwd_mod, workspace, grad_ape, n_parts, ratio * width, cfg)
+
+
+def _launch_stats_backward(
+    bwd_mod, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, cfg,
+    stats,
+) -> None:  # fmt: skip
+    """``csa_bwd_stats_kernel`` (tile: :func:`stats_tile`; zero sweep and dAPE reduction: ``cfg``), then the
+    reduction of its ``[row ranges, ratio, coff*d]`` dAPE partials."""
+    n_rows = grad_out.shape[0]
+    tokens, width = kv.shape
+    head_dim = width // coff
+    num_segments = cu_seqlens.shape[0] - 1
+    tile = stats_tile(ratio, coff, head_dim, _arch(kv.device) == "interpret")
+    rows = _stats_rows(tile, ratio, coff, head_dim, n_rows)
+    n_col = _cdiv(head_dim, tile.block_d)
+    n_chunk = _cdiv(coff * ratio, tile.slots)
+    n_parts = _cdiv(n_rows, rows)
+    n_compute = n_parts * n_chunk * n_col
+    workspace = _workspace((n_parts, ratio, width), kv.device)
+    grid = (n_compute + _cdiv(tokens, cfg.sweep_t),)  # compute programs, then the zero-sweep programs
+    # At most 128 sweep elements per thread (64 x 256 at 4 warps): a larger sweep tile would set the register count
+    # of the whole kernel (its compute programs need ~124 at 64 x 32 x 4 warps, Triton 3.9, sm_90).
+    sweep_d = min(cfg.sweep_d, max(1, _pow2(4096 * tile.num_warps // cfg.sweep_t + 1) // 2))
+    bwd_mod.csa_bwd_stats_kernel[grid](
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace, stats,
+        n_rows, tokens, num_segments, _search_iters(num_segments), rows, n_compute,
+        RATIO=ratio, COFF=coff, HEAD_DIM=head_dim, BLOCK_D=tile.block_d, SLOTS=tile.slots,
+        VEC=max(1, min(8, tile.block_d)), N_COL=n_col, N_CHUNK=n_chunk, SWEEP_T=cfg.sweep_t, SWEEP_D=sweep_d,
+        MANUAL_RTNE=_interpret(), num_warps=tile.num_warps, num_stages=1,
+    )  # fmt: skip
+    _reduce_dape(bwd_mod, workspace, grad_ape, n_parts, ratio * width, cfg)
+
+
+def _workspace(shape, device) -> torch.Tensor:
+    """The dAPE partials (every entry is written by the backward kernel; tests fill it with NaN to check that)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _reduce_dape(bwd_mod, workspace, grad_ape, n_parts, size, cfg) -> None:
