@@ -36,6 +36,7 @@ from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .backward_common import ZeroStores, make_backward_host
 from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes
+from .backward_stats import build_backward_stats, stats_backward_smem_bytes
 from .forward import (
     LOG2E,
     NEG_INF,
@@ -67,6 +68,8 @@ def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
 
 def backward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the main backward kernel (row-lane reduction + cross-group buffers)."""
+    if sch.SC:
+        return stats_backward_smem_bytes(sch)
     if sch.LONG:
         return long_backward_smem_bytes(sch)
     cw = sch.TC * sch.V
@@ -81,6 +84,8 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``; ``rows_per_cta`` is a multiple of R,
     ``num_ctas * rows_per_cta >= N``, ``ws`` holds ``num_ctas * ratio * coff * head_dim`` fp32.
     """
+    if sch.SC:
+        return build_backward_stats(ratio, coff, head_dim, sch)
     if sch.LONG:
         return build_backward_long(ratio, coff, head_dim, sch)
     V, TC, G, SG, R, MD = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.MD

@@ -198,6 +198,7 @@ class Schedule:
     ST: bool = False  # softmax statistics: the forward writes them, the long-window backward reads them
     SW: bool = False  # statistics backward: per-warp statistics stages and warp barriers (not CTA ones)
     NR: bool = False  # statistics backward, even batch counts: the next row's first batch loads during the last
+    SC: int = 0  # statistics backward of backward_stats.py: window slots per CTA (0: backward_long's whole window)
 
     @property
     def threads(self) -> int:
@@ -219,6 +220,7 @@ class Schedule:
             self.ST,
             self.SW,
             self.NR,
+            self.SC,
         )
 
 

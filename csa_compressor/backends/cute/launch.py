@@ -49,6 +49,7 @@ try:
 
     from .backward import backward_schedule, backward_smem_bytes, build_backward
     from .backward_common import MAX_REGS, REDUCE_WARPS
+    from .backward_stats import stats_backward_schedule
     from .forward import build_forward, forward_schedule, forward_smem_bytes
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
@@ -126,6 +127,10 @@ def _device_info(index: int) -> tuple[str, int]:
     return info
 
 
+# Statistics backward: "chunked" (backward_stats.py: slot chunks per CTA, no barrier) or "window"
+# (backward_long.py's kernel without its first pass). Development switch: CSA_CUTE_STATS_BACKWARD.
+STATS_BACKWARD = os.environ.get("CSA_CUTE_STATS_BACKWARD", "chunked")
+
 # Development hook: (direction, ratio, coff, head_dim) -> Schedule, consulted before the defaults.
 SCHEDULE_OVERRIDE: dict[tuple, object] = {}
 
@@ -142,6 +147,8 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
         base = _schedule(direction[: -len("_stats")], ratio, coff, head_dim)
         if direction == "forward_stats":
             return replace(base, ST=True)
+        if STATS_BACKWARD == "chunked":
+            return stats_backward_schedule(ratio, coff, head_dim)
         # Even batch counts: the next row's first batch loads during the last (H200, 1x65536 d512 r128 c2:
         # 186.7 -> 176.7 us). Per-warp statistics stages (SW) measured slower there (204.8) and stay off.
         return replace(base, ST=True, NR=base.NB % 2 == 0)
@@ -470,6 +477,8 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
             smem = forward_smem_bytes(sch) if direction.startswith("forward") else backward_smem_bytes(sch)
             launcher = _Launcher(compiled, direction, index, sch, num_sms, smem)
             launcher.nchunk = -(-head_dim // (sch.TC * sch.V))
+            if getattr(sch, "SC", 0):
+                launcher.nchunk *= coff * ratio // sch.SC  # grid y: column chunks x slot chunks
             launcher.ape_size = ratio * coff * head_dim
             _LAUNCHERS[lk] = launcher
             _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher

@@ -323,8 +323,11 @@ STATS_TILE_OVERRIDE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 # Statistics backward, rows per program from the problem size: about this many compute programs, rows per program
 # within these bounds, and at most this many bytes of dAPE partials.
-_STATS_PROGRAMS = 1024
-_STATS_ROWS = (2, 16)
+# About one wave of programs (132 SMs x 4 resident at ~125 registers), 2-32 rows each. H200 sweep 2026-11-30
+# (benchmarks/triton_stats_sweep.py, cold): 1x65536 d512 r128 c2 rows 16 / 32: 158.4 / 153.0 us; 3x8192 d512
+# r128 c1 rows 6 / 12 / 3: 34.5 / 31.9 / 39.0; 1x8192 d128 r128 c1 rows 1 / 2 / 4: 5.1 / 4.3 / 5.1.
+_STATS_PROGRAMS = 528
+_STATS_ROWS = (2, 32)
 _STATS_WORKSPACE_BYTES = 20 << 20
 
 

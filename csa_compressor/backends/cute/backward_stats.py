@@ -1,0 +1,183 @@
+"""CuTe-DSL backward for long windows given the forward's softmax statistics (``Schedule.SC > 0``).
+
+With the row max ``m``, ``1/sum`` and fp32 output saved by the forward, every window element's gradient
+is independent of the others: ``p = 2^(y - m) / sum``, ``dv = g * p``, ``dlogit = p * (g*v - g*out)``.
+So a CTA needs neither a whole window nor a barrier (the loop interchange of the Triton statistics
+kernel):
+
+- grid ``[row ranges, column chunks x slot chunks]``: a CTA owns ``CW = TC * V`` columns and
+  ``SC = G * SG`` consecutive window slots of a contiguous range of rows;
+- a thread owns ``V`` columns (16-byte vectors) of ``SG`` slots; per row it loads the row's statistics and
+  ``grad_out`` for its columns (L1 serves the CTA's other slot groups) and its slots' kv and score,
+  with the next row's kv and score already in flight (double buffer in registers), and stores ``dv``
+  and ``dlogit`` at once;
+- ``ape`` is loaded once per CTA; ``grad_ape`` accumulates in registers over the CTA's rows and is
+  written to the CTA's slab ``ws[row range]`` (disjoint slots and columns per CTA); the reduction kernel
+  of ``backward_common`` sums the slabs in a fixed order (bitwise deterministic, no atomics).
+
+Exact zeros as the other backwards: a segment's last row zeroes the tail tokens of the slots its threads
+own (and the first-half columns of its tokens, coff 2); the first slot chunk's CTAs zero the segments
+without rows and the token-capacity padding.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Boolean, Float32, Int32
+
+from .backward_common import ZeroStores, make_backward_host
+from .forward import LOG2E, Schedule, WindowOps, ex2, find_segment, vec_view, vector_width
+
+
+def stats_backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
+    """128 threads: 64 columns (16-byte vectors) x 16 groups of 2 slots, i.e. 32-slot chunks (the H200 sweep of
+    the Triton statistics kernel found 64 x 32 tiles of 4 warps best; 2 slots per thread keep the double-buffered
+    rows, the statistics and the grad_ape accumulators within 128 registers)."""
+    W = coff * ratio
+    V = vector_width(head_dim, 8)
+    col_threads = -(-head_dim // V)
+    TC = 1
+    while TC * 2 <= col_threads and TC * 2 * V <= 64:
+        TC *= 2
+    SG = 2 if W % 2 == 0 else 1
+    G = max(1, 128 // TC)
+    while G > 1 and W % (G * SG):
+        G //= 2
+    return Schedule(V=V, TC=TC, G=G, SG=SG, R=1, NB=1, LONG=True, ST=True, SC=G * SG)
+
+
+def stats_backward_smem_bytes(sch: Schedule) -> int:
+    return 128
+
+
+def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
+    """Host function ``host(kv, score, ape, cu, cuc, grad_out, grad_kv, grad_score, grad_ape, ws, stats, B, N, T,
+    rows_per_cta, num_ctas, stream)`` (the ``backward_stats`` signature of launch.py)."""
+    V, TC, G, SG, SC = sch.V, sch.TC, sch.G, sch.SG, sch.SC
+    W = coff * ratio
+    assert sch.ST and SC == G * SG and W % SC == 0 and sch.NB == 1
+    D = head_dim
+    WIDTH = coff * head_dim
+    NT = sch.threads
+    CW = TC * V
+    NCOL = -(-D // CW)
+    NZ = W // SC  # slot chunks
+    COLS_EXACT = D % CW == 0
+    APE_SIZE = ratio * WIDTH
+    ops = WindowOps(ratio, coff, head_dim, V, SG, SG)  # group index = global slot group, SG slots each
+    zeros = ZeroStores(ratio, coff, head_dim, V)
+
+    @cute.kernel
+    def kernel(
+        kv: cute.Pointer,
+        score: cute.Pointer,
+        ape: cute.Pointer,
+        cu: cute.Pointer,
+        cuc: cute.Pointer,
+        gout: cute.Pointer,
+        gkv: cute.Pointer,
+        gsc: cute.Pointer,
+        ws: cute.Pointer,
+        stats: cute.Pointer,
+        B: Int32,
+        N: Int32,
+        T: Int32,
+        rows_per_cta: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, byz, _ = cute.arch.block_idx()
+        gdx, _, _ = cute.arch.grid_dim()
+        by = byz % NCOL
+        bz = byz // NCOL
+        tc = tidx % TC
+        gl = tidx // TC
+        gg = bz * G + gl  # global slot group: slots gg * SG .. gg * SG + SG - 1
+        c = (by * TC + tc) * V
+        col_ok = Boolean(True)
+        if cutlass.const_expr(not COLS_EXACT):
+            col_ok = c < D
+        cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
+        cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
+        nreal = cuc_t[B]
+
+        zero = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
+        zero.fill(0.0)
+        cur_kv = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
+        cur_sc = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
+        nxt_kv = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
+        nxt_sc = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)]
+        apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
+        dape = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
+        for k in cutlass.range_constexpr(SG):
+            dape[k].fill(0.0)
+        gb = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
+        vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        vo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        dvo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        dlo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        ops.load_ape(ape, apf, 0, gg, c, col_ok)
+
+        row_begin = bx * rows_per_cta
+        # Rows past the true row count (padding) carry no gradient.
+        row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
+        if row_begin < row_lim:
+            b0 = find_segment(cuc_t, B, row_begin)
+            j0 = row_begin - cuc_t[b0]
+            ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[b0] + j0 * ratio, j0 == 0)
+        for r in cutlass.range(row_begin, row_lim):
+            for k in cutlass.range_constexpr(SG):
+                cur_kv[k].store(nxt_kv[k].load())
+                cur_sc[k].store(nxt_sc[k].load())
+            b = find_segment(cuc_t, B, r)
+            j = r - cuc_t[b]
+            t0 = cu_t[b] + j * ratio
+            first = j == 0
+            # The next row's window slice goes out before this row's math.
+            if r + 1 < row_lim:
+                bn = find_segment(cuc_t, B, r + 1)
+                jn = r + 1 - cuc_t[bn]
+                ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[bn] + jn * ratio, jn == 0)
+            gb.fill(0.0)
+            vm.fill(0.0)
+            vl.fill(0.0)
+            vo.fill(0.0)
+            if col_ok:
+                gb.store(vec_view(gout, r * D + c, V).load())
+                sbase = r * (3 * D) + c
+                vm.store(vec_view(stats, sbase, V).load())
+                vl.store(vec_view(stats, sbase + D, V).load())
+                vo.store(vec_view(stats, sbase + 2 * D, V).load())
+            for k in cutlass.range_constexpr(SG):
+                s = gg * SG + k
+                half = s // ratio
+                for i in cutlass.range_constexpr(V):
+                    gi = Float32(gb[i])
+                    pk = ex2((Float32(cur_sc[k][i]) + apf[k][i]) * LOG2E - vm[i]) * vl[i]
+                    dvo[i] = gi * pk
+                    dlo[i] = pk * (gi * Float32(cur_kv[k][i]) - gi * vo[i])
+                valid = col_ok
+                if cutlass.const_expr(coff == 2):
+                    valid = col_ok & ((half == 1) | (not first))
+                if valid:
+                    off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
+                    vec_view(gkv, off, V).store(dvo.load().to(BFloat16))
+                    vec_view(gsc, off, V).store(dlo.load().to(BFloat16))
+                    dape[k].store(dape[k].load() + dlo.load())
+            # Exact zeros owned by a segment's last row (this thread's slots and columns).
+            if col_ok & (r == cuc_t[b + 1] - 1):
+                zeros.segment_tail(gkv, gsc, zero, t0, cu_t[b + 1], gg * SG, SG, c)
+
+        # Exact zeros: segments with no row and token-capacity padding (the first slot chunk's CTAs).
+        if col_ok & (bz == 0):
+            zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, gl, G, c)
+
+        # This CTA's part of its row range's grad_ape slab.
+        if col_ok:
+            for k in cutlass.range_constexpr(SG):
+                s = gg * SG + k
+                aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
+                vec_view(ws, bx * APE_SIZE + aoff, V).store(dape[k].load())
+
+    return make_backward_host(kernel, APE_SIZE, NCOL * NZ, NT, stats_backward_smem_bytes(sch), 100, stats=True)
