@@ -19,40 +19,56 @@ REDUCE_UNROLL = 8
 MAX_REGS = 128  # launch bound of the main kernels: no spills, and the residency launch.py assumes
 
 
+def reduce_vector(ape_size: int) -> int:
+    """Entries per thread of the reduction kernel: 16-byte vectors where the slab size allows."""
+    return 4 if ape_size % 4 == 0 else 1
+
+
+def reduce_grid_x(ape_size: int) -> int:
+    """CTAs of the reduction kernel: 32 vectors of entries each."""
+    return (ape_size // reduce_vector(ape_size) + 31) // 32
+
+
 def make_reduce_kernel(APE_SIZE: int):
     """Second kernel of the backward: grad_ape = the fixed-order sum of the per-CTA slabs (overwrite)."""
+    VE = reduce_vector(APE_SIZE)
+    NE = APE_SIZE // VE
 
     @cute.kernel
     def reduce_kernel(ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
-        # 32 consecutive entries per CTA; warp w sums slabs w, w + REDUCE_WARPS, ...; warp partials summed in order.
+        # 32 consecutive vectors of VE entries per CTA; warp w sums slabs w, w + REDUCE_WARPS, ...; the warp
+        # partials are summed in order. Every entry's sum has the same order whatever VE is.
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
         w = tidx // 32
         e = bx * 32 + lane
         smem = cutlass.memory.SmemAllocator()
-        part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32), byte_alignment=16)
-        ws_t = cute.make_tensor(ws, cute.make_layout(num_ctas * APE_SIZE))
-        acc = Float32(0.0)
-        if e < APE_SIZE:
+        part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32 * VE), byte_alignment=16)
+        acc = cute.make_rmem_tensor(cute.make_layout(VE), Float32)
+        acc.fill(0.0)
+        bufs = [cute.make_rmem_tensor(cute.make_layout(VE), Float32) for _ in range(REDUCE_UNROLL)]
+        if e < NE:
             # REDUCE_UNROLL slabs per step: their loads are all in flight before the first add; the adds keep
             # the slab order w, w + REDUCE_WARPS, ... (the same sum as one slab per step).
             for p0 in cutlass.range(w, num_ctas, REDUCE_WARPS * REDUCE_UNROLL):
-                # Past the last slab the load is clamped to it (in bounds) and not added.
-                vals = [
-                    ws_t[cutlass.min(p0 + u * REDUCE_WARPS, num_ctas - 1) * APE_SIZE + e] for u in range(REDUCE_UNROLL)
-                ]
+                for u in cutlass.range_constexpr(REDUCE_UNROLL):
+                    # Past the last slab the load is clamped to it (in bounds) and not added.
+                    p = cutlass.min(p0 + u * REDUCE_WARPS, num_ctas - 1)
+                    bufs[u].store(vec_view(ws, p * APE_SIZE + e * VE, VE).load())
                 for u in cutlass.range_constexpr(REDUCE_UNROLL):
                     if p0 + u * REDUCE_WARPS < num_ctas:
-                        acc = add_rn(acc, vals[u])
-        part[tidx] = acc
+                        for i in cutlass.range_constexpr(VE):
+                            acc[i] = add_rn(acc[i], bufs[u][i])
+        vec_view(part.iterator, tidx * VE, VE).store(acc.load())
         cute.arch.sync_threads()
-        if (w == 0) & (e < APE_SIZE):
-            tot = part[lane]
+        if (w == 0) & (e < NE):
+            tot = cute.make_rmem_tensor(cute.make_layout(VE), Float32)
+            tot.store(vec_view(part.iterator, lane * VE, VE).load())
             for h in cutlass.range_constexpr(1, REDUCE_WARPS):
-                tot = add_rn(tot, part[h * 32 + lane])
-            gape_t = cute.make_tensor(gape, cute.make_layout(APE_SIZE))
-            gape_t[e] = tot
+                for i in cutlass.range_constexpr(VE):
+                    tot[i] = add_rn(tot[i], part[(h * 32 + lane) * VE + i])
+            vec_view(gape, e * VE, VE).store(tot.load())
 
     return reduce_kernel
 
@@ -127,9 +143,9 @@ def make_backward_host(
             preferred_smem_carveout=carveout,
         )
         reduce_kernel(ws, gape, num_ctas).launch(
-            grid=[(ape_size + 31) // 32, 1, 1],
+            grid=[reduce_grid_x(ape_size), 1, 1],
             block=[REDUCE_WARPS * 32, 1, 1],
-            smem=REDUCE_WARPS * 32 * 4 + 64,
+            smem=REDUCE_WARPS * 32 * 4 * reduce_vector(ape_size) + 64,
             stream=stream,
         )
 

@@ -48,7 +48,7 @@ try:
     from cutlass.cute.typing import AddressSpace
 
     from .backward import backward_schedule, backward_smem_bytes, build_backward
-    from .backward_common import MAX_REGS, REDUCE_WARPS
+    from .backward_common import MAX_REGS, REDUCE_WARPS, reduce_grid_x
     from .backward_stats import stats_backward_schedule
     from .forward import build_forward, forward_schedule, forward_smem_bytes
 except Exception as exc:  # pragma: no cover - depends on the environment
@@ -403,7 +403,7 @@ class _Launcher:
             self._module = module
             kernels = [_RawKernel(module, main[0], entries[main[0]], self.sch.threads, smem_bytes, device_index)]
             if self.direction == "backward":
-                red_smem = REDUCE_WARPS * 32 * 4 + 64
+                red_smem = REDUCE_WARPS * 32 * 4 * 4 + 64  # the largest reduce_vector (ape_size is set later)
                 kernels.append(_RawKernel(module, red[0], "ppi", REDUCE_WARPS * 32, red_smem, device_index))
         self.raw = kernels
 
@@ -431,7 +431,7 @@ class _Launcher:
             else:
                 b, n, t, rows_per_cta, num_ctas = ints
                 raw[0]((*ptrs[:6], *ptrs[6:8], ptrs[9], b, n, t, rows_per_cta), (num_ctas, self.nchunk), stream_handle)
-                raw[1]((ptrs[9], ptrs[8], num_ctas), ((self.ape_size + 31) // 32, 1), stream_handle)
+                raw[1]((ptrs[9], ptrs[8], num_ctas), (reduce_grid_x(self.ape_size), 1), stream_handle)
             return
         if self.fast:
             self._launch_fast((*ptrs, *ints, stream_handle))
