@@ -332,6 +332,30 @@ def _fast_key(kv, ratio, coff, head_dim, backend):
         return None
 
 
+_AUTOGRAD_STATS: dict[tuple, bool] = {}
+
+
+def autograd_uses_stats(kv, ratio, coff, backend) -> bool:
+    """Whether the autograd function saves the forward's softmax statistics for this call's backend.
+
+    Long windows only (``reference.uses_softmax_stats``), and only on backends whose statistics pair is
+    validated at full size on the GPU (their ``AUTOGRAD_STATS``); elsewhere the backward makes its own
+    statistics. Cached per (device, backend request, configuration, $CSA_COMPRESSOR_BACKEND).
+    """
+    if type(ratio) is not int or type(coff) is not int or not reference.uses_softmax_stats(ratio, coff):
+        return False
+    key = (kv.device, backend, ratio, coff, kv.shape[-1], _env_token())
+    hit = _AUTOGRAD_STATS.get(key)
+    if hit is None:
+        try:
+            name = dispatch.resolve_backend(backend, kv.device, ratio, coff, kv.shape[-1] // coff)
+        except (ValueError, RuntimeError):
+            return False  # the forward call reports the problem
+        hit = bool(getattr(dispatch.backend_module(name), "AUTOGRAD_STATS", False))
+        _AUTOGRAD_STATS[key] = hit
+    return hit
+
+
 def _pool_forward(
     kv,
     score,

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from . import api
-from .reference import uses_softmax_stats
 from .thd import compute_cu_seqlens_comp
 
 __all__ = ["CompressorPool", "CompressorPoolFunction", "compressor_pool"]
@@ -116,15 +115,16 @@ class CompressorPoolFunction(torch.autograd.Function):
     """autograd over the two custom ops; gradients flow to ``kv``, ``score`` and ``ape``.
 
     In plain eager mode (see ``_direct``) both directions call the wrappers' code directly. Long windows
-    (``uses_softmax_stats``) save the forward's softmax statistics ``(total_comp, 3, d)`` fp32 for the
-    backward, which then reads each input once instead of twice.
+    save the forward's softmax statistics ``(total_comp, 3, d)`` fp32 for the backward, which then reads
+    each input once instead of twice, on the backends whose statistics pair is validated
+    (``api.autograd_uses_stats``).
     """
 
     @staticmethod
     def forward(ctx, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend):
         ctx.ratio, ctx.coff, ctx.backend = ratio, coff, backend
         direct = _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp)
-        if not uses_softmax_stats(ratio, coff):
+        if not api.autograd_uses_stats(kv, ratio, coff, backend):
             ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp)
             if direct:
                 return api._pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)

@@ -162,3 +162,16 @@ def test_torch_compile_fullgraph_long_window():
     got.backward(p.grad_out)
     for a, b in zip(eager_leaves, comp_leaves, strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_autograd_uses_stats_per_backend():
+    """Autograd saves statistics on backends whose pair passed the full-size GPU check (``AUTOGRAD_STATS``)."""
+    p = _pack(16, 2, 4)
+    assert api.autograd_uses_stats(p.kv, 16, 2, "reference")
+    assert not api.autograd_uses_stats(p.kv, 4, 2, "reference")  # short window
+    assert not api.autograd_uses_stats(p.kv, 16, 2, "no-such-backend")  # the forward reports it
+    from csa_compressor.backends.reference import launch as reference_launch
+
+    assert reference_launch.AUTOGRAD_STATS is True
+    triton_launch = pytest.importorskip("csa_compressor.backends.triton.launch", reason="triton not installed")
+    assert triton_launch.AUTOGRAD_STATS is False and triton_launch.supports_stats(16, 2, 4)

@@ -21,7 +21,8 @@ Softmax statistics (windows of more than 16 slots, ``reference.uses_softmax_stat
 ``backward`` take a trailing ``stats`` argument, None or a ``(N, 3, d)`` float32 tensor (see
 ``reference.softmax_stats``) that the forward fills and the backward reads instead of recomputing the
 row max, sum and output. ``supports_stats(ratio, coff, head_dim) -> bool`` says where a backend honours it;
-``compile`` builds the stats variants too.
+``compile`` builds the stats variants too. ``AUTOGRAD_STATS`` (bool): whether the autograd function uses
+them with this backend (only where the pair has passed the full-size contract on the GPU).
 
 Optional: ``config_unsupported_reason(ratio, coff, head_dim) -> str | None`` for
 backends that cover only part of the configuration space.

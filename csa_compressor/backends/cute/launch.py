@@ -80,6 +80,10 @@ def _dtypes(direction: str) -> tuple:
     return (*base, Float32) if direction.endswith("_stats") else base
 
 
+# The autograd function saves softmax statistics for this backend (full-size contract checked on the H200).
+AUTOGRAD_STATS = True
+
+
 def supports_stats(ratio: int, coff: int, head_dim: int) -> bool:
     """Softmax statistics for windows of more than 16 slots (the long-window kernels' combine writes them)."""
     return coff * ratio > 16

@@ -34,6 +34,9 @@ def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+AUTOGRAD_STATS = True  # the autograd function saves softmax statistics for this backend
+
+
 def supports_stats(ratio: int, coff: int, head_dim: int) -> bool:
     return reference.uses_softmax_stats(ratio, coff)
 

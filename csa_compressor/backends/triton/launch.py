@@ -258,6 +258,15 @@ def _is_long(ratio: int, coff: int) -> bool:
     return coff * _pow2(ratio) > 16
 
 
+# The autograd function does not save softmax statistics for this backend: at 9259c20 the H200 full-size check
+# (benchmarks/full_numerics.py, 1x65536 d512 r128 c2) put one dScore element past the contract's fp32 slack with
+# this forward's statistics (|d out_fp32| = 2.3e-6 from a per-lane rounding of m * log2e). The statistics
+# forward now works in the log2 domain (forward.py, _online_step), which removes that rounding; it passes the
+# interpreter tests but has not run on a GPU yet. Until it has, autograd keeps the backward that makes its own
+# statistics; the statistics pair stays available through the wrappers and the class API.
+AUTOGRAD_STATS = False
+
+
 def supports_stats(ratio: int, coff: int, head_dim: int) -> bool:
     """Softmax statistics (``reference.softmax_stats``) are written and read by the long-window kernels only."""
     return _is_long(ratio, coff)
