@@ -54,7 +54,7 @@ elif [ "${PHASE:-1}" = 3 ]; then
     # breakdown.
     (
         export CUDA_VISIBLE_DEVICES=1
-        timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest.log" 2>&1
+        timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest.log" 2>&1
         echo "pytest rc=$?" >>"$LOGS/pytest.log"
         for spec in "cute memcheck" "triton memcheck" "cute racecheck"; do
             set -- $spec
