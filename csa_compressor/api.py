@@ -344,11 +344,16 @@ def autograd_uses_stats(kv, ratio, coff, backend) -> bool:
     """
     if type(ratio) is not int or type(coff) is not int or not reference.uses_softmax_stats(ratio, coff):
         return False
-    key = (kv.device, backend, ratio, coff, kv.shape[-1], _env_token())
+    return _autograd_stats_for(kv.device, backend, ratio, coff, int(kv.shape[-1]))
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: evaluated once while tracing, a constant after
+def _autograd_stats_for(device, backend, ratio: int, coff: int, width: int) -> bool:
+    key = (device, backend, ratio, coff, width, _env_token())
     hit = _AUTOGRAD_STATS.get(key)
     if hit is None:
         try:
-            name = dispatch.resolve_backend(backend, kv.device, ratio, coff, kv.shape[-1] // coff)
+            name = dispatch.resolve_backend(backend, device, ratio, coff, width // coff)
         except (ValueError, RuntimeError):
             return False  # the forward call reports the problem
         hit = bool(getattr(dispatch.backend_module(name), "AUTOGRAD_STATS", False))
