@@ -347,7 +347,6 @@ def autograd_uses_stats(kv, ratio, coff, backend) -> bool:
     return _autograd_stats_for(kv.device, backend, ratio, coff, int(kv.shape[-1]))
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: evaluated once while tracing, a constant after
 def _autograd_stats_for(device, backend, ratio: int, coff: int, width: int) -> bool:
     key = (device, backend, ratio, coff, width, _env_token())
     hit = _AUTOGRAD_STATS.get(key)
@@ -359,6 +358,12 @@ def _autograd_stats_for(device, backend, ratio: int, coff: int, width: int) -> b
         hit = bool(getattr(dispatch.backend_module(name), "AUTOGRAD_STATS", False))
         _AUTOGRAD_STATS[key] = hit
     return hit
+
+
+# Under torch.compile the lookup is evaluated once while tracing and is a constant after: what
+# torch.compiler.assume_constant_result does, without its import of torch._dynamo here, which would import
+# triton before the self-check can select its interpreter (tests/test_stats.py checks that the two agree).
+_autograd_stats_for._dynamo_marked_constant = True
 
 
 def _pool_forward(

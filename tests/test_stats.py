@@ -175,3 +175,14 @@ def test_autograd_uses_stats_per_backend():
     assert reference_launch.AUTOGRAD_STATS is True
     triton_launch = pytest.importorskip("csa_compressor.backends.triton.launch", reason="triton not installed")
     assert triton_launch.AUTOGRAD_STATS is False and triton_launch.supports_stats(16, 2, 4)
+
+
+def test_the_backend_lookup_is_a_compile_time_constant():
+    """``api`` marks the lookup the way ``torch.compiler.assume_constant_result`` does, without importing dynamo."""
+
+    def probe():
+        return True
+
+    marked = torch.compiler.assume_constant_result(probe)
+    flags = {k: v for k, v in vars(marked).items() if k.startswith("_dynamo")}
+    assert flags and all(getattr(api._autograd_stats_for, k, None) == v for k, v in flags.items())
