@@ -323,17 +323,16 @@ def time_case(name, dev, reps, only=None):
 
 
 VARIANTS = {
-    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD[, LONG, PF, AS, ST, SW, NR])), ...]; "bwd_st"/"fwd_st": the
-    # softmax-statistics variants (ST = 1).
+    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD[, LONG, PF, AS, ST, SC])), ...]; "bwd_st"/"fwd_st": the
+    # softmax-statistics variants (ST = 1; SC: window slots per CTA of backward_stats.py).
     "1x65536-d512-r128-c2": [
-        ("bwd_st", (8, 8, 32, 2, 1, 4, 0, 0, 1, 0, 0, 1, 0, 0)),
-        ("bwd_st", (8, 8, 32, 2, 1, 4, 0, 0, 1, 0, 0, 1, 1, 0)),
-        ("bwd_st", (8, 8, 32, 2, 1, 4, 0, 0, 1, 0, 0, 1, 0, 1)),
+        ("bwd_st", (8, 8, 16, 2, 1, 1, 0, 0, 1, 0, 0, 1, 32)),
+        ("bwd_st", (8, 8, 32, 2, 1, 1, 0, 0, 1, 0, 0, 1, 64)),
     ],
     "3x8192-d512-r128-c1": [
-        ("bwd_st", (8, 8, 32, 4, 1, 1, 0, 0, 1, 1, 0, 1, 0, 0)),
-        ("bwd_st", (8, 8, 32, 4, 1, 1, 0, 0, 1, 1, 0, 1, 1, 0)),
-        ("bwd_st", (8, 8, 32, 2, 1, 2, 0, 0, 1, 1, 0, 1, 0, 1)),
+        ("bwd_st", (8, 8, 16, 2, 1, 1, 0, 0, 1, 0, 0, 1, 32)),
+        ("bwd_st", (8, 8, 8, 2, 1, 1, 0, 0, 1, 0, 0, 1, 16)),
+        ("fwd", (4, 16, 16, 8, 1, 1, 1, 0)),
     ],
 }
 
@@ -373,8 +372,8 @@ def time_variants(name, dev, reps):
     d = int(name.split("-d")[1].split("-")[0])
     for direction, key in VARIANTS.get(name, []):
         full = {"fwd": "forward", "bwd": "backward", "bwd_st": "backward_stats", "fwd_st": "forward_stats"}[direction]
-        extra = dict(zip(("NB", "CM", "MD", "LONG", "PF", "AS", "ST", "SW", "NR"), key[5:], strict=False))
-        extra.update({k: bool(v) for k, v in extra.items() if k != "NB"})
+        extra = dict(zip(("NB", "CM", "MD", "LONG", "PF", "AS", "ST", "SC"), key[5:], strict=False))
+        extra.update({k: bool(v) for k, v in extra.items() if k not in ("NB", "SC")})
         launch.SCHEDULE_OVERRIDE[(full, ratio, coff, d)] = Schedule(*key[:5], **extra)
         launch._FASTMAP.pop((full, ratio, coff, d, torch.bfloat16, dev.index), None)
         try:

@@ -223,10 +223,15 @@ def backward(
     d_values = gf * p
     gv = gf * values
     d_logits = p * (gv - (gv * p).sum(dim=1, keepdim=True))
-    valid = (win.valid & win.is_real[:, None])[:, :, None]
-    d_logits = torch.where(valid, d_logits, torch.zeros((), dtype=compute, device=d_logits.device))
-    d_values = torch.where(valid, d_values, torch.zeros((), dtype=compute, device=d_values.device))
+    return _place_grads(d_values, d_logits, win, tokens, width, ratio, coff, grad_dtype, ape_dtype)
 
+
+def _place_grads(d_values, d_logits, win: _Window, tokens, width, ratio, coff, grad_dtype, ape_dtype):
+    """``(grad_kv, grad_score, grad_ape)`` from per-slot ``(N, W, d)`` gradients: masked slots and padding rows
+    dropped, the rest scattered to the token/column each slot read; ``grad_ape`` sums ``d_logits`` over rows."""
+    valid = (win.valid & win.is_real[:, None])[:, :, None]
+    d_logits = torch.where(valid, d_logits, torch.zeros((), dtype=d_logits.dtype, device=d_logits.device))
+    d_values = torch.where(valid, d_values, torch.zeros((), dtype=d_values.dtype, device=d_values.device))
     grad_kv = _scatter(d_values, win.scatter_idx, tokens, width, ratio, coff).to(grad_dtype)
     grad_score = _scatter(d_logits, win.scatter_idx, tokens, width, ratio, coff).to(grad_dtype)
     d_ape = d_logits.sum(dim=0)  # (W, d)
@@ -252,15 +257,7 @@ def backward_from_stats(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, s
     gf = g.float()[:, None, :]
     d_values = gf * p
     d_logits = p * (gf * values - gf * stats[:, None, 2])
-    valid = (win.valid & win.is_real[:, None])[:, :, None]
-    d_logits = torch.where(valid, d_logits, torch.zeros((), device=d_logits.device))
-    d_values = torch.where(valid, d_values, torch.zeros((), device=d_values.device))
-    grad_kv = _scatter(d_values, win.scatter_idx, tokens, width, ratio, coff).to(kv.dtype)
-    grad_score = _scatter(d_logits, win.scatter_idx, tokens, width, ratio, coff).to(kv.dtype)
-    d_ape = d_logits.sum(dim=0)
-    if coff == 2:
-        d_ape = torch.cat([d_ape[:ratio], d_ape[ratio:]], dim=1)
-    return grad_kv, grad_score, d_ape
+    return _place_grads(d_values, d_logits, win, tokens, width, ratio, coff, kv.dtype, torch.float32)
 
 
 def _scatter(slots: torch.Tensor, scatter_idx: torch.Tensor, tokens: int, width: int, ratio: int, coff: int):

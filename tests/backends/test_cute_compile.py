@@ -89,25 +89,9 @@ def test_softmax_stats_variants_compile(direction, ratio, coff, head_dim):
             "backward", ratio, coff, head_dim, torch.bfloat16, "sm_90a")[1]).artifacts.PTX  # fmt: skip
         # One exp per window element instead of two (pass 1 and pass 2), plus the plain kernel's combine.
         assert ptx.count("ex2.approx") < plain.count("ex2.approx")
-        # The default is the chunked kernel of backward_stats.py: slot chunks per CTA, no shared-memory staging.
+        # The chunked kernel of backward_stats.py: slot chunks per CTA, no shared-memory staging.
         assert sch.SC > 0 and (coff * ratio) % sch.SC == 0
         assert "cp.async" not in ptx
-
-
-@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (16, 2, 130)])
-def test_window_statistics_backward_compiles(ratio, coff, head_dim):
-    """backward_long.py's statistics form (the whole window per CTA, statistics staged by cp.async), selectable
-    for development, keeps building."""
-    from dataclasses import replace
-
-    from csa_compressor.backends.cute.backward import backward_schedule
-
-    base = backward_schedule(ratio, coff, head_dim)
-    sch = replace(base, ST=True, NR=base.NB % 2 == 0)
-    ptx = cute_launch._build("backward_stats", ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    if head_dim % 4 == 0:
-        assert "cp.async.cg.shared.global" in ptx
 
 
 def test_softmax_stats_only_for_long_windows():

@@ -117,9 +117,7 @@ def long_backward_smem_bytes(sch: Schedule) -> int:
     cw = sch.TC * sch.V
     window = sch.G * sch.SG * sch.NB
     staged = 2 * 2 * window * cw * 2 + 256 if sch.AS else 0  # two stages of kv and score, bf16
-    copies = sch.threads // 32 if sch.SW and 32 % sch.TC == 0 and sch.threads % 32 == 0 else 1  # per warp or CTA
-    stats = copies * 2 * 3 * cw * 4 + 16 if sch.ST else 0  # two stages of the rows' statistics, fp32
-    return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128 + staged + stats
+    return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128 + staged
 
 
 def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
@@ -129,6 +127,7 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
     """
     V, TC, G, SG, NB = sch.V, sch.TC, sch.G, sch.SG, sch.NB
     assert sch.LONG and sch.R == 1 and G * SG * NB == coff * ratio
+    assert not sch.ST, "the statistics backward is backward_stats.py"
     W = coff * ratio
     D = head_dim
     WIDTH = coff * head_dim
@@ -140,18 +139,9 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
     APE_SIZE = ratio * WIDTH
     LINE_THREADS = max(1, 128 // (2 * V))  # column threads per 128-byte line
     AS = sch.AS
-    ST = sch.ST
     PIECES = CW // 8  # 16-byte pieces of a slot's columns
     CHUNKS = W * PIECES // NT  # cp.async copies per thread, tensor and row
     STAGE = W * CW  # elements of one stage of one tensor
-    assert not (ST and AS), "the statistics path stages its rows' statistics with cp.async; AS is separate"
-    # Statistics path: each warp stages its own copy of a row's statistics (a warp spans all TC column threads),
-    # so rows need a warp barrier, not a CTA one; with an even batch count the next row's first batch is
-    # loaded into the buffer the last batch leaves free, so there is no gap between rows.
-    WARP_ST = ST and sch.SW and 32 % TC == 0 and NT % 32 == 0
-    NEXT_ROW = ST and sch.NR and NB % 2 == 0
-    ST_STAGE = 3 * CW  # floats of one row's statistics
-    ST_REGION = 2 * ST_STAGE  # two stages, per warp (WARP_ST) or per CTA
     if AS:
         assert COLS_EXACT and D % 8 == 0 and CW % 8 == 0 and (W * PIECES) % NT == 0 and not sch.PF
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
@@ -202,50 +192,22 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 cp_async_16(skv + soff, kv + cute.assume(goff, divby=8))
                 cp_async_16(ssc + soff, score + cute.assume(goff, divby=8))
 
-    @cute.jit
-    def copy_stats(stats, sst, rr, soff, g, c, col_ok, tc, tidx):
-        """cp.async of row rr's statistics (m, 1/l, output; this CTA's columns) into a shared-memory stage,
-        by the first group's threads of each warp (``WARP_ST``) or of the CTA (16-byte copies; no registers
-        held while they fly)."""
-        issuer = g == 0
-        if cutlass.const_expr(WARP_ST):
-            issuer = tidx % 32 < TC
-        if issuer & col_ok:
-            for q in cutlass.range_constexpr(3):
-                if cutlass.const_expr(V % 4 == 0):
-                    for h in cutlass.range_constexpr(V // 4):
-                        cp_async_16(sst + (soff + q * CW + tc * V + 4 * h), stats + (rr * (3 * D) + q * D + c + 4 * h))
-                else:
-                    # Narrow columns (odd head_dims): plain copies, published by the next row's barrier.
-                    src = cute.make_tensor(stats + (rr * (3 * D) + q * D + c), cute.make_layout(V))
-                    dst = cute.make_tensor(sst + (soff + q * CW + tc * V), cute.make_layout(V))
-                    for i in cutlass.range_constexpr(V):
-                        dst[i] = src[i]
-
-    @cute.jit
-    def prefetch_next(kv, score, cu_t, cuc_t, B, r, row_lim, col_ok, tc, g, c):
-        """``PF``: the next row's window goes to L2 now (one prefetch per 128-byte line of the CTA's columns):
-        its first use then waits on L2, not DRAM, and DRAM stays busy during this row's gradient pass."""
-        if cutlass.const_expr(sch.PF):
-            rn = r + 1
-            if (rn < row_lim) & col_ok & (tc % LINE_THREADS == 0):
-                bn = find_segment(cuc_t, B, rn)
-                jn = rn - cuc_t[bn]
-                t0n = cu_t[bn] + jn * ratio
-                for k in cutlass.range_constexpr(SPG):
-                    s = g * SPG + k
-                    half = s // ratio
-                    okn = Boolean(True)
-                    if cutlass.const_expr(coff == 2):
-                        okn = (half == 1) | (jn != 0)
-                    if okn:
-                        off = (t0n - (coff - 1) * ratio + s) * WIDTH + half * D + c
-                        prefetch_l2(kv + off)
-                        prefetch_l2(score + off)
-
-    @cute.jit
-    def body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):
-        """The kernel; ``stats`` (the forward's softmax statistics) is read only with ``ST``."""
+    @cute.kernel
+    def kernel(
+        kv: cute.Pointer,
+        score: cute.Pointer,
+        ape: cute.Pointer,
+        cu: cute.Pointer,
+        cuc: cute.Pointer,
+        gout: cute.Pointer,
+        gkv: cute.Pointer,
+        gsc: cute.Pointer,
+        ws: cute.Pointer,
+        B: Int32,
+        N: Int32,
+        T: Int32,
+        rows_per_cta: Int32,
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()
@@ -267,13 +229,6 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
         sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * CW), byte_alignment=16)
         sm_kv = sm_res
         sm_sc = sm_res
-        sm_st = sm_res
-        if cutlass.const_expr(ST):
-            sm_st = smem.allocate_tensor(Float32, cute.make_layout((NT // 32 if WARP_ST else 1) * ST_REGION),
-                                         byte_alignment=16)  # fmt: skip
-        wbase = Int32(0)
-        if cutlass.const_expr(WARP_ST):
-            wbase = (tidx // 32) * ST_REGION
         if cutlass.const_expr(AS):
             sm_kv = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
             sm_sc = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
@@ -299,11 +254,6 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
-        if cutlass.const_expr(ST):
-            # Stage 0 <- the first row's statistics.
-            if row_begin < row_lim:
-                copy_stats(stats, sm_st.iterator, row_begin, wbase, g, c, col_ok, tc, tidx)
-            cute.arch.cp_async_commit_group()
         if cutlass.const_expr(AS):
             # Stage 0 <- the first row's window; every iteration commits one group (maybe empty).
             if row_begin < row_lim:
@@ -332,124 +282,107 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
             if active:
                 gb.store(vec_view(gout, r * D + c, V).load())
 
-            if cutlass.const_expr(ST):
-                # The forward's statistics replace pass 1 and the combine: no barrier, one read of the window.
-                if cutlass.const_expr(NEXT_ROW):
-                    if r == row_begin:  # later rows' first batch was loaded during the previous row
-                        fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb[0], scb[0], 0, g, c, tc, active, t0,
-                              first, sbase)  # fmt: skip
-                else:
-                    fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb[0], scb[0], 0, g, c, tc, active, t0, first,
-                          sbase)  # fmt: skip
-                # This row's statistics (copied during the previous row) are in stage `sb`; once every thread
-                # (of the warp, or of the CTA) is past this barrier the other stage is free for the next row's.
-                sb = wbase + ((r - row_begin) % 2) * ST_STAGE
-                cute.arch.cp_async_wait_group(0)
-                if cutlass.const_expr(WARP_ST):
-                    cute.arch.sync_warp()
-                else:
-                    cute.arch.sync_threads()
-                if r + 1 < row_lim:
-                    copy_stats(stats, sm_st.iterator, r + 1, 2 * wbase + ST_STAGE - sb, g, c, col_ok, tc, tidx)
-                cute.arch.cp_async_commit_group()
-                prefetch_next(kv, score, cu_t, cuc_t, B, r, row_lim, col_ok, tc, g, c)
-                gf.store(gb.load().to(Float32))
-                for i in cutlass.range_constexpr(V):
-                    vm[i] = sm_st[sb + tc * V + i]
-                    vl[i] = sm_st[sb + CW + tc * V + i]
-                    va[i] = gf[i] * sm_st[sb + 2 * CW + tc * V + i]  # S = g * sum p*v
-            else:
-                # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
-                fetch(
-                    kv,
-                    score,
-                    sm_kv.iterator,
-                    sm_sc.iterator,
-                    kvb[(0) % 2],
-                    scb[(0) % 2],
-                    0,
-                    g,
-                    c,
-                    tc,
-                    active,
-                    t0,
-                    first,
-                    sbase,
-                )
-                for bi in cutlass.range_constexpr(NB):
-                    if cutlass.const_expr(bi + 1 < NB):
-                        fetch(
-                            kv,
-                            score,
-                            sm_kv.iterator,
-                            sm_sc.iterator,
-                            kvb[(bi + 1) % 2],
-                            scb[(bi + 1) % 2],
-                            bi + 1,
-                            g,
-                            c,
-                            tc,
-                            active,
-                            t0,
-                            first,
-                            sbase,
-                        )
-                    ops.load_ape(ape, apf, bi, g, c, col_ok)
-                    ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi)
-                # The second pass's first batch is in flight during the combine.
-                fetch(
-                    kv,
-                    score,
-                    sm_kv.iterator,
-                    sm_sc.iterator,
-                    kvb[(0) % 2],
-                    scb[(0) % 2],
-                    0,
-                    g,
-                    c,
-                    tc,
-                    active,
-                    t0,
-                    first,
-                    sbase,
-                )
-                base = g * CW + tc * V
-                vec_view(sm_m.iterator, base, V).store(vm.load())
-                vec_view(sm_l.iterator, base, V).store(vl.load())
-                vec_view(sm_a.iterator, base, V).store(va.load())
-                cute.arch.sync_threads()
-                # Fixed-order combine of the groups, one thread per column: M, 1/L, sum p*v.
-                for q in cutlass.range(tidx, CW, NT):
-                    mx = sm_m[q]
-                    for h in cutlass.range_constexpr(1, G):
-                        mx = cute.arch.fmax(mx, sm_m[h * CW + q], nan=True)
-                    total = Float32(0.0)
-                    acc = Float32(0.0)
-                    for h in cutlass.range_constexpr(G):
-                        scale = ex2(sm_m[h * CW + q] - mx)
-                        total = total + sm_l[h * CW + q] * scale
-                        acc = acc + sm_a[h * CW + q] * scale
-                    inv = Float32(1.0) / total
-                    sm_res[q] = mx
-                    sm_res[CW + q] = inv
-                    sm_res[2 * CW + q] = acc * inv
-                cute.arch.sync_threads()
-                prefetch_next(kv, score, cu_t, cuc_t, B, r, row_lim, col_ok, tc, g, c)
-                gf.store(gb.load().to(Float32))
-                for i in cutlass.range_constexpr(V):
-                    vm[i] = sm_res[tc * V + i]
-                    vl[i] = sm_res[CW + tc * V + i]
-                    va[i] = gf[i] * sm_res[2 * CW + tc * V + i]  # S = g * sum p*v
+            # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
+            fetch(
+                kv,
+                score,
+                sm_kv.iterator,
+                sm_sc.iterator,
+                kvb[(0) % 2],
+                scb[(0) % 2],
+                0,
+                g,
+                c,
+                tc,
+                active,
+                t0,
+                first,
+                sbase,
+            )
+            for bi in cutlass.range_constexpr(NB):
+                if cutlass.const_expr(bi + 1 < NB):
+                    fetch(
+                        kv,
+                        score,
+                        sm_kv.iterator,
+                        sm_sc.iterator,
+                        kvb[(bi + 1) % 2],
+                        scb[(bi + 1) % 2],
+                        bi + 1,
+                        g,
+                        c,
+                        tc,
+                        active,
+                        t0,
+                        first,
+                        sbase,
+                    )
+                ops.load_ape(ape, apf, bi, g, c, col_ok)
+                ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi)
+            # The second pass's first batch is in flight during the combine.
+            fetch(
+                kv,
+                score,
+                sm_kv.iterator,
+                sm_sc.iterator,
+                kvb[(0) % 2],
+                scb[(0) % 2],
+                0,
+                g,
+                c,
+                tc,
+                active,
+                t0,
+                first,
+                sbase,
+            )
+            base = g * CW + tc * V
+            vec_view(sm_m.iterator, base, V).store(vm.load())
+            vec_view(sm_l.iterator, base, V).store(vl.load())
+            vec_view(sm_a.iterator, base, V).store(va.load())
+            cute.arch.sync_threads()
+            # Fixed-order combine of the groups, one thread per column: M, 1/L, sum p*v.
+            for q in cutlass.range(tidx, CW, NT):
+                mx = sm_m[q]
+                for h in cutlass.range_constexpr(1, G):
+                    mx = cute.arch.fmax(mx, sm_m[h * CW + q], nan=True)
+                total = Float32(0.0)
+                acc = Float32(0.0)
+                for h in cutlass.range_constexpr(G):
+                    scale = ex2(sm_m[h * CW + q] - mx)
+                    total = total + sm_l[h * CW + q] * scale
+                    acc = acc + sm_a[h * CW + q] * scale
+                inv = Float32(1.0) / total
+                sm_res[q] = mx
+                sm_res[CW + q] = inv
+                sm_res[2 * CW + q] = acc * inv
+            cute.arch.sync_threads()
+            # The next row's window goes to L2 now (one prefetch per 128-byte line of the CTA's columns):
+            # its first pass then waits on L2, not DRAM, and DRAM stays busy during this row's second pass.
+            if cutlass.const_expr(sch.PF):
+                rn = r + 1
+                if (rn < row_lim) & col_ok & (tc % LINE_THREADS == 0):
+                    bn = find_segment(cuc_t, B, rn)
+                    jn = rn - cuc_t[bn]
+                    t0n = cu_t[bn] + jn * ratio
+                    for k in cutlass.range_constexpr(SPG):
+                        s = g * SPG + k
+                        half = s // ratio
+                        okn = Boolean(True)
+                        if cutlass.const_expr(coff == 2):
+                            okn = (half == 1) | (jn != 0)
+                        if okn:
+                            off = (t0n - (coff - 1) * ratio + s) * WIDTH + half * D + c
+                            prefetch_l2(kv + off)
+                            prefetch_l2(score + off)
+            gf.store(gb.load().to(Float32))
+            for i in cutlass.range_constexpr(V):
+                vm[i] = sm_res[tc * V + i]
+                vl[i] = sm_res[CW + tc * V + i]
+                va[i] = gf[i] * sm_res[2 * CW + tc * V + i]  # S = g * sum p*v
 
             # Pass 2: gradients per slot, stored right away; grad_ape in shared memory.
             for bi in cutlass.range_constexpr(NB):
-                if cutlass.const_expr(NEXT_ROW and bi + 1 == NB):
-                    rn = r + 1
-                    if rn < row_lim:
-                        bn = find_segment(cuc_t, B, rn)
-                        jn = rn - cuc_t[bn]
-                        fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb[0], scb[0], 0, g, c, tc, active,
-                              cu_t[bn] + jn * ratio, jn == 0, sbase)  # fmt: skip
                 if cutlass.const_expr(bi + 1 < NB):
                     fetch(
                         kv,
@@ -504,46 +437,5 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 s = g * SPG + k
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(vec_view(sm_dape.iterator, s * CW + tc * V, V).load())
-
-    if ST:
-
-        @cute.kernel
-        def kernel_st(
-            kv: cute.Pointer,
-            score: cute.Pointer,
-            ape: cute.Pointer,
-            cu: cute.Pointer,
-            cuc: cute.Pointer,
-            gout: cute.Pointer,
-            gkv: cute.Pointer,
-            gsc: cute.Pointer,
-            ws: cute.Pointer,
-            stats: cute.Pointer,
-            B: Int32,
-            N: Int32,
-            T: Int32,
-            rows_per_cta: Int32,
-        ):
-            body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B, N, T, rows_per_cta)
-
-        return make_backward_host(kernel_st, APE_SIZE, NCHUNK, NT, smem_bytes, 100, stats=True)
-
-    @cute.kernel
-    def kernel(
-        kv: cute.Pointer,
-        score: cute.Pointer,
-        ape: cute.Pointer,
-        cu: cute.Pointer,
-        cuc: cute.Pointer,
-        gout: cute.Pointer,
-        gkv: cute.Pointer,
-        gsc: cute.Pointer,
-        ws: cute.Pointer,
-        B: Int32,
-        N: Int32,
-        T: Int32,
-        rows_per_cta: Int32,
-    ):
-        body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, ws, B, N, T, rows_per_cta)
 
     return make_backward_host(kernel, APE_SIZE, NCHUNK, NT, smem_bytes, 100)

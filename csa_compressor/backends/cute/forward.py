@@ -196,9 +196,7 @@ class Schedule:
     PF: bool = False  # long-window backward: L2 prefetch of the next row's window
     AS: bool = False  # long-window backward: rows' windows staged in shared memory by cp.async (2 stages)
     ST: bool = False  # softmax statistics: the forward writes them, the long-window backward reads them
-    SW: bool = False  # statistics backward: per-warp statistics stages and warp barriers (not CTA ones)
-    NR: bool = False  # statistics backward, even batch counts: the next row's first batch loads during the last
-    SC: int = 0  # statistics backward of backward_stats.py: window slots per CTA (0: backward_long's whole window)
+    SC: int = 0  # statistics backward (backward_stats.py): window slots per CTA
 
     @property
     def threads(self) -> int:
@@ -218,8 +216,6 @@ class Schedule:
             self.PF,
             self.AS,
             self.ST,
-            self.SW,
-            self.NR,
             self.SC,
         )
 

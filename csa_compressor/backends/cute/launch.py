@@ -131,10 +131,6 @@ def _device_info(index: int) -> tuple[str, int]:
     return info
 
 
-# Statistics backward: "chunked" (backward_stats.py: slot chunks per CTA, no barrier) or "window"
-# (backward_long.py's kernel without its first pass). Development switch: CSA_CUTE_STATS_BACKWARD.
-STATS_BACKWARD = os.environ.get("CSA_CUTE_STATS_BACKWARD", "chunked")
-
 # Development hook: (direction, ratio, coff, head_dim) -> Schedule, consulted before the defaults.
 SCHEDULE_OVERRIDE: dict[tuple, object] = {}
 
@@ -148,14 +144,9 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
     if direction == "backward":
         return backward_schedule(ratio, coff, head_dim)
     if direction in ("forward_stats", "backward_stats") and supports_stats(ratio, coff, head_dim):
-        base = _schedule(direction[: -len("_stats")], ratio, coff, head_dim)
         if direction == "forward_stats":
-            return replace(base, ST=True)
-        if STATS_BACKWARD == "chunked":
-            return stats_backward_schedule(ratio, coff, head_dim)
-        # Even batch counts: the next row's first batch loads during the last (H200, 1x65536 d512 r128 c2:
-        # 186.7 -> 176.7 us). Per-warp statistics stages (SW) measured slower there (204.8) and stay off.
-        return replace(base, ST=True, NR=base.NB % 2 == 0)
+            return replace(forward_schedule(ratio, coff, head_dim), ST=True)
+        return stats_backward_schedule(ratio, coff, head_dim)
     raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
 
 

@@ -330,9 +330,7 @@ class StatsTile(NamedTuple):
 # (benchmarks/triton_stats_sweep.py) and tests. compile() builds the tile in force when it runs: set it before.
 STATS_TILE_OVERRIDE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
-# Statistics backward, rows per program from the problem size: about this many compute programs, rows per program
-# within these bounds, and at most this many bytes of dAPE partials.
-# About one wave of programs (132 SMs x 4 resident at ~125 registers), 2-32 rows each. H200 sweep 2026-11-30
+# Statistics backward, rows per program from the problem size: about one wave of programs (132 SMs x 4 resident at ~125 registers), 2-32 rows each. H200 sweep 2026-11-30
 # (benchmarks/triton_stats_sweep.py, cold): 1x65536 d512 r128 c2 rows 16 / 32: 158.4 / 153.0 us; 3x8192 d512
 # r128 c1 rows 6 / 12 / 3: 34.5 / 31.9 / 39.0; 1x8192 d128 r128 c1 rows 1 / 2 / 4: 5.1 / 4.3 / 5.1.
 _STATS_PROGRAMS = 528
@@ -344,13 +342,13 @@ def stats_tile(ratio: int, coff: int, head_dim: int, interpret: bool) -> StatsTi
     """Tile of the statistics backward: ``STATS_TILE_OVERRIDE``, else the defaults below. Never depends on the
     problem size (only ``rows``, a runtime argument, does), so what compile() builds serves every later call.
 
-    GPU (not yet swept on the H200): 64 columns x 32 slots (fewer for smaller problems), 4 warps: 16-byte
+    GPU: 64 columns x 32 slots (fewer for smaller problems), 4 warps (best of the H200 sweep): 16-byte
     accesses, 8 threads across the columns, 2 slots x 8 columns = 16 elements per thread of each tile (kv, score,
     ape, the dAPE accumulator; the next row's kv/score in flight); per row 3 x 64 fp32 statistics and 64 bf16
     grad_out shared by the 32 slots. 124 (coff 1) / 128 (coff 2) registers, no spills (Triton 3.9, sm_90 offline):
     4 programs per SM.
-    3x8192 d512 r128 c1: 8 column blocks x 4 chunks x 32 row ranges of 6 rows = 1024 programs, 8 MB of partials;
-    1x65536 d512 r128 c2: 8 x 8 x 32 ranges of 16 rows = 2048 programs, 16 MB.
+    3x8192 d512 r128 c1: 8 column blocks x 4 chunks x 16 row ranges of 12 rows = 512 programs, 4 MB of partials;
+    1x65536 d512 r128 c2: 8 x 8 x 16 ranges of 32 rows = 1024 programs, 8 MB.
     Interpreter: whole column range and window, 2 rows per program (few, large programs).
     """
     override = STATS_TILE_OVERRIDE.get((ratio, coff, head_dim))
@@ -362,7 +360,7 @@ def stats_tile(ratio: int, coff: int, head_dim: int, interpret: bool) -> StatsTi
 
 
 def _stats_rows(tile: StatsTile, ratio: int, coff: int, head_dim: int, n_rows: int) -> int:
-    """Rows per statistics-backward program: ``tile.rows``, else about ``_STATS_PROGRAMS`` programs with 2-16 rows
+    """Rows per statistics-backward program: ``tile.rows``, else about ``_STATS_PROGRAMS`` programs with 2-32 rows
     each (a program writes ``slots x block_d`` fp32 of partials, ``1 / (2 * rows)`` of the bytes it moves), and no
     more than ``_STATS_WORKSPACE_BYTES`` of partials."""
     if tile.rows > 0:
