@@ -323,7 +323,7 @@ def time_case(name, dev, reps, only=None):
 
 
 VARIANTS = {
-    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD[, LONG, PF, AS, ST, SC])), ...]; "bwd_st"/"fwd_st": the
+    # case: [(direction, (V, TC, G, SG, R, NB, CM, MD[, LONG, PF, AS, ST, SC, EF])), ...]; "bwd_st"/"fwd_st": the
     # softmax-statistics variants (ST = 1; SC: window slots per CTA of backward_stats.py).
     "1x65536-d512-r128-c2": [
         ("bwd_st", (8, 8, 16, 2, 1, 1, 0, 0, 1, 0, 0, 1, 32)),
@@ -372,7 +372,7 @@ def time_variants(name, dev, reps):
     d = int(name.split("-d")[1].split("-")[0])
     for direction, key in VARIANTS.get(name, []):
         full = {"fwd": "forward", "bwd": "backward", "bwd_st": "backward_stats", "fwd_st": "forward_stats"}[direction]
-        extra = dict(zip(("NB", "CM", "MD", "LONG", "PF", "AS", "ST", "SC"), key[5:], strict=False))
+        extra = dict(zip(("NB", "CM", "MD", "LONG", "PF", "AS", "ST", "SC", "EF"), key[5:], strict=False))
         extra.update({k: bool(v) for k, v in extra.items() if k not in ("NB", "SC")})
         launch.SCHEDULE_OVERRIDE[(full, ratio, coff, d)] = Schedule(*key[:5], **extra)
         launch._FASTMAP.pop((full, ratio, coff, d, torch.bfloat16, dev.index), None)

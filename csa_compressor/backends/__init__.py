@@ -31,4 +31,12 @@ backends that cover only part of the configuration space.
 device). Inputs have been validated by ``csa_compressor.support`` before a call.
 """
 
+import os
+
 BACKENDS = ("cute", "triton", "reference")
+
+# Window data (kv, score and, where read once, grad_out) is read exactly once: the GPU kernels load it with
+# ``ld.global.cs`` (evict-first in L1 and L2), so streaming it through L2 evicts its own lines, not other
+# (possibly dirty) data. "0" turns that off, for A/B measurements (benchmarks/evict_first_ab.py); read once,
+# at import.
+STREAM_LOADS = os.environ.get("CSA_COMPRESSOR_STREAM_LOADS", "1") != "0"

@@ -50,6 +50,7 @@ from .forward import (
     sub_rn,
     torch_order_sum,
     vec_view,
+    window_load,
 )
 
 SMEM_CARVEOUT = 50  # percent of the unified L1/shared memory offered to shared memory
@@ -88,7 +89,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         return build_backward_stats(ratio, coff, head_dim, sch)
     if sch.LONG:
         return build_backward_long(ratio, coff, head_dim, sch)
-    V, TC, G, SG, R, MD = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.MD
+    V, TC, G, SG, R, MD, EF = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.MD, sch.EF
     assert sch.NB == 1 and not sch.CM, "the short-window backward streams rows, not slot batches"
     W = coff * ratio
     D = head_dim
@@ -137,11 +138,11 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             scf[k].fill(NEG_INF)
             if vk:
                 off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
-                kvf[k].store(vec_view(kv, off, V).load())
-                scf[k].store(vec_view(score, off, V).load())
+                kvf[k].store(window_load(kv, off, V, EF))
+                scf[k].store(window_load(score, off, V, EF))
         gb.fill(0.0)
         if active:
-            gb.store(vec_view(gout, r * D + c, V).load())
+            gb.store(window_load(gout, r * D + c, V, EF))
         return active, t0, first, last, seg_end
 
     @cute.jit

@@ -65,7 +65,7 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
     NZ = W // SC  # slot chunks
     COLS_EXACT = D % CW == 0
     APE_SIZE = ratio * WIDTH
-    ops = WindowOps(ratio, coff, head_dim, V, SG, SG)  # group index = global slot group, SG slots each
+    ops = WindowOps(ratio, coff, head_dim, V, SG, SG, sch.EF)  # group index = global slot group, SG slots each
     zeros = ZeroStores(ratio, coff, head_dim, V)
 
     @cute.kernel

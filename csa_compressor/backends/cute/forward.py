@@ -35,6 +35,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -197,6 +198,7 @@ class Schedule:
     AS: bool = False  # long-window backward: rows' windows staged in shared memory by cp.async (2 stages)
     ST: bool = False  # softmax statistics: the forward writes them, the long-window backward reads them
     SC: int = 0  # statistics backward (backward_stats.py): window slots per CTA
+    EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv and score: read once
 
     @property
     def threads(self) -> int:
@@ -217,6 +219,7 @@ class Schedule:
             self.AS,
             self.ST,
             self.SC,
+            self.EF,
         )
 
 
@@ -309,6 +312,17 @@ def vec_view(ptr: cute.Pointer, off, V: int) -> cute.Tensor:
     return cute.make_tensor(ptr + cute.assume(off, divby=V), cute.make_layout(V))
 
 
+def window_load(ptr: cute.Pointer, off, V: int, evict_first: bool):
+    """``vec_view(ptr, off, V).load()``; with ``evict_first`` as ``ld.global.cs`` (SASS ``LDG.E.EF``): data read
+    once is cached evict-first in L1 and L2, so a window streaming through L2 replaces its own lines instead of
+    evicting other, possibly dirty, ones (whose write-back would share the DRAM bandwidth)."""
+    if not evict_first or V == 1:  # NVVM rejects a one-element vector load with a cache operator
+        return vec_view(ptr, off, V).load()
+    dtype = ptr.dtype
+    value = cute.arch.load(ptr + cute.assume(off, divby=V), ir.VectorType.get([V], dtype.mlir_type), cop="cs")
+    return cute.TensorSSA(value, (V,), dtype)
+
+
 def forward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
     return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
@@ -341,7 +355,7 @@ class WindowOps:
     columns ``(s // ratio) * head_dim + c``.
     """
 
-    def __init__(self, ratio: int, coff: int, head_dim: int, V: int, SG: int, SPG: int):
+    def __init__(self, ratio: int, coff: int, head_dim: int, V: int, SG: int, SPG: int, evict_first: bool = False):
         D = head_dim
         WIDTH = coff * head_dim
 
@@ -359,8 +373,8 @@ class WindowOps:
                 tok = t0 - (coff - 1) * ratio + s
                 if valid:
                     off = tok * WIDTH + half * D + c
-                    kvf[k].store(vec_view(kv, off, V).load())
-                    scf[k].store(vec_view(score, off, V).load())
+                    kvf[k].store(window_load(kv, off, V, evict_first))
+                    scf[k].store(window_load(score, off, V, evict_first))
 
         @cute.jit
         def load_ape(ape, apf, bi: cutlass.Constexpr, g, c, col_ok):
@@ -423,7 +437,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     SMEM_ROW = G * CW  # floats per (quantity, row lane)
     ST = sch.ST
     assert not ST or G > 1, "softmax statistics come from the cross-group combine (long windows)"
-    ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
+    ops = WindowOps(ratio, coff, head_dim, V, SG, SPG, sch.EF)
 
     @cute.jit
     def body(kv, score, ape, cu, cuc, out, stats, B: Int32, N: Int32):

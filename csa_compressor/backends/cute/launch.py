@@ -39,6 +39,8 @@ from dataclasses import replace
 
 import torch
 
+from .. import STREAM_LOADS
+
 _IMPORT_ERROR: str | None = None
 try:
     import cuda.bindings.driver as cuda
@@ -140,14 +142,21 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
     if override is not None:
         return override
     if direction == "forward":
-        return forward_schedule(ratio, coff, head_dim)
-    if direction == "backward":
-        return backward_schedule(ratio, coff, head_dim)
-    if direction in ("forward_stats", "backward_stats") and supports_stats(ratio, coff, head_dim):
+        sch = forward_schedule(ratio, coff, head_dim)
+    elif direction == "backward":
+        sch = backward_schedule(ratio, coff, head_dim)
+    elif direction in ("forward_stats", "backward_stats") and supports_stats(ratio, coff, head_dim):
         if direction == "forward_stats":
-            return replace(forward_schedule(ratio, coff, head_dim), ST=True)
-        return stats_backward_schedule(ratio, coff, head_dim)
-    raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
+            sch = replace(forward_schedule(ratio, coff, head_dim), ST=True)
+        else:
+            sch = stats_backward_schedule(ratio, coff, head_dim)
+    else:
+        raise ValueError(
+            f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}"
+        )
+    # Evict-first loads wherever the window is read once; the two-pass long backward (backward_long.py, no
+    # statistics) reads it twice and wants the second pass to hit L2.
+    return replace(sch, EF=STREAM_LOADS and not (sch.LONG and not sch.SC))
 
 
 def _key(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, arch: str) -> tuple:

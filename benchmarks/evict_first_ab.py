@@ -1,0 +1,116 @@
+"""A/B of the evict-first window loads (``csa_compressor.backends.STREAM_LOADS``) on the SPEC section 6 cases.
+
+``STREAM_LOADS`` is read once at import, so each side of the comparison is its own process::
+
+    CSA_COMPRESSOR_STREAM_LOADS=1 python3 benchmarks/evict_first_ab.py --out $OUT/ab_on.json
+    CSA_COMPRESSOR_STREAM_LOADS=0 python3 benchmarks/evict_first_ab.py --out $OUT/ab_off.json
+    python3 benchmarks/evict_first_ab.py --compare $OUT/ab_on.json $OUT/ab_off.json
+
+Each process times, per backend and case, the forward and the backward as autograd runs them (the bench's
+``_kernel_callables``; ``--triton-stats`` makes Triton use the softmax-statistics pair as cute does) with the
+bench's timer: kernel us per call from the profiler, L2 flushed by a write before each call ("cold", the bench's
+method), by a write then a read ("clean": L2 holds no dirty lines) and not at all ("warm"). Prediction: evict-first
+loads move the cold time toward the clean time (the window no longer evicts the flush's dirty lines, whose write-back
+shares DRAM bandwidth with the kernel's reads) and leave clean and warm times unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def measure(args) -> dict:
+    import torch
+
+    from csa_compressor import available_backends, backends
+    from csa_compressor.bench import _kernel_callables, _Timer, select_cases
+    from csa_compressor.testing import make_pack
+
+    dev = torch.device("cuda", 0)
+    if args.triton_stats:
+        from csa_compressor.backends.triton import launch as triton_launch
+
+        triton_launch.AUTOGRAD_STATS = True
+    timer = _Timer(dev, (args.reps, args.reps, 1))
+    names = [b for b in args.backends.split(",") if b in available_backends(dev)]
+    rows = []
+    t0 = time.time()
+    for case in select_cases(args.cases.split(",") if args.cases else None):
+        pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=dev, seed=3)
+        for backend in names:
+            fns = _kernel_callables(backend, pack, case)
+            for direction, fn in fns.items():
+                for _ in range(3):
+                    fn()
+                rec = dict(case=case.name, backend=backend, direction=direction)
+                rec["cold"] = round(timer.kernel_us(fn, args.reps, cold=True), 2)
+                try:
+                    rec["clean"] = round(timer.kernel_us(fn, args.reps, cold=True, clean=True), 2)
+                except RuntimeError as exc:
+                    rec["clean_error"] = str(exc)[:200]
+                rec["warm"] = round(timer.kernel_us(fn, args.reps, cold=False), 2)
+                rows.append(rec)
+                print(json.dumps(rec), flush=True)
+        del pack
+        torch.cuda.empty_cache()
+    return {
+        "stream_loads": backends.STREAM_LOADS,
+        "device": torch.cuda.get_device_name(dev),
+        "triton_stats": args.triton_stats,
+        "reps": args.reps,
+        "seconds": round(time.time() - t0, 1),
+        "rows": rows,
+    }
+
+
+def compare(on_path: str, off_path: str) -> str:
+    on, off = (json.load(open(p)) for p in (on_path, off_path))
+    index = {(r["case"], r["backend"], r["direction"]): r for r in off["rows"]}
+    lines = [
+        f"evict-first loads on ({on.get('device')}) vs off ({off.get('device')}), kernel us per call",
+        "",
+        "| case | backend | dir | cold on / off | clean on / off | warm on / off | cold on/off |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in on["rows"]:
+        o = index.get((r["case"], r["backend"], r["direction"]))
+        if o is None:
+            continue
+
+        def pair(key, r=r, o=o):
+            return f"{r.get(key, '-')} / {o.get(key, '-')}"
+
+        lines.append(
+            f"| {r['case']} | {r['backend']} | {r['direction']} | {pair('cold')} | {pair('clean')} | {pair('warm')} "
+            f"| {r['cold'] / o['cold']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="cute,triton")
+    ap.add_argument("--cases", default="", help="comma-separated case names (default: the SPEC section 6 cases)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--triton-stats", action="store_true")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--compare", nargs=2, metavar=("ON_JSON", "OFF_JSON"))
+    args = ap.parse_args()
+    if args.compare:
+        print(compare(*args.compare))
+        return 0
+    result = measure(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
