@@ -151,9 +151,7 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
         else:
             sch = stats_backward_schedule(ratio, coff, head_dim)
     else:
-        raise ValueError(
-            f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}"
-        )
+        raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
     # Evict-first loads wherever the window is read once; the two-pass long backward (backward_long.py, no
     # statistics) reads it twice and wants the second pass to hit L2.
     return replace(sch, EF=STREAM_LOADS and not (sch.LONG and not sch.SC))

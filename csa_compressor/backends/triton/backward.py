@@ -148,7 +148,9 @@ def csa_bwd_kernel(
         score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
         gmask = is_real[:, None] & col_ok[None, :]
-        g_next = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0, cache_modifier=WINDOW_CACHE)
+        g_next = tl.load(
+            grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0, cache_modifier=WINDOW_CACHE
+        )
         for it in range(tiles_per_prog):
             kv_cur = kv_next
             score_cur = score_next
@@ -165,7 +167,12 @@ def csa_bwd_kernel(
             kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
             score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
             gmask = (is_real_n & row_ok_n)[:, None] & col_ok[None, :]
-            g_next = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0, cache_modifier=WINDOW_CACHE)
+            g_next = tl.load(
+                grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :],
+                mask=gmask,
+                other=0.0,
+                cache_modifier=WINDOW_CACHE,
+            )
 
             v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
             g = g_cur.to(tl.float32)[None, :, :]
@@ -274,7 +281,12 @@ def csa_bwd_long_kernel(
         kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
         sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
-        g_n = tl.load(grad_out_ptr + row_base * HEAD_DIM + cols, mask=cols < tl.where(real, HEAD_DIM, 0), other=0.0, cache_modifier=WINDOW_CACHE)
+        g_n = tl.load(
+            grad_out_ptr + row_base * HEAD_DIM + cols,
+            mask=cols < tl.where(real, HEAD_DIM, 0),
+            other=0.0,
+            cache_modifier=WINDOW_CACHE,
+        )
         dape = tl.zeros([LANES, CS_IN, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
             kv_c = kv_n
