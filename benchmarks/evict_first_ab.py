@@ -49,12 +49,13 @@ def measure(args) -> dict:
                 for _ in range(3):
                     fn()
                 rec = dict(case=case.name, backend=backend, direction=direction)
-                rec["cold"] = round(timer.kernel_us(fn, args.reps, cold=True), 2)
-                try:
-                    rec["clean"] = round(timer.kernel_us(fn, args.reps, cold=True, clean=True), 2)
-                except RuntimeError as exc:
-                    rec["clean_error"] = str(exc)[:200]
-                rec["warm"] = round(timer.kernel_us(fn, args.reps, cold=False), 2)
+                for key, cold, clean in (("cold", True, False), ("clean", True, True), ("warm", False, False)):
+                    for _attempt in range(2):  # a profiler session can lose device records (flush > total)
+                        try:
+                            rec[key] = round(timer.kernel_us(fn, args.reps, cold=cold, clean=clean), 2)
+                            break
+                        except (RuntimeError, ValueError) as exc:
+                            rec[f"{key}_error"] = str(exc)[:200]
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)
         del pack
@@ -81,6 +82,9 @@ def compare(on_path: str, off_path: str) -> str:
     for r in on["rows"]:
         o = index.get((r["case"], r["backend"], r["direction"]))
         if o is None:
+            continue
+
+        if "cold" not in r or "cold" not in o:
             continue
 
         def pair(key, r=r, o=o):

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .forward import (
     LOG2E,
-    WINDOW_CACHE,
+    WINDOW_EVICT,
     _load_ape,
     _long_base,
     _program_segment,
@@ -144,12 +144,12 @@ def csa_bwd_kernel(
             row_base, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
             RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
-        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
         gmask = is_real[:, None] & col_ok[None, :]
         g_next = tl.load(
-            grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0, cache_modifier=WINDOW_CACHE
+            grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0, eviction_policy=WINDOW_EVICT
         )
         for it in range(tiles_per_prog):
             kv_cur = kv_next
@@ -164,14 +164,14 @@ def csa_bwd_kernel(
                 row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), N, B, n_iter, total_real, uniform,
                 comp0, tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
             )  # fmt: skip
-            kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-            score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+            kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+            score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
             gmask = (is_real_n & row_ok_n)[:, None] & col_ok[None, :]
             g_next = tl.load(
                 grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :],
                 mask=gmask,
                 other=0.0,
-                cache_modifier=WINDOW_CACHE,
+                eviction_policy=WINDOW_EVICT,
             )
 
             v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
@@ -278,14 +278,14 @@ def csa_bwd_long_kernel(
         )  # fmt: skip
         ape = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
         lmask = _long_window_mask(k, hp, ok, amask, SP, COFF)
-        kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-        sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+        kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+        sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
         g_n = tl.load(
             grad_out_ptr + row_base * HEAD_DIM + cols,
             mask=cols < tl.where(real, HEAD_DIM, 0),
             other=0.0,
-            cache_modifier=WINDOW_CACHE,
+            eviction_policy=WINDOW_EVICT,
         )
         dape = tl.zeros([LANES, CS_IN, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
@@ -300,13 +300,13 @@ def csa_bwd_long_kernel(
             )  # fmt: skip
             okn = okn & (row + 1 < row_end)
             lmask = _long_window_mask(k, hp, okn, amask, SP, COFF)
-            kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-            sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+            kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+            sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
             g_n = tl.load(
                 grad_out_ptr + (row + 1) * HEAD_DIM + cols,
                 mask=cols < tl.where(real_n & okn, HEAD_DIM, 0),
                 other=0.0,
-                cache_modifier=WINDOW_CACHE,
+                eviction_policy=WINDOW_EVICT,
             )
 
             x = tl.where(valid, sc_c.to(tl.float32) + ape, float("-inf"))
@@ -433,8 +433,8 @@ def csa_bwd_stats_kernel(
         )  # fmt: skip
         lmask = _stats_row_mask(w, hp, row_base < row_end, col_ok, PREV, WIN, EVEN_D)
         offs = base + t0 * W
-        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         dape = tl.zeros([SLOTS, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
             kv_c = kv_n
@@ -447,8 +447,8 @@ def csa_bwd_stats_kernel(
             )  # fmt: skip
             lmask = _stats_row_mask(w, hp, row + 1 < row_end, col_ok, PREV, WIN, EVEN_D)
             offs = base + t0 * W
-            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
             # This row's statistics and grad_out: one value per column, shared by the slots.
             st = st_cols + (row - row_base) * (3 * HEAD_DIM)
             m = tl.load(st, mask=col_ok, other=0.0)[None, :]

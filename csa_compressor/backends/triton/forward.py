@@ -22,10 +22,11 @@ from triton.language.extra import libdevice
 
 from .. import STREAM_LOADS
 
-# Cache operator of the window loads (kv, score; grad_out where one program reads a row once): ".cs" caches
-# them evict-first in L1 and L2 (they are read exactly once), so the stream replaces its own L2 lines instead of
-# evicting other, possibly dirty, data. csa_compressor.backends.STREAM_LOADS turns it off.
-WINDOW_CACHE = tl.constexpr(".cs" if STREAM_LOADS else "")
+# Eviction policy of the window loads (kv, score; grad_out where one program reads a row once): they are read
+# exactly once, so "evict_first" (``ld.global.L1::evict_first.L2::cache_hint`` with an evict-first L2 policy)
+# makes the stream replace its own L2 lines instead of evicting other, possibly dirty, data. (The ``.cs`` cache
+# operator that cute uses is rejected by Triton 3.6 for loads.) csa_compressor.backends.STREAM_LOADS turns it off.
+WINDOW_EVICT = tl.constexpr("evict_first" if STREAM_LOADS else "")
 
 
 @triton.jit
@@ -252,8 +253,8 @@ def csa_fwd_kernel(
         row_base, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
         RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
     )  # fmt: skip
-    kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-    score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+    kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+    score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
     for it in range(tiles_per_prog):
         kv_cur = kv_next
         score_cur = score_next
@@ -266,8 +267,8 @@ def csa_fwd_kernel(
             row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), N, B, n_iter, total_real, uniform, comp0,
             tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
-        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
         out = _sum_slots(v * p, TORCH_ORDER)
         omask = row_ok[:, None] & col_ok[None, :]
@@ -426,8 +427,8 @@ def csa_fwd_long_kernel(
     offs, aoffs, lmask, amask = _long_chunk_at(
         row_base * 0, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
     )  # fmt: skip
-    kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-    sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+    kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+    sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
     ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
     for row in range(row_base, row_end):
         m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
@@ -441,8 +442,8 @@ def csa_fwd_long_kernel(
             offs, aoffs, lmask, amask = _long_chunk_at(
                 c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
             )  # fmt: skip
-            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
             ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
             m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
         # Last chunk of this row; prefetch chunk 0 of the next row.
@@ -456,8 +457,8 @@ def csa_fwd_long_kernel(
         offs, aoffs, lmask, amask = _long_chunk_at(
             row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
         )  # fmt: skip
-        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
-        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, cache_modifier=WINDOW_CACHE)
+        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
         m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
         # Combine the lanes: rescale every lane to the column max.
