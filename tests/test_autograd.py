@@ -34,6 +34,23 @@ def test_autograd_matches_reference(backend, coff):
     assert rel_l2(ape.grad, ref_grads[2]) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autograd_long_window_matches_reference(backend):
+    """32-slot windows: autograd saves the forward's softmax statistics where the backend says so
+    (``AUTOGRAD_STATS``: every GPU backend and the reference) and the gradients still meet the contract."""
+    from csa_compressor import api, dispatch
+    from csa_compressor.testing import contract_report
+
+    p = make_pack((70, 16, 5, 33), 6, 16, 2, token_padding=3, comp_padding=1, device=DEVICE, seed=5)
+    module = dispatch.backend_module(dispatch.resolve_backend(backend, DEVICE, 16, 2, 6))
+    assert api.autograd_uses_stats(p.kv, 16, 2, backend) is bool(getattr(module, "AUTOGRAD_STATS", False))
+    kv, score, ape = _leaves(p)
+    out = compressor_pool(kv, score, ape, p.cu_seqlens, p.cu_seqlens_comp, 16, 2, p.total_comp, backend)
+    out.backward(p.grad_out)
+    report = contract_report(p, out=out.detach(), grads=(kv.grad, score.grad, ape.grad))
+    assert report["ok"], report
+
+
 def test_opcheck_custom_ops():
     p = make_pack((9, 4), 4, 4, 2, comp_padding=1, device=DEVICE)
     args = (*p.inputs, 4, 2, p.total_comp, "reference")

@@ -35,8 +35,8 @@ import os
 
 BACKENDS = ("cute", "triton", "reference")
 
-# Window data (kv, score and, where read once, grad_out) is read exactly once: the GPU kernels load it with
-# ``ld.global.cs`` (evict-first in L1 and L2), so streaming it through L2 evicts its own lines, not other
-# (possibly dirty) data. "0" turns that off, for A/B measurements (benchmarks/evict_first_ab.py); read once,
-# at import.
+# The forward kernels read the window data (kv, score) exactly once and load it with an evict-first L2 policy
+# (cute: ``ld.global.cs``; Triton: ``eviction_policy="evict_first"``), so streaming it through L2 evicts its own
+# lines, not other (possibly dirty) data. The backward kernels measured slower with it and load normally.
+# "0" turns it off, for A/B measurements (benchmarks/evict_first_ab.py); read once, at import.
 STREAM_LOADS = os.environ.get("CSA_COMPRESSOR_STREAM_LOADS", "1") != "0"

@@ -198,7 +198,7 @@ class Schedule:
     AS: bool = False  # long-window backward: rows' windows staged in shared memory by cp.async (2 stages)
     ST: bool = False  # softmax statistics: the forward writes them, the long-window backward reads them
     SC: int = 0  # statistics backward (backward_stats.py): window slots per CTA
-    EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv and score: read once
+    EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv, score (short backward: grad_out)
 
     @property
     def threads(self) -> int:

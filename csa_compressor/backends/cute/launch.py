@@ -152,9 +152,9 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
             sch = stats_backward_schedule(ratio, coff, head_dim)
     else:
         raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
-    # Evict-first loads wherever the window is read once; the two-pass long backward (backward_long.py, no
-    # statistics) reads it twice and wants the second pass to hit L2.
-    return replace(sch, EF=STREAM_LOADS and not (sch.LONG and not sch.SC))
+    # Evict-first window loads in the forward kernels only: on the H200 they took the cold (write-flushed) forward
+    # 3-16 % down and the backward kernels 2-5 % up, cold and clean alike (benchmarks/evict_first_ab.py).
+    return replace(sch, EF=STREAM_LOADS and direction.startswith("forward"))
 
 
 def _key(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, arch: str) -> tuple:

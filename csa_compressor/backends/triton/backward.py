@@ -29,7 +29,6 @@ import triton.language as tl
 
 from .forward import (
     LOG2E,
-    WINDOW_EVICT,
     _load_ape,
     _long_base,
     _program_segment,
@@ -144,13 +143,11 @@ def csa_bwd_kernel(
             row_base, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
             RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
-        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
         gmask = is_real[:, None] & col_ok[None, :]
-        g_next = tl.load(
-            grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0, eviction_policy=WINDOW_EVICT
-        )
+        g_next = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
         for it in range(tiles_per_prog):
             kv_cur = kv_next
             score_cur = score_next
@@ -164,15 +161,10 @@ def csa_bwd_kernel(
                 row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), N, B, n_iter, total_real, uniform,
                 comp0, tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
             )  # fmt: skip
-            kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-            score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+            kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+            score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
             gmask = (is_real_n & row_ok_n)[:, None] & col_ok[None, :]
-            g_next = tl.load(
-                grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :],
-                mask=gmask,
-                other=0.0,
-                eviction_policy=WINDOW_EVICT,
-            )
+            g_next = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
 
             v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
             g = g_cur.to(tl.float32)[None, :, :]
@@ -278,15 +270,10 @@ def csa_bwd_long_kernel(
         )  # fmt: skip
         ape = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
         lmask = _long_window_mask(k, hp, ok, amask, SP, COFF)
-        kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-        sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+        kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0)
+        sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
-        g_n = tl.load(
-            grad_out_ptr + row_base * HEAD_DIM + cols,
-            mask=cols < tl.where(real, HEAD_DIM, 0),
-            other=0.0,
-            eviction_policy=WINDOW_EVICT,
-        )
+        g_n = tl.load(grad_out_ptr + row_base * HEAD_DIM + cols, mask=cols < tl.where(real, HEAD_DIM, 0), other=0.0)
         dape = tl.zeros([LANES, CS_IN, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
             kv_c = kv_n
@@ -300,13 +287,10 @@ def csa_bwd_long_kernel(
             )  # fmt: skip
             okn = okn & (row + 1 < row_end)
             lmask = _long_window_mask(k, hp, okn, amask, SP, COFF)
-            kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-            sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+            kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0)
+            sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0)
             g_n = tl.load(
-                grad_out_ptr + (row + 1) * HEAD_DIM + cols,
-                mask=cols < tl.where(real_n & okn, HEAD_DIM, 0),
-                other=0.0,
-                eviction_policy=WINDOW_EVICT,
+                grad_out_ptr + (row + 1) * HEAD_DIM + cols, mask=cols < tl.where(real_n & okn, HEAD_DIM, 0), other=0.0
             )
 
             x = tl.where(valid, sc_c.to(tl.float32) + ape, float("-inf"))
@@ -433,8 +417,8 @@ def csa_bwd_stats_kernel(
         )  # fmt: skip
         lmask = _stats_row_mask(w, hp, row_base < row_end, col_ok, PREV, WIN, EVEN_D)
         offs = base + t0 * W
-        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
         dape = tl.zeros([SLOTS, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
             kv_c = kv_n
@@ -447,8 +431,8 @@ def csa_bwd_stats_kernel(
             )  # fmt: skip
             lmask = _stats_row_mask(w, hp, row + 1 < row_end, col_ok, PREV, WIN, EVEN_D)
             offs = base + t0 * W
-            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
             # This row's statistics and grad_out: one value per column, shared by the slots.
             st = st_cols + (row - row_base) * (3 * HEAD_DIM)
             m = tl.load(st, mask=col_ok, other=0.0)[None, :]
