@@ -5,6 +5,8 @@
 #            beside the self-check (GPU 0);
 #   PHASE=3: after a change, in one call: the test suite and the sanitizers (GPU 1) beside the benchmark and
 #            the launch-overhead breakdown (GPU 0), then the two-GPU tests;
+#   PHASE=tests: validation only: the suite split over both GPUs, the sanitizers and the two-GPU tests;
+#   PHASE=bench: one GPU (a plain nvidia-h200 call): the benchmark, launch overhead and full-size numerics;
 #   PHASE=dev: development: the test suite (GPU 1) beside benchmarks/cute_dev.py timing + schedule variants
 #            and an optional $DEV_EXTRA command (GPU 0).
 # Logs come back as one tarball (the device tool returns at most 8 files). The device copy's .git can be
@@ -35,6 +37,41 @@ if [ "${PHASE:-1}" = dev ]; then
         if [ -n "${DEV_EXTRA:-}" ]; then bash -c "$DEV_EXTRA" >"$LOGS/dev_extra.txt" 2>&1; echo "rc=$?" >>"$LOGS/dev_extra.txt"; fi
     ) &
     wait
+elif [ "${PHASE:-1}" = tests ]; then
+    # Validation only, the suite split over both GPUs (one GPU took more than 300 s for 166 tests at 9259c20):
+    # GPU 0 the cute files, GPU 1 the rest; then the sanitizers (cute on GPU 0, Triton on GPU 1) and the
+    # two-GPU tests. ~8 minutes. The benchmark runs apart (PHASE=bench).
+    CUTE_FILES="tests/backends/test_cute.py tests/backends/test_cute_compile.py tests/backends/test_cute_launch_abi.py"
+    IGNORE=""; for f in $CUTE_FILES; do IGNORE="$IGNORE --ignore=$f"; done
+    (
+        export CUDA_VISIBLE_DEVICES=0
+        timeout ${TEST_TIMEOUT:-330} python3 -m pytest $CUTE_FILES -q -ra -p no:cacheprovider --durations=15 >"$LOGS/pytest_gpu0.log" 2>&1
+        echo "pytest rc=$?" >>"$LOGS/pytest_gpu0.log"
+        for tool in memcheck racecheck; do
+            timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
+                python3 tests/sanitize_cases.py --backend cute --cases ${SAN_CASES:-6} >"$LOGS/sanitize_cute_$tool.log" 2>&1
+            echo "rc=$?" >>"$LOGS/sanitize_cute_$tool.log"
+        done
+    ) &
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout ${TEST_TIMEOUT:-330} python3 -m pytest tests $IGNORE -q -ra -p no:cacheprovider --durations=15 >"$LOGS/pytest_gpu1.log" 2>&1
+        echo "pytest rc=$?" >>"$LOGS/pytest_gpu1.log"
+        timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
+            python3 tests/sanitize_cases.py --backend triton --cases ${SAN_CASES:-6} >"$LOGS/sanitize_triton_memcheck.log" 2>&1
+        echo "rc=$?" >>"$LOGS/sanitize_triton_memcheck.log"
+    ) &
+    wait
+    timeout 90 python3 -m pytest tests -q -ra -p no:cacheprovider -k "non_current" >"$LOGS/pytest_two_gpus.log" 2>&1
+    echo "rc=$?" >>"$LOGS/pytest_two_gpus.log"
+elif [ "${PHASE:-1}" = bench ]; then
+    # One GPU (nvidia-h200 will do): the benchmark alone, then the launch-overhead breakdown and the full-size
+    # numerics. ~7 minutes with --clean-cold.
+    timeout ${BENCH_TIMEOUT:-360} python3 -m csa_compressor bench --out "$LOGS/bench" ${RUN_COMMIT:+--commit "$RUN_COMMIT"} ${BENCH_ARGS:-} >"$LOGS/bench.txt" 2>"$LOGS/bench.err"
+    echo "bench rc=$?" >>"$LOGS/bench.txt"
+    timeout 60 python3 benchmarks/launch_overhead.py --out "$LOGS/launch_overhead.json" >"$LOGS/launch_overhead.txt" 2>&1
+    timeout ${NUM_TIMEOUT:-120} python3 benchmarks/full_numerics.py --out "$LOGS" >"$LOGS/full_numerics.txt" 2>&1
+    echo "rc=$?" >>"$LOGS/full_numerics.txt"
 elif [ "${PHASE:-1}" = 1 ]; then
     # GPU 1: the full test suite. GPU 0: the benchmark, alone on its GPU.
     (
@@ -107,6 +144,14 @@ elif [ "${PHASE:-1}" = 3 ]; then
     echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
     echo "==== two GPUs"; tail -n 2 "$LOGS/pytest_two_gpus.log"
     echo "==== launch overhead"; grep -E "^\[|wrapper|target|bare|x.add_" "$LOGS/launch_overhead.txt"
+    echo "==== full-size numerics"; tail -n 16 "$LOGS/full_numerics.txt" | cut -c1-200
+    echo "==== bench"; grep -E "cute|triton|^\| case|^###" "$LOGS/bench.txt" | head -n 60
+elif [ "${PHASE:-1}" = tests ]; then
+    for g in 0 1; do echo "==== pytest (GPU $g)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest_gpu$g.log" | head -n 30; tail -n 2 "$LOGS/pytest_gpu$g.log"; done
+    echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
+    echo "==== two GPUs"; tail -n 2 "$LOGS/pytest_two_gpus.log"
+elif [ "${PHASE:-1}" = bench ]; then
+    echo "==== launch overhead"; grep -E "^\[|wrapper|target|bare|piece|execute|x.add_" "$LOGS/launch_overhead.txt"
     echo "==== full-size numerics"; tail -n 16 "$LOGS/full_numerics.txt" | cut -c1-200
     echo "==== bench"; grep -E "cute|triton|^\| case|^###" "$LOGS/bench.txt" | head -n 60
 elif [ "${PHASE:-1}" = 1 ]; then
