@@ -7,7 +7,7 @@
     python3 benchmarks/evict_first_ab.py --compare $OUT/ab_on.json $OUT/ab_off.json
 
 Each process times, per backend and case, the forward and the backward as autograd runs them (the bench's
-``_kernel_callables``; ``--triton-stats`` makes Triton use the softmax-statistics pair as cute does) with the
+``_kernel_callables``; ``--triton-stats`` forces Triton's softmax-statistics pair, autograd's default since c939852) with the
 bench's timer: kernel us per call from the profiler, L2 flushed by a write before each call ("cold", the bench's
 method), by a write then a read ("clean": L2 holds no dirty lines) and not at all ("warm"). Prediction: evict-first
 loads move the cold time toward the clean time (the window no longer evicts the flush's dirty lines, whose write-back
@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--backends", default="cute,triton")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: the SPEC section 6 cases)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--triton-stats", action="store_true")
+    ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs=2, metavar=("ON_JSON", "OFF_JSON"))
     args = ap.parse_args()
