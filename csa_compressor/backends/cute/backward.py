@@ -34,7 +34,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
-from .backward_common import ZeroStores, make_backward_host
+from .backward_common import ZeroStores, make_backward_host, reduce_slab_lanes
 from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes
 from .backward_stats import build_backward_stats, stats_backward_smem_bytes
 from .forward import (
@@ -366,4 +366,6 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(dap[k].load())
 
-    return make_backward_host(kernel, APE_SIZE, NCHUNK, NT, backward_smem_bytes(sch), SMEM_CARVEOUT)
+    return make_backward_host(
+        kernel, APE_SIZE, NCHUNK, NT, backward_smem_bytes(sch), SMEM_CARVEOUT, slab_lanes=reduce_slab_lanes(sch)
+    )

@@ -24,50 +24,72 @@ def reduce_vector(ape_size: int) -> int:
     return 4 if ape_size % 4 == 0 else 1
 
 
-def reduce_grid_x(ape_size: int) -> int:
-    """CTAs of the reduction kernel: 32 vectors of entries each."""
-    return (ape_size // reduce_vector(ape_size) + 31) // 32
+def reduce_slab_lanes(sch) -> int:
+    """Lanes of a reduction warp that walk different slabs.
+
+    4 for the short-window backward (``backward.py``): its persistent grid leaves ~530 slabs of a few KB, and
+    with one slab per lane the 8 CTAs of head_dim 128 (32 vectors of entries each) took 9 dependent steps of
+    slab loads; with 4, a warp covers 8 entry vectors of 4 slabs, the grid has 4x the CTAs and a step 256
+    slabs in flight (H200: 1x8192 d128 r4 c2 backward 9.9 -> 7.1 us). 1 for the long-window backwards: they
+    have 16-64 large slabs, which 4 slab lanes left partly idle (3x8192 d512 r128 c1 backward +5 %).
+    """
+    return 1 if sch.LONG else 4
 
 
-def make_reduce_kernel(APE_SIZE: int):
+def reduce_grid_x(ape_size: int, slab_lanes: int = 1) -> int:
+    """CTAs of the reduction kernel: ``32 // slab_lanes`` vectors of entries each."""
+    per_cta = 32 // slab_lanes
+    return (ape_size // reduce_vector(ape_size) + per_cta - 1) // per_cta
+
+
+def make_reduce_kernel(APE_SIZE: int, slab_lanes: int = 1):
     """Second kernel of the backward: grad_ape = the fixed-order sum of the per-CTA slabs (overwrite)."""
     VE = reduce_vector(APE_SIZE)
     NE = APE_SIZE // VE
+    SL = slab_lanes
+    NV = 32 // SL  # entry vectors per CTA
+    STRIDE = REDUCE_WARPS * SL  # slab walkers per CTA
 
     @cute.kernel
     def reduce_kernel(ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
-        # 32 consecutive vectors of VE entries per CTA; warp w sums slabs w, w + REDUCE_WARPS, ...; the warp
-        # partials are summed in order. Every entry's sum has the same order whatever VE is.
+        # NV consecutive vectors of VE entries per CTA. Walker q = w * SL + sl (warp w, slab lane sl) sums slabs
+        # q, q + STRIDE, ... in order; then the STRIDE walker partials are summed in order q = 0, 1, ...: a fixed
+        # order per entry, whatever VE is, so grad_ape is bitwise the same from run to run.
         tidx, _, _ = cute.arch.thread_idx()
         bx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
         w = tidx // 32
-        e = bx * 32 + lane
+        v = lane
+        q = w
+        if cutlass.const_expr(SL > 1):
+            v = lane % NV
+            q = w * SL + lane // NV
+        e = bx * NV + v
         smem = cutlass.memory.SmemAllocator()
-        part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32 * VE), byte_alignment=16)
+        part = smem.allocate_tensor(Float32, cute.make_layout(STRIDE * NV * VE), byte_alignment=16)
         acc = cute.make_rmem_tensor(cute.make_layout(VE), Float32)
         acc.fill(0.0)
         bufs = [cute.make_rmem_tensor(cute.make_layout(VE), Float32) for _ in range(REDUCE_UNROLL)]
         if e < NE:
             # REDUCE_UNROLL slabs per step: their loads are all in flight before the first add; the adds keep
-            # the slab order w, w + REDUCE_WARPS, ... (the same sum as one slab per step).
-            for p0 in cutlass.range(w, num_ctas, REDUCE_WARPS * REDUCE_UNROLL):
+            # the walker's slab order q, q + STRIDE, ... (the same sum as one slab per step).
+            for p0 in cutlass.range(q, num_ctas, STRIDE * REDUCE_UNROLL):
                 for u in cutlass.range_constexpr(REDUCE_UNROLL):
                     # Past the last slab the load is clamped to it (in bounds) and not added.
-                    p = cutlass.min(p0 + u * REDUCE_WARPS, num_ctas - 1)
+                    p = cutlass.min(p0 + u * STRIDE, num_ctas - 1)
                     bufs[u].store(vec_view(ws, p * APE_SIZE + e * VE, VE).load())
                 for u in cutlass.range_constexpr(REDUCE_UNROLL):
-                    if p0 + u * REDUCE_WARPS < num_ctas:
+                    if p0 + u * STRIDE < num_ctas:
                         for i in cutlass.range_constexpr(VE):
                             acc[i] = add_rn(acc[i], bufs[u][i])
-        vec_view(part.iterator, tidx * VE, VE).store(acc.load())
+        vec_view(part.iterator, (q * NV + v) * VE, VE).store(acc.load())
         cute.arch.sync_threads()
-        if (w == 0) & (e < NE):
+        if (tidx < NV) & (e < NE):
             tot = cute.make_rmem_tensor(cute.make_layout(VE), Float32)
-            tot.store(vec_view(part.iterator, lane * VE, VE).load())
-            for h in cutlass.range_constexpr(1, REDUCE_WARPS):
+            tot.store(vec_view(part.iterator, v * VE, VE).load())
+            for h in cutlass.range_constexpr(1, STRIDE):
                 for i in cutlass.range_constexpr(VE):
-                    tot[i] = add_rn(tot[i], part[(h * 32 + lane) * VE + i])
+                    tot[i] = add_rn(tot[i], part[(h * NV + v) * VE + i])
             vec_view(gape, e * VE, VE).store(tot.load())
 
     return reduce_kernel
@@ -120,7 +142,14 @@ class ZeroStores:
 
 
 def make_backward_host(
-    kernel, ape_size: int, nchunk: int, threads: int, smem_bytes: int, carveout: int, stats: bool = False
+    kernel,
+    ape_size: int,
+    nchunk: int,
+    threads: int,
+    smem_bytes: int,
+    carveout: int,
+    stats: bool = False,
+    slab_lanes: int = 1,
 ):
     """The @cute.jit host function of a backward: ``kernel`` over ``[num_ctas, nchunk]`` persistent CTAs,
     then the grad_ape reduction, on ``stream``.
@@ -129,7 +158,7 @@ def make_backward_host(
     grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``; with ``stats`` the softmax statistics
     pointer follows ``ws`` (also in the kernel's arguments).
     """
-    reduce_kernel = make_reduce_kernel(ape_size)
+    reduce_kernel = make_reduce_kernel(ape_size, slab_lanes)
     min_blocks = max(1, 65536 // (threads * MAX_REGS))
 
     def launch_both(main, ws, gape, num_ctas, stream):
@@ -143,7 +172,7 @@ def make_backward_host(
             preferred_smem_carveout=carveout,
         )
         reduce_kernel(ws, gape, num_ctas).launch(
-            grid=[reduce_grid_x(ape_size), 1, 1],
+            grid=[reduce_grid_x(ape_size, slab_lanes), 1, 1],
             block=[REDUCE_WARPS * 32, 1, 1],
             smem=REDUCE_WARPS * 32 * 4 * reduce_vector(ape_size) + 64,
             stream=stream,

@@ -50,7 +50,7 @@ try:
     from cutlass.cute.typing import AddressSpace
 
     from .backward import backward_schedule, backward_smem_bytes, build_backward
-    from .backward_common import MAX_REGS, REDUCE_WARPS, reduce_grid_x
+    from .backward_common import MAX_REGS, REDUCE_WARPS, reduce_grid_x, reduce_slab_lanes
     from .backward_stats import stats_backward_schedule
     from .forward import build_forward, forward_schedule, forward_smem_bytes
 except Exception as exc:  # pragma: no cover - depends on the environment
@@ -433,7 +433,8 @@ class _Launcher:
             else:
                 b, n, t, rows_per_cta, num_ctas = ints
                 raw[0]((*ptrs[:6], *ptrs[6:8], ptrs[9], b, n, t, rows_per_cta), (num_ctas, self.nchunk), stream_handle)
-                raw[1]((ptrs[9], ptrs[8], num_ctas), (reduce_grid_x(self.ape_size), 1), stream_handle)
+                grid_x = reduce_grid_x(self.ape_size, reduce_slab_lanes(self.sch))
+                raw[1]((ptrs[9], ptrs[8], num_ctas), (grid_x, 1), stream_handle)
             return
         if self.fast:
             self._launch_fast((*ptrs, *ints, stream_handle))
