@@ -4,7 +4,7 @@
 
     CSA_COMPRESSOR_STREAM_LOADS=1 python3 benchmarks/evict_first_ab.py --out $OUT/ab_on.json
     CSA_COMPRESSOR_STREAM_LOADS=0 python3 benchmarks/evict_first_ab.py --out $OUT/ab_off.json
-    python3 benchmarks/evict_first_ab.py --compare $OUT/ab_on.json $OUT/ab_off.json
+    python3 benchmarks/evict_first_ab.py --compare $OUT/ab_on.json $OUT/ab_off.json   # A = on, B = off
 
 Each process times, per backend and case, the forward and the backward as autograd runs them (the bench's
 ``_kernel_callables``; ``--triton-stats`` forces Triton's softmax-statistics pair, autograd's default since c939852) with the
@@ -70,29 +70,28 @@ def measure(args) -> dict:
     }
 
 
-def compare(on_path: str, off_path: str) -> str:
-    on, off = (json.load(open(p)) for p in (on_path, off_path))
-    index = {(r["case"], r["backend"], r["direction"]): r for r in off["rows"]}
+def compare(a_path: str, b_path: str) -> str:
+    """Table of run A against run B (any two runs of this script: evict-first on / off, or two kernel versions)."""
+    a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
+    index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"evict-first loads on ({on.get('device')}) vs off ({off.get('device')}), kernel us per call",
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}), B = {b_path} (stream_loads="
+        f"{b_run.get('stream_loads')}); {a_run.get('device')}; kernel us per call",
         "",
-        "| case | backend | dir | cold on / off | clean on / off | warm on / off | cold on/off |",
+        "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in on["rows"]:
-        o = index.get((r["case"], r["backend"], r["direction"]))
-        if o is None:
+    for a in a_run["rows"]:
+        b = index.get((a["case"], a["backend"], a["direction"]))
+        if b is None or "cold" not in a or "cold" not in b:
             continue
 
-        if "cold" not in r or "cold" not in o:
-            continue
-
-        def pair(key, r=r, o=o):
-            return f"{r.get(key, '-')} / {o.get(key, '-')}"
+        def pair(key, a=a, b=b):
+            return f"{a.get(key, '-')} / {b.get(key, '-')}"
 
         lines.append(
-            f"| {r['case']} | {r['backend']} | {r['direction']} | {pair('cold')} | {pair('clean')} | {pair('warm')} "
-            f"| {r['cold'] / o['cold']:.3f} |"
+            f"| {a['case']} | {a['backend']} | {a['direction']} | {pair('cold')} | {pair('clean')} | {pair('warm')} "
+            f"| {a['cold'] / b['cold']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -104,7 +103,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--compare", nargs=2, metavar=("ON_JSON", "OFF_JSON"))
+    ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"))
     args = ap.parse_args()
     if args.compare:
         print(compare(*args.compare))

@@ -151,10 +151,7 @@ class CSACompressorForward(_Op):
             return out
         if stream is not None:
             _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats))
-        if softmax_stats is None:
-            launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream)
-        else:
-            launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, softmax_stats)
+        launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, softmax_stats)
         return out
 
     def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats=None) -> None:
@@ -164,10 +161,7 @@ class CSACompressorForward(_Op):
             return
         if stream is not None:
             _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats))
-        if stats is None:
-            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream)
-        else:
-            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, stats)
+        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, stats)
 
 
 class CSACompressorBackward(_Op):
@@ -271,11 +265,10 @@ class CSACompressorBackward(_Op):
             _keep_alive(
                 stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stats)
             )
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
-        if stats is None:
-            self._launch(*args, self._ratio, self._coff, stream)
-        else:
-            self._launch(*args, self._ratio, self._coff, stream, stats)
+        self._launch(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, self._ratio, self._coff,
+            stream, stats,
+        )  # fmt: skip
         return grad_kv, grad_score, grad_ape
 
 

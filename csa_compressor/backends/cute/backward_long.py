@@ -165,8 +165,10 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 scf[k].store(vec_view(ssc, off, V).load())
 
     @cute.jit
-    def fetch(kv, score, skv, ssc, kvf, scf, bi: cutlass.Constexpr, g, c, tc, active, t0, first, sbase):
-        """Batch bi of the thread's slots: from the staged window (``AS``) or straight from global memory."""
+    def fetch(kv, score, skv, ssc, kvb, scb, bi: cutlass.Constexpr, g, c, tc, active, t0, first, sbase):
+        """Batch bi of the thread's slots into register buffer ``bi % 2`` of ``kvb``/``scb``: from the staged
+        window (``AS``) or straight from global memory."""
+        kvf, scf = kvb[bi % 2], scb[bi % 2]
         if cutlass.const_expr(AS):
             issue_smem(skv, ssc, kvf, scf, bi, g, tc, active, first, sbase)
         else:
@@ -283,59 +285,16 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 gb.store(vec_view(gout, r * D + c, V).load())
 
             # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
-            fetch(
-                kv,
-                score,
-                sm_kv.iterator,
-                sm_sc.iterator,
-                kvb[(0) % 2],
-                scb[(0) % 2],
-                0,
-                g,
-                c,
-                tc,
-                active,
-                t0,
-                first,
-                sbase,
-            )
+            fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb, scb, 0, g, c, tc, active, t0, first, sbase)
             for bi in cutlass.range_constexpr(NB):
                 if cutlass.const_expr(bi + 1 < NB):
                     fetch(
-                        kv,
-                        score,
-                        sm_kv.iterator,
-                        sm_sc.iterator,
-                        kvb[(bi + 1) % 2],
-                        scb[(bi + 1) % 2],
-                        bi + 1,
-                        g,
-                        c,
-                        tc,
-                        active,
-                        t0,
-                        first,
-                        sbase,
+                        kv, score, sm_kv.iterator, sm_sc.iterator, kvb, scb, bi + 1, g, c, tc, active, t0, first, sbase
                     )
                 ops.load_ape(ape, apf, bi, g, c, col_ok)
                 ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi)
             # The second pass's first batch is in flight during the combine.
-            fetch(
-                kv,
-                score,
-                sm_kv.iterator,
-                sm_sc.iterator,
-                kvb[(0) % 2],
-                scb[(0) % 2],
-                0,
-                g,
-                c,
-                tc,
-                active,
-                t0,
-                first,
-                sbase,
-            )
+            fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb, scb, 0, g, c, tc, active, t0, first, sbase)
             base = g * CW + tc * V
             vec_view(sm_m.iterator, base, V).store(vm.load())
             vec_view(sm_l.iterator, base, V).store(vl.load())
@@ -385,20 +344,7 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
             for bi in cutlass.range_constexpr(NB):
                 if cutlass.const_expr(bi + 1 < NB):
                     fetch(
-                        kv,
-                        score,
-                        sm_kv.iterator,
-                        sm_sc.iterator,
-                        kvb[(bi + 1) % 2],
-                        scb[(bi + 1) % 2],
-                        bi + 1,
-                        g,
-                        c,
-                        tc,
-                        active,
-                        t0,
-                        first,
-                        sbase,
+                        kv, score, sm_kv.iterator, sm_sc.iterator, kvb, scb, bi + 1, g, c, tc, active, t0, first, sbase
                     )
                 ops.load_ape(ape, apf, bi, g, c, col_ok)
                 kvf, scf = kvb[bi % 2], scb[bi % 2]
