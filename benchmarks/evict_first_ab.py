@@ -1,10 +1,12 @@
-"""A/B of the evict-first window loads (``csa_compressor.backends.STREAM_LOADS``) on the SPEC section 6 cases.
+"""A/B of the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for the forwards,
+``STREAM_BACKWARD`` for the backwards) on the SPEC section 6 cases.
 
-``STREAM_LOADS`` is read once at import, so each side of the comparison is its own process::
+Both are read once at import, so each side of the comparison is its own process::
 
     CSA_COMPRESSOR_STREAM_LOADS=1 python3 benchmarks/evict_first_ab.py --out $OUT/ab_on.json
     CSA_COMPRESSOR_STREAM_LOADS=0 python3 benchmarks/evict_first_ab.py --out $OUT/ab_off.json
     python3 benchmarks/evict_first_ab.py --compare $OUT/ab_on.json $OUT/ab_off.json   # A = on, B = off
+    CSA_COMPRESSOR_STREAM_BACKWARD=stores python3 benchmarks/evict_first_ab.py --directions bwd --out $OUT/st.json
 
 Each process times, per backend and case, the forward and the backward as autograd runs them (the bench's
 ``_kernel_callables``; ``--triton-stats`` forces Triton's softmax-statistics pair, autograd's default since c939852) with the
@@ -46,6 +48,8 @@ def measure(args) -> dict:
         for backend in names:
             fns = _kernel_callables(backend, pack, case)
             for direction, fn in fns.items():
+                if direction not in args.directions.split(","):
+                    continue
                 for _ in range(3):
                     fn()
                 rec = dict(case=case.name, backend=backend, direction=direction)
@@ -62,6 +66,7 @@ def measure(args) -> dict:
         torch.cuda.empty_cache()
     return {
         "stream_loads": backends.STREAM_LOADS,
+        "stream_backward": backends.STREAM_BACKWARD,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -75,8 +80,9 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}), B = {b_path} (stream_loads="
-        f"{b_run.get('stream_loads')}); {a_run.get('device')}; kernel us per call",
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}); "
+        f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
         "|---|---|---|---|---|---|---|",
@@ -100,6 +106,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="cute,triton")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: the SPEC section 6 cases)")
+    ap.add_argument("--directions", default="fwd,bwd", help="comma-separated: fwd, bwd")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)

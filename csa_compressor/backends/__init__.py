@@ -40,3 +40,10 @@ BACKENDS = ("cute", "triton", "reference")
 # lines, not other (possibly dirty) data. The backward kernels measured slower with it and load normally.
 # "0" turns it off, for A/B measurements (benchmarks/evict_first_ab.py); read once, at import.
 STREAM_LOADS = os.environ.get("CSA_COMPRESSOR_STREAM_LOADS", "1") != "0"
+
+# The backward kernels' evict-first policy: "none" (plain loads and stores), "stores" (grad_kv and grad_score
+# stored evict-first: cute ``st.global.cs``, Triton ``eviction_policy="evict_first"``) or "all" (stores and the
+# window's loads). Read once, at import; under evaluation with benchmarks/evict_first_ab.py.
+STREAM_BACKWARD = os.environ.get("CSA_COMPRESSOR_STREAM_BACKWARD", "none")
+if STREAM_BACKWARD not in ("none", "stores", "all"):
+    raise ValueError(f"CSA_COMPRESSOR_STREAM_BACKWARD must be none, stores or all, got {STREAM_BACKWARD!r}")

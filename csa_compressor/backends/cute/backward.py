@@ -51,6 +51,7 @@ from .forward import (
     torch_order_sum,
     vec_view,
     window_load,
+    window_store,
 )
 
 SMEM_CARVEOUT = 50  # percent of the unified L1/shared memory offered to shared memory
@@ -89,7 +90,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         return build_backward_stats(ratio, coff, head_dim, sch)
     if sch.LONG:
         return build_backward_long(ratio, coff, head_dim, sch)
-    V, TC, G, SG, R, MD, EF = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.MD, sch.EF
+    V, TC, G, SG, R, MD, EF, ES = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.MD, sch.EF, sch.ES
     assert sch.NB == 1 and not sch.CM, "the short-window backward streams rows, not slot batches"
     W = coff * ratio
     D = head_dim
@@ -101,7 +102,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     assert G * SG == W
     SMEM_ROW = G * CW
     LANES = R * G  # threads sharing one column vector (zero duties are spread over them)
-    zeros = ZeroStores(ratio, coff, head_dim, V)
+    zeros = ZeroStores(ratio, coff, head_dim, V, ES)
     APE_SIZE = ratio * WIDTH
     # Register cap: ptxas otherwise spends ~150 registers on ILP; 128 per thread keeps 512 threads per SM.
 
@@ -110,8 +111,8 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         # A slot's gradients land where its inputs were read (stores are disjoint across rows).
         if valid:
             off = (t0 - (coff - 1) * ratio + s) * WIDTH + (s // ratio) * D + c
-            vec_view(gkv, off, V).store(dvo.load().to(BFloat16))
-            vec_view(gsc, off, V).store(dlo.load().to(BFloat16))
+            window_store(gkv, off, V, dvo.load().to(BFloat16), ES)
+            window_store(gsc, off, V, dlo.load().to(BFloat16), ES)
 
     @cute.jit
     def load_row(kv, score, gout, cu_t, cuc_t, B, kvf, scf, gb, r, ok, g, c):

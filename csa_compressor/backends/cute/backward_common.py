@@ -12,7 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .forward import add_rn, vec_view
+from .forward import add_rn, vec_view, window_store
 
 REDUCE_WARPS = 8  # 32 warps measured slower on the H200 (the 32-partial serial combine at every 32 entries)
 REDUCE_UNROLL = 8
@@ -105,7 +105,7 @@ class ZeroStores:
     and a grid-stride share of the tokens past ``cu_seqlens[-1]``, spread over ``lanes`` threads.
     """
 
-    def __init__(self, ratio: int, coff: int, head_dim: int, V: int):
+    def __init__(self, ratio: int, coff: int, head_dim: int, V: int, evict_first: bool = False):
         D = head_dim
         WIDTH = coff * head_dim
 
@@ -117,12 +117,12 @@ class ZeroStores:
                     tail_tok = t0 + ratio + qz
                     if tail_tok < seg_end:
                         for h in cutlass.range_constexpr(coff):
-                            vec_view(gkv, tail_tok * WIDTH + h * D + c, V).store(zero.load())
-                            vec_view(gsc, tail_tok * WIDTH + h * D + c, V).store(zero.load())
+                            window_store(gkv, tail_tok * WIDTH + h * D + c, V, zero.load(), evict_first)
+                            window_store(gsc, tail_tok * WIDTH + h * D + c, V, zero.load(), evict_first)
                     if cutlass.const_expr(coff == 2):
                         own_tok = t0 + qz
-                        vec_view(gkv, own_tok * WIDTH + c, V).store(zero.load())
-                        vec_view(gsc, own_tok * WIDTH + c, V).store(zero.load())
+                        window_store(gkv, own_tok * WIDTH + c, V, zero.load(), evict_first)
+                        window_store(gsc, own_tok * WIDTH + c, V, zero.load(), evict_first)
 
         @cute.jit
         def unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, lane, lanes: cutlass.Constexpr, c):
@@ -130,13 +130,13 @@ class ZeroStores:
                 if cuc_t[b + 1] == cuc_t[b]:
                     for t in cutlass.range(cu_t[b] + lane, cu_t[b + 1], lanes):
                         for h in cutlass.range_constexpr(coff):
-                            vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
-                            vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
+                            window_store(gkv, t * WIDTH + h * D + c, V, zero.load(), evict_first)
+                            window_store(gsc, t * WIDTH + h * D + c, V, zero.load(), evict_first)
             # Token-capacity padding rows past cu_seqlens[-1]: grid-stride.
             for t in cutlass.range(cu_t[B] + bx * lanes + lane, T, gdx * lanes):
                 for h in cutlass.range_constexpr(coff):
-                    vec_view(gkv, t * WIDTH + h * D + c, V).store(zero.load())
-                    vec_view(gsc, t * WIDTH + h * D + c, V).store(zero.load())
+                    window_store(gkv, t * WIDTH + h * D + c, V, zero.load(), evict_first)
+                    window_store(gsc, t * WIDTH + h * D + c, V, zero.load(), evict_first)
 
         self.segment_tail, self.unowned = segment_tail, unowned
 

@@ -37,7 +37,18 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .backward_common import ZeroStores, make_backward_host
-from .forward import LOG2E, NEG_INF, Schedule, WindowOps, ex2, find_segment, slots_per_group, vec_view, vector_width
+from .forward import (
+    LOG2E,
+    NEG_INF,
+    Schedule,
+    WindowOps,
+    ex2,
+    find_segment,
+    slots_per_group,
+    vec_view,
+    vector_width,
+    window_store,
+)
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
 
@@ -145,7 +156,7 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
     if AS:
         assert COLS_EXACT and D % 8 == 0 and CW % 8 == 0 and (W * PIECES) % NT == 0 and not sch.PF
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
-    zeros = ZeroStores(ratio, coff, head_dim, V)
+    zeros = ZeroStores(ratio, coff, head_dim, V, sch.ES)
     smem_bytes = long_backward_smem_bytes(sch)
 
     @cute.jit
@@ -361,8 +372,8 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
                         valid = active & ((half == 1) | (not first))
                     if valid:
                         off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
-                        vec_view(gkv, off, V).store(dvo.load().to(BFloat16))
-                        vec_view(gsc, off, V).store(dlo.load().to(BFloat16))
+                        window_store(gkv, off, V, dvo.load().to(BFloat16), sch.ES)
+                        window_store(gsc, off, V, dlo.load().to(BFloat16), sch.ES)
                         sv = vec_view(sm_dape.iterator, s * CW + tc * V, V)
                         sv.store(sv.load() + dlo.load())
 

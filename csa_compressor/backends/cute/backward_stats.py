@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .backward_common import ZeroStores, make_backward_host
-from .forward import LOG2E, Schedule, WindowOps, ex2, find_segment, vec_view, vector_width
+from .forward import LOG2E, Schedule, WindowOps, ex2, find_segment, vec_view, vector_width, window_store
 
 
 def stats_backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
@@ -66,7 +66,7 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
     COLS_EXACT = D % CW == 0
     APE_SIZE = ratio * WIDTH
     ops = WindowOps(ratio, coff, head_dim, V, SG, SG, sch.EF)  # group index = global slot group, SG slots each
-    zeros = ZeroStores(ratio, coff, head_dim, V)
+    zeros = ZeroStores(ratio, coff, head_dim, V, sch.ES)
 
     @cute.kernel
     def kernel(
@@ -162,8 +162,8 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     valid = col_ok & ((half == 1) | (not first))
                 if valid:
                     off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
-                    vec_view(gkv, off, V).store(dvo.load().to(BFloat16))
-                    vec_view(gsc, off, V).store(dlo.load().to(BFloat16))
+                    window_store(gkv, off, V, dvo.load().to(BFloat16), sch.ES)
+                    window_store(gsc, off, V, dlo.load().to(BFloat16), sch.ES)
                     dape[k].store(dape[k].load() + dlo.load())
             # Exact zeros owned by a segment's last row (this thread's slots and columns).
             if col_ok & (r == cuc_t[b + 1] - 1):

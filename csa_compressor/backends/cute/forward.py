@@ -199,6 +199,7 @@ class Schedule:
     ST: bool = False  # softmax statistics: the forward writes them, the long-window backward reads them
     SC: int = 0  # statistics backward (backward_stats.py): window slots per CTA
     EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv, score (short backward: grad_out)
+    ES: bool = False  # backward: evict-first (``st.global.cs``) stores of grad_kv and grad_score, zeros included
 
     @property
     def threads(self) -> int:
@@ -220,6 +221,7 @@ class Schedule:
             self.ST,
             self.SC,
             self.EF,
+            self.ES,
         )
 
 
@@ -321,6 +323,16 @@ def window_load(ptr: cute.Pointer, off, V: int, evict_first: bool):
     dtype = ptr.dtype
     value = cute.arch.load(ptr + cute.assume(off, divby=V), ir.VectorType.get([V], dtype.mlir_type), cop="cs")
     return cute.TensorSSA(value, (V,), dtype)
+
+
+def window_store(ptr: cute.Pointer, off, V: int, value, evict_first: bool) -> None:
+    """``vec_view(ptr, off, V).store(value)``; with ``evict_first`` as ``st.global.cs`` (SASS ``STG.E.EF``): a
+    gradient written once leaves L2 before older (possibly dirty) lines, whose write-back would otherwise share
+    the DRAM bandwidth with the kernel's own traffic."""
+    if not evict_first or V == 1:  # as window_load: no cache operator on one-element vectors
+        vec_view(ptr, off, V).store(value)
+        return
+    cute.arch.store(ptr + cute.assume(off, divby=V), value, cop="cs")
 
 
 def forward_smem_bytes(sch: Schedule) -> int:

@@ -39,7 +39,7 @@ from dataclasses import replace
 
 import torch
 
-from .. import STREAM_LOADS
+from .. import STREAM_BACKWARD, STREAM_LOADS
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -154,7 +154,9 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
         raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
     # Evict-first window loads in the forward kernels only: on the H200 they took the cold (write-flushed) forward
     # 3-16 % down and the backward kernels 2-5 % up, cold and clean alike (benchmarks/evict_first_ab.py).
-    return replace(sch, EF=STREAM_LOADS and direction.startswith("forward"))
+    if direction.startswith("forward"):
+        return replace(sch, EF=STREAM_LOADS)
+    return replace(sch, EF=STREAM_BACKWARD == "all", ES=STREAM_BACKWARD != "none")
 
 
 def _key(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, arch: str) -> tuple:
