@@ -33,4 +33,5 @@ for g in 0 1; do
         python3 benchmarks/evict_first_ab.py --compare "$OUTD/ab_${p}_gpu$g.json" "$OUTD/ab_none_gpu$g.json"
     done
 done | tee "$OUTD/ab_compare.md"
-cd "$OUTD" && tar czf logs.tgz *.log *.txt 2>/dev/null; ls "$OUTD"
+# At most 8 files come back from the device: keep the comparison and one archive of the rest.
+cd "$OUTD" && tar czf ab_all.tgz ./*.json ./*.log ./*.txt && rm -f ./*.json ./*.log ./*.txt && ls "$OUTD"
