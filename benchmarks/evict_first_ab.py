@@ -39,6 +39,16 @@ def measure(args) -> dict:
         from csa_compressor.backends.triton import launch as triton_launch
 
         triton_launch.AUTOGRAD_STATS = True
+    if args.stats_slots:
+        from dataclasses import replace
+
+        from csa_compressor.backends.cute import launch as cute_launch
+        from csa_compressor.backends.cute.backward_stats import stats_backward_schedule
+
+        for case in select_cases(args.cases.split(",") if args.cases else None):
+            key = ("backward_stats", case.ratio, case.coff, case.head_dim)
+            sch = stats_backward_schedule(case.ratio, case.coff, case.head_dim, args.stats_slots)
+            cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, EF=False, ES=False)
     timer = _Timer(dev, (args.reps, args.reps, 1))
     names = [b for b in args.backends.split(",") if b in available_backends(dev)]
     rows = []
@@ -67,6 +77,7 @@ def measure(args) -> dict:
     return {
         "stream_loads": backends.STREAM_LOADS,
         "stream_backward": backends.STREAM_BACKWARD,
+        "stats_slots": args.stats_slots,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -80,8 +91,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -108,10 +119,15 @@ def main() -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: the SPEC section 6 cases)")
     ap.add_argument("--directions", default="fwd,bwd", help="comma-separated: fwd, bwd")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--stats-slots", type=int, default=0, help="cute statistics backward: window slots per CTA")
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="environment variable for this run")
     ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"))
     args = ap.parse_args()
+    for item in args.set:
+        key, _, value = item.partition("=")
+        os.environ[key] = value  # before the package is imported (measure imports it)
     if args.compare:
         print(compare(*args.compare))
         return 0

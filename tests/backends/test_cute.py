@@ -186,6 +186,9 @@ def test_non_current_device():
 STATS_CASES = [c for c in CASES if c[2] * c[3] > 16] + [
     ((700, 300, 2000), 512, 128, 2, 9, 1),
     ((50, 3, 97), 65, 32, 2, 1, 2),
+    # Odd windows: one slot per CTA chunk, 16 rows side by side.
+    ((200, 5, 61, 90), 128, 17, 1, 2, 1),
+    ((300, 40, 7), 36, 33, 1, 1, 2),
 ]
 
 

@@ -6,14 +6,17 @@ So a CTA needs neither a whole window nor a barrier (the loop interchange of the
 kernel):
 
 - grid ``[row ranges, column chunks x slot chunks]``: a CTA owns ``CW = TC * V`` columns and
-  ``SC = G * SG`` consecutive window slots of a contiguous range of rows;
+  ``SC = G * SG`` consecutive window slots of a contiguous range of rows, ``R`` rows at a time (row lane
+  ``rl`` takes rows ``rl, rl + R, ...`` of the range);
 - a thread owns ``V`` columns (16-byte vectors) of ``SG`` slots; per row it loads the row's statistics and
   ``grad_out`` for its columns (L1 serves the CTA's other slot groups) and its slots' kv and score,
   with the next row's kv and score already in flight (double buffer in registers), and stores ``dv``
   and ``dlogit`` at once;
-- ``ape`` is loaded once per CTA; ``grad_ape`` accumulates in registers over the CTA's rows and is
-  written to the CTA's slab ``ws[row range]`` (disjoint slots and columns per CTA); the reduction kernel
-  of ``backward_common`` sums the slabs in a fixed order (bitwise deterministic, no atomics).
+- ``ape`` is loaded once per CTA; ``grad_ape`` accumulates in registers over the thread's rows, the ``R``
+  row lanes are summed in lane order through shared memory, and the CTA writes its part of the slab
+  ``ws[row range]`` (disjoint slots and columns per CTA); the reduction kernel of ``backward_common`` sums the
+  slabs in a fixed order (bitwise deterministic, no atomics). The slabs are extra DRAM traffic (written, then
+  read): ``R`` rows side by side divide their number by ``R`` at the same CTA count.
 
 Exact zeros as the other backwards: a segment's last row zeroes the tail tokens of the slots its threads
 own (and the first-half columns of its tokens, coff 2); the first slot chunk's CTAs zero the segments
@@ -29,11 +32,15 @@ from cutlass import BFloat16, Boolean, Float32, Int32
 from .backward_common import ZeroStores, make_backward_host
 from .forward import LOG2E, Schedule, WindowOps, ex2, find_segment, vec_view, vector_width, window_store
 
+STATS_SLOTS = 8  # window slots per CTA (at most); with 64 columns that leaves R = 4 rows side by side
 
-def stats_backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
-    """128 threads: 64 columns (16-byte vectors) x 16 groups of 2 slots, i.e. 32-slot chunks (the H200 sweep of
-    the Triton statistics kernel found 64 x 32 tiles of 4 warps best; 2 slots per thread keep the double-buffered
-    rows, the statistics and the grad_ape accumulators within 128 registers)."""
+
+def stats_backward_schedule(ratio: int, coff: int, head_dim: int, slots_cap: int = STATS_SLOTS) -> Schedule:
+    """128 threads: 64 columns (16-byte vectors, ``TC`` threads) x ``G`` groups of 2 slots (``SC = G * SG <=
+    slots_cap`` window slots per CTA) x ``R`` rows at a time. Every CTA writes one grad_ape slab per row range, so
+    rows side by side in a CTA (``R``) divide the slab bytes by ``R`` at the same CTA count (one wave); the price is
+    that the statistics and grad_out of a row are read by ``W / SC`` CTAs (L2 hits). 2 slots per thread keep the
+    double-buffered rows, the statistics and the grad_ape accumulators within 128 registers."""
     W = coff * ratio
     V = vector_width(head_dim, 8)
     col_threads = -(-head_dim // V)
@@ -41,20 +48,22 @@ def stats_backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
     while TC * 2 <= col_threads and TC * 2 * V <= 64:
         TC *= 2
     SG = 2 if W % 2 == 0 else 1
-    G = max(1, 128 // TC)
+    G = max(1, min(128 // TC, slots_cap // SG))
     while G > 1 and W % (G * SG):
         G //= 2
-    return Schedule(V=V, TC=TC, G=G, SG=SG, R=1, NB=1, LONG=True, ST=True, SC=G * SG)
+    R = max(1, 128 // (TC * G))
+    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R, NB=1, LONG=True, ST=True, SC=G * SG)
 
 
 def stats_backward_smem_bytes(sch: Schedule) -> int:
-    return 128
+    """The fixed-order combine of the ``R`` row lanes' grad_ape accumulators, fp32."""
+    return 128 + (sch.R * sch.SC * sch.TC * sch.V * 4 if sch.R > 1 else 0)
 
 
 def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
     """Host function ``host(kv, score, ape, cu, cuc, grad_out, grad_kv, grad_score, grad_ape, ws, stats, B, N, T,
     rows_per_cta, num_ctas, stream)`` (the ``backward_stats`` signature of launch.py)."""
-    V, TC, G, SG, SC = sch.V, sch.TC, sch.G, sch.SG, sch.SC
+    V, TC, G, SG, SC, R = sch.V, sch.TC, sch.G, sch.SG, sch.SC, sch.R
     W = coff * ratio
     assert sch.ST and SC == G * SG and W % SC == 0 and sch.NB == 1
     D = head_dim
@@ -91,7 +100,8 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
         by = byz % NCOL
         bz = byz // NCOL
         tc = tidx % TC
-        gl = tidx // TC
+        gl = (tidx // TC) % G
+        rl = tidx // (TC * G)  # row lane: rows row_begin + rl, + R, ...
         gg = bz * G + gl  # global slot group: slots gg * SG .. gg * SG + SG - 1
         c = (by * TC + tc) * V
         col_ok = Boolean(True)
@@ -122,11 +132,12 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
-        if row_begin < row_lim:
-            b0 = find_segment(cuc_t, B, row_begin)
-            j0 = row_begin - cuc_t[b0]
+        row_first = row_begin + rl
+        if row_first < row_lim:
+            b0 = find_segment(cuc_t, B, row_first)
+            j0 = row_first - cuc_t[b0]
             ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[b0] + j0 * ratio, j0 == 0)
-        for r in cutlass.range(row_begin, row_lim):
+        for r in cutlass.range(row_first, row_lim, R):
             for k in cutlass.range_constexpr(SG):
                 cur_kv[k].store(nxt_kv[k].load())
                 cur_sc[k].store(nxt_sc[k].load())
@@ -135,9 +146,9 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
             t0 = cu_t[b] + j * ratio
             first = j == 0
             # The next row's window slice goes out before this row's math.
-            if r + 1 < row_lim:
-                bn = find_segment(cuc_t, B, r + 1)
-                jn = r + 1 - cuc_t[bn]
+            if r + R < row_lim:
+                bn = find_segment(cuc_t, B, r + R)
+                jn = r + R - cuc_t[bn]
                 ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[bn] + jn * ratio, jn == 0)
             gb.fill(0.0)
             vm.fill(0.0)
@@ -171,10 +182,23 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
         # Exact zeros: segments with no row and token-capacity padding (the first slot chunk's CTAs).
         if col_ok & (bz == 0):
-            zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, gl, G, c)
+            zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, rl * G + gl, G * R, c)
 
-        # This CTA's part of its row range's grad_ape slab.
-        if col_ok:
+        if cutlass.const_expr(R > 1):
+            # The row lanes' accumulators, summed in lane order 0, 1, ..., R - 1 (fixed: bitwise reproducible).
+            smem = cutlass.memory.SmemAllocator()
+            red = smem.allocate_tensor(Float32, cute.make_layout(R * SC * CW), byte_alignment=16)
+            for k in cutlass.range_constexpr(SG):
+                vec_view(red.iterator, ((rl * G + gl) * SG + k) * CW + tc * V, V).store(dape[k].load())
+            cute.arch.sync_threads()
+            for h in cutlass.range_constexpr(1, R):
+                for k in cutlass.range_constexpr(SG):
+                    dape[k].store(
+                        dape[k].load() + vec_view(red.iterator, ((h * G + gl) * SG + k) * CW + tc * V, V).load()
+                    )
+
+        # This CTA's part of its row range's grad_ape slab (row lane 0 holds the CTA's sum).
+        if col_ok & (rl == 0):
             for k in cutlass.range_constexpr(SG):
                 s = gg * SG + k
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c

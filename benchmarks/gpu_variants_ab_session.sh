@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One development call on nvidia-h200-x2: an A/B/... of kernel variants with benchmarks/evict_first_ab.py, every
+# variant in its own process, on both GPUs in opposite orders; then an optional check command on GPU 0 (CHECK_CMD,
+# e.g. the cute tests and full-size numerics of the new default). At most 8 files come back: the comparison
+# tables, the check's tail and one archive of the rest.
+#
+#   VARIANTS="s32 s8" ARGS_s32="--stats-slots 32" ARGS_s8="--stats-slots 8" AB_ARGS="--backends cute \
+#       --directions bwd --cases 1x8192-d128-r128-c1" bash benchmarks/gpu_variants_ab_session.sh
+#
+# The first variant is the baseline B of every comparison. ``--set KEY=VALUE`` in a variant's arguments sets an
+# environment variable before the package is imported (e.g. ``--set CSA_COMPRESSOR_STREAM_BACKWARD=stores``).
+set -uo pipefail
+OUTD=${OUT:-/tmp/csa_out}
+mkdir -p "$OUTD"
+if [ -d .cutedsl ]; then
+    mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
+fi
+export PYTHONPATH=/tmp/cutedsl/nvidia_cutlass_dsl/dsl_packages:/tmp/cutedsl:$PWD
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem --format=csv,noheader >"$OUTD/gpu.txt"
+read -r -a LABELS <<<"${VARIANTS:?set VARIANTS}"
+ab() {  # gpu, label
+    local name="ARGS_$2"
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$1 TRITON_CACHE_DIR=/tmp/tc_$2_$1 timeout ${AB_TIMEOUT:-150} \
+        python3 benchmarks/evict_first_ab.py ${AB_ARGS:-} ${!name:-} --out "$OUTD/ab_$2_gpu$1.json" \
+        >"$OUTD/ab_$2_gpu$1.log" 2>&1
+    echo "rc=$?" >>"$OUTD/ab_$2_gpu$1.log"
+}
+( for l in "${LABELS[@]}"; do ab 0 "$l"; done ) &
+( for ((i = ${#LABELS[@]} - 1; i >= 0; i--)); do ab 1 "${LABELS[$i]}"; done ) &
+wait
+if [ -n "${CHECK_CMD:-}" ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout ${CHECK_TIMEOUT:-200} bash -c "$CHECK_CMD" >"$OUTD/check.txt" 2>&1
+    echo "rc=$?" >>"$OUTD/check.txt"
+    tail -n 30 "$OUTD/check.txt" >"$OUTD/check_tail.txt"
+fi
+base=${LABELS[0]}
+for g in 0 1; do
+    for l in "${LABELS[@]:1}"; do
+        echo "== GPU $g: A = $l, B = $base"
+        python3 benchmarks/evict_first_ab.py --compare "$OUTD/ab_${l}_gpu$g.json" "$OUTD/ab_${base}_gpu$g.json"
+    done
+done | tee "$OUTD/ab_compare.md"
+cd "$OUTD" && tar czf ab_all.tgz ./*.json ./*.log ./*.txt && rm -f ./*.json ./*.log gpu.txt check.txt && ls "$OUTD"
