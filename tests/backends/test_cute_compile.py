@@ -98,3 +98,20 @@ def test_softmax_stats_only_for_long_windows():
     assert not cute_launch.supports_stats(8, 2, 128)
     with pytest.raises(ValueError, match="direction must be"):
         cute_launch._schedule("forward_stats", 4, 2, 128)
+
+
+@pytest.mark.parametrize(
+    "ratio,coff,head_dim", [(128, 1, 128), (128, 2, 512), (16, 2, 130), (17, 1, 128), (128, 1, 65)]
+)
+def test_stats_backward_rows_side_by_side(ratio, coff, head_dim):
+    """128-thread CTAs whatever the window: slot chunks of at most ``max(8, W / 16)`` slots, and the threads left over
+    take rows side by side (``R``), so that a CTA's grad_ape slab covers ``R`` rows at a time."""
+    from csa_compressor.backends.cute.backward_stats import STATS_CHUNKS, STATS_MIN_SLOTS, stats_backward_schedule
+
+    W = coff * ratio
+    sch = stats_backward_schedule(ratio, coff, head_dim)
+    assert sch.threads == 128 and W % sch.SC == 0
+    assert sch.SC <= max(STATS_MIN_SLOTS, W // STATS_CHUNKS)
+    assert sch.R == 128 // (sch.TC * sch.G)
+    if (ratio, coff, head_dim) == (128, 1, 128):
+        assert (sch.SC, sch.R) == (8, 4)

@@ -32,16 +32,25 @@ from cutlass import BFloat16, Boolean, Float32, Int32
 from .backward_common import ZeroStores, make_backward_host
 from .forward import LOG2E, Schedule, WindowOps, ex2, find_segment, vec_view, vector_width, window_store
 
-STATS_SLOTS = 8  # window slots per CTA (at most); with 64 columns that leaves R = 4 rows side by side
+# Window slots per CTA: at least 8, and few enough slot chunks (at most STATS_CHUNKS) that a row's statistics and
+# grad_out are not read by too many CTAs. H200 A/B (2026-11-30, cold backward, slots per CTA 32 / 16 / 8):
+# 1x8192 d128 r128 c1 5.2 / 4.1-4.3 / 4.0 us; 3x8192 d512 r128 c1 31.3-31.6 / 30.4-31.0 / 30.5-31.1;
+# 1x65536 d512 r128 c2 151.6 / 147.9-148.6 / 165 (32 chunks of 8 slots: the statistics re-reads cost more than
+# the slabs they save).
+STATS_MIN_SLOTS = 8
+STATS_CHUNKS = 16
 
 
-def stats_backward_schedule(ratio: int, coff: int, head_dim: int, slots_cap: int = STATS_SLOTS) -> Schedule:
+def stats_backward_schedule(ratio: int, coff: int, head_dim: int, slots_cap: int | None = None) -> Schedule:
     """128 threads: 64 columns (16-byte vectors, ``TC`` threads) x ``G`` groups of 2 slots (``SC = G * SG <=
     slots_cap`` window slots per CTA) x ``R`` rows at a time. Every CTA writes one grad_ape slab per row range, so
     rows side by side in a CTA (``R``) divide the slab bytes by ``R`` at the same CTA count (one wave); the price is
-    that the statistics and grad_out of a row are read by ``W / SC`` CTAs (L2 hits). 2 slots per thread keep the
+    that the statistics and grad_out of a row are read by ``W / SC`` CTAs (L2 hits; ``slots_cap``, by default
+    ``max(STATS_MIN_SLOTS, W // STATS_CHUNKS)``, bounds that). 2 slots per thread keep the
     double-buffered rows, the statistics and the grad_ape accumulators within 128 registers."""
     W = coff * ratio
+    if slots_cap is None:
+        slots_cap = max(STATS_MIN_SLOTS, W // STATS_CHUNKS)
     V = vector_width(head_dim, 8)
     col_threads = -(-head_dim // V)
     TC = 1

@@ -209,9 +209,10 @@ def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> Kernel
     d2 = _pow2(head_dim)
     if direction == "forward":
         if head_dim <= 128:
-            # Small problems are latency bound: 4 warps x 8 lanes x 4 slots = one 128-slot chunk per row, and
-            # 32-column blocks for more programs.
-            block_d, num_warps, cs_in = min(32, d2), 4, 4
+            # Small problems are latency bound: 32-column blocks for more programs, 2 warps x 16 lanes x 4 slots =
+            # 64-slot chunks (H200 sweep with the bench's profiler timer and statistics, 2026-11-30, 1x8192 d128
+            # r128 c1: 3.28 us write flush / 2.71 read flush; 4 warps and one 128-slot chunk 3.66 / 3.24).
+            block_d, num_warps, cs_in = min(32, d2), 2, 4
         elif coff == 2:
             # 128 columns x 2 warps (H200 sweep 2026-11-30, 1x65536 d512 r128 c2: 87.4 us; 1 warp 92.2).
             block_d, num_warps, cs_in = min(128, d2), 2, 2
