@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One development call on nvidia-h200-x2, for a latency-bound case (PROBE_CASE, default the small ratio-128 one):
-# GPU 0: Nsight Compute on the forward and backward of Triton and cute (benchmarks/ncu_case.py);
+# GPU 0: Nsight Compute on the forward and backward of Triton and cute (benchmarks/ncu_probe.py);
 # GPU 1: the Triton tile sweep of that case with the bench's profiler timer and softmax statistics (as autograd),
 # write flush then read flush. At most 8 files come back: the summaries and one archive.
 set -uo pipefail
@@ -17,7 +17,7 @@ SWEEP_CASE=${CASE//-/_}
     CUDA_VISIBLE_DEVICES=0 timeout ${NCU_TIMEOUT:-240} ncu --profile-from-start off --clock-control none \
         --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section SchedulerStats \
-        python3 benchmarks/ncu_case.py --case "$CASE" --backends ${NCU_BACKENDS:-triton,cute} >"$OUTD/ncu.txt" 2>&1
+        python3 benchmarks/ncu_probe.py --case "$CASE" --backends ${NCU_BACKENDS:-triton,cute} >"$OUTD/ncu.txt" 2>&1
     echo "rc=$?" >>"$OUTD/ncu.txt"
 ) &
 (
