@@ -43,7 +43,8 @@ STREAM_LOADS = os.environ.get("CSA_COMPRESSOR_STREAM_LOADS", "1") != "0"
 
 # The backward kernels' evict-first policy: "none" (plain loads and stores), "stores" (grad_kv and grad_score
 # stored evict-first: cute ``st.global.cs``, Triton ``eviction_policy="evict_first"``) or "all" (stores and the
-# window's loads). Read once, at import; under evaluation with benchmarks/evict_first_ab.py.
+# window's loads). Read once, at import. On the H200 "stores" measured level with "none" and "all" 3-9 % slower
+# (benchmarks/results/backward_evict_first_ab_h200_20261130.md); kept for measurements on other GPUs.
 STREAM_BACKWARD = os.environ.get("CSA_COMPRESSOR_STREAM_BACKWARD", "none")
 if STREAM_BACKWARD not in ("none", "stores", "all"):
     raise ValueError(f"CSA_COMPRESSOR_STREAM_BACKWARD must be none, stores or all, got {STREAM_BACKWARD!r}")
