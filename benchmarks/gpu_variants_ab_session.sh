@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One development call on nvidia-h200-x2: an A/B/... of kernel variants with benchmarks/evict_first_ab.py, every
+# One development call on nvidia-h200-x2: an A/B/... of kernel variants with benchmarks/variant_ab.py, every
 # variant in its own process, on both GPUs in opposite orders; then an optional check command on GPU 0 (CHECK_CMD,
 # e.g. the cute tests and full-size numerics of the new default). At most 8 files come back: the comparison
 # tables, the check's tail and one archive of the rest.
@@ -23,7 +23,7 @@ ab() {  # gpu, label
     local name="ARGS_$2"
     # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=$1 TRITON_CACHE_DIR=/tmp/tc_$2_$1 timeout ${AB_TIMEOUT:-150} \
-        python3 benchmarks/evict_first_ab.py ${AB_ARGS:-} ${!name:-} --out "$OUTD/ab_$2_gpu$1.json" \
+        python3 benchmarks/variant_ab.py ${AB_ARGS:-} ${!name:-} --out "$OUTD/ab_$2_gpu$1.json" \
         >"$OUTD/ab_$2_gpu$1.log" 2>&1
     echo "rc=$?" >>"$OUTD/ab_$2_gpu$1.log"
 }
@@ -39,7 +39,7 @@ base=${LABELS[0]}
 for g in 0 1; do
     for l in "${LABELS[@]:1}"; do
         echo "== GPU $g: A = $l, B = $base"
-        python3 benchmarks/evict_first_ab.py --compare "$OUTD/ab_${l}_gpu$g.json" "$OUTD/ab_${base}_gpu$g.json"
+        python3 benchmarks/variant_ab.py --compare "$OUTD/ab_${l}_gpu$g.json" "$OUTD/ab_${base}_gpu$g.json"
     done
 done | tee "$OUTD/ab_compare.md"
 cd "$OUTD" && tar czf ab_all.tgz ./*.json ./*.log ./*.txt && rm -f ./*.json ./*.log gpu.txt check.txt && ls "$OUTD"

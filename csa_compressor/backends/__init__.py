@@ -38,7 +38,7 @@ BACKENDS = ("cute", "triton", "reference")
 # The forward kernels read the window data (kv, score) exactly once and load it with an evict-first L2 policy
 # (cute: ``ld.global.cs``; Triton: ``eviction_policy="evict_first"``), so streaming it through L2 evicts its own
 # lines, not other (possibly dirty) data. The backward kernels measured slower with it and load normally.
-# "0" turns it off, for A/B measurements (benchmarks/evict_first_ab.py); read once, at import.
+# "0" turns it off, for A/B measurements (benchmarks/variant_ab.py); read once, at import.
 STREAM_LOADS = os.environ.get("CSA_COMPRESSOR_STREAM_LOADS", "1") != "0"
 
 # The backward kernels' evict-first policy: "none" (plain loads and stores), "stores" (grad_kv and grad_score

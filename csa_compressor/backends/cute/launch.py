@@ -153,7 +153,7 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
     else:
         raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
     # Evict-first window loads in the forward kernels only: on the H200 they took the cold (write-flushed) forward
-    # 3-16 % down and the backward kernels 2-5 % up, cold and clean alike (benchmarks/evict_first_ab.py).
+    # 3-16 % down and the backward kernels 2-5 % up, cold and clean alike (benchmarks/variant_ab.py).
     if direction.startswith("forward"):
         return replace(sch, EF=STREAM_LOADS)
     return replace(sch, EF=STREAM_BACKWARD == "all", ES=STREAM_BACKWARD != "none")

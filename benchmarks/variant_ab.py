@@ -1,19 +1,22 @@
-"""A/B of the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for the forwards,
-``STREAM_BACKWARD`` for the backwards) on the SPEC section 6 cases.
+"""One side of an A/B of kernel variants on the SPEC section 6 cases, in its own process (the switches below are
+read at import, and each side should start from a fresh allocator and L2 anyway). Written for the evict-first
+policies and first named ``evict_first_ab.py``.
 
-Both are read once at import, so each side of the comparison is its own process::
+Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for the forwards, ``STREAM_BACKWARD``
+for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
+window slots per CTA (``--stats-slots``); or two package versions on ``PYTHONPATH``::
 
-    CSA_COMPRESSOR_STREAM_LOADS=1 python3 benchmarks/evict_first_ab.py --out $OUT/ab_on.json
-    CSA_COMPRESSOR_STREAM_LOADS=0 python3 benchmarks/evict_first_ab.py --out $OUT/ab_off.json
-    python3 benchmarks/evict_first_ab.py --compare $OUT/ab_on.json $OUT/ab_off.json   # A = on, B = off
-    CSA_COMPRESSOR_STREAM_BACKWARD=stores python3 benchmarks/evict_first_ab.py --directions bwd --out $OUT/st.json
+    python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
+    python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
+    python3 benchmarks/variant_ab.py --compare $OUT/ab_on.json $OUT/ab_off.json   # A = on, B = off
+    python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_BACKWARD=stores --directions bwd --out $OUT/st.json
+
+``benchmarks/gpu_variants_ab_session.sh`` runs every variant on both GPUs of one machine in opposite orders.
 
 Each process times, per backend and case, the forward and the backward as autograd runs them (the bench's
 ``_kernel_callables``; ``--triton-stats`` forces Triton's softmax-statistics pair, autograd's default since c939852) with the
 bench's timer: kernel us per call from the profiler, L2 flushed by a write before each call ("cold", the bench's
-method), by a write then a read ("clean": L2 holds no dirty lines) and not at all ("warm"). Prediction: evict-first
-loads move the cold time toward the clean time (the window no longer evicts the flush's dirty lines, whose write-back
-shares DRAM bandwidth with the kernel's reads) and leave clean and warm times unchanged.
+method), by a write then a read ("clean": L2 holds no dirty lines) and not at all ("warm").
 """
 
 from __future__ import annotations
