@@ -6,11 +6,7 @@
 set -uo pipefail
 OUTD=${OUT:-/tmp/csa_out}
 mkdir -p "$OUTD"
-if [ -d .cutedsl ]; then
-    mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
-fi
-export PYTHONPATH=/tmp/cutedsl/nvidia_cutlass_dsl/dsl_packages:/tmp/cutedsl:$PWD
-export PYTHONUNBUFFERED=1
+. benchmarks/device_env.sh
 CASE=${PROBE_CASE:-1x8192-d128-r128-c1}
 SWEEP_CASE=${CASE//-/_}
 (

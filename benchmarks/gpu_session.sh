@@ -8,11 +8,7 @@ RESULT_DIR=${OUT:-/tmp/csa_out}
 OUT=/tmp/csa_logs
 mkdir -p "$OUT" "$RESULT_DIR"
 STAGES=${STAGES:-"tests selfcheck sanitize bench"}
-if [ -d .cutedsl ]; then
-    mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
-fi
-export PYTHONPATH=/tmp/cutedsl/nvidia_cutlass_dsl/dsl_packages:/tmp/cutedsl:$PWD
-export PYTHONUNBUFFERED=1
+. benchmarks/device_env.sh
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

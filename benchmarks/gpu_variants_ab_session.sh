@@ -12,11 +12,7 @@
 set -uo pipefail
 OUTD=${OUT:-/tmp/csa_out}
 mkdir -p "$OUTD"
-if [ -d .cutedsl ]; then
-    mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
-fi
-export PYTHONPATH=/tmp/cutedsl/nvidia_cutlass_dsl/dsl_packages:/tmp/cutedsl:$PWD
-export PYTHONUNBUFFERED=1
+. benchmarks/device_env.sh
 nvidia-smi --query-gpu=index,name,clocks.sm,clocks.mem --format=csv,noheader >"$OUTD/gpu.txt"
 read -r -a LABELS <<<"${VARIANTS:?set VARIANTS}"
 ab() {  # gpu, label

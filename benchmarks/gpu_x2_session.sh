@@ -15,11 +15,7 @@ set -uo pipefail
 RESULT_DIR=${OUT:-/tmp/csa_out}
 LOGS=/tmp/csa_logs
 mkdir -p "$LOGS" "$RESULT_DIR"
-if [ -d .cutedsl ]; then
-    mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
-fi
-export PYTHONPATH=/tmp/cutedsl/nvidia_cutlass_dsl/dsl_packages:/tmp/cutedsl:$PWD
-export PYTHONUNBUFFERED=1
+. benchmarks/device_env.sh
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/gpu.txt"
 python3 -c "import torch, triton, cutlass; print('torch', torch.__version__, 'triton', triton.__version__, 'cutlass-dsl', cutlass.__version__)" | tee -a "$LOGS/gpu.txt"
 

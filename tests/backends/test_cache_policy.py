@@ -45,16 +45,22 @@ def test_triton_backward_policies(policy, grad, window):
 def test_cute_schedules_follow_the_policies(policy):
     code = (
         "from csa_compressor.backends.cute import launch as l\n"
+        "from csa_compressor.backends.cute.backward_stats import stats_backward_schedule as sbs\n"
         "for d, r, c in (('forward', 4, 2), ('backward', 4, 2), ('backward', 128, 1), ('backward_stats', 128, 1)):\n"
         "    s = l._schedule(d, r, c, 128)\n"
-        "    print(d, int(s.EF), int(s.ES))"
+        "    print(d, int(s.EF), int(s.ES))\n"
+        "l.SCHEDULE_OVERRIDE[('backward_stats', 128, 1, 128)] = sbs(128, 1, 128, 16)\n"
+        "s = l._schedule('backward_stats', 128, 1, 128)\n"
+        "print('override', s.SC, int(s.EF), int(s.ES))"
     )
     res = _run(code, CSA_COMPRESSOR_STREAM_BACKWARD=policy, CSA_COMPRESSOR_STREAM_LOADS="1")
     assert res.returncode == 0, res.stderr
     ef, es = int(policy == "all"), int(policy != "none")
-    assert res.stdout.split("\n")[:4] == [
+    assert res.stdout.split("\n")[:5] == [
         "forward 1 0",
         f"backward {ef} {es}",
         f"backward {ef} {es}",
         f"backward_stats {ef} {es}",
+        # A schedule override replaces the tiles; the policies apply to it as to the defaults.
+        f"override 16 {ef} {es}",
     ]

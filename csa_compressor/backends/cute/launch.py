@@ -133,25 +133,28 @@ def _device_info(index: int) -> tuple[str, int]:
     return info
 
 
-# Development hook: (direction, ratio, coff, head_dim) -> Schedule, consulted before the defaults.
+# Development hook: (direction, ratio, coff, head_dim) -> Schedule, consulted before the defaults (its EF / ES
+# fields are set by the cache policies, as for the defaults).
 SCHEDULE_OVERRIDE: dict[tuple, object] = {}
 
 
-def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
-    override = SCHEDULE_OVERRIDE.get((direction, ratio, coff, head_dim))
-    if override is not None:
-        return override
+def _default_schedule(direction: str, ratio: int, coff: int, head_dim: int):
     if direction == "forward":
-        sch = forward_schedule(ratio, coff, head_dim)
-    elif direction == "backward":
-        sch = backward_schedule(ratio, coff, head_dim)
-    elif direction in ("forward_stats", "backward_stats") and supports_stats(ratio, coff, head_dim):
+        return forward_schedule(ratio, coff, head_dim)
+    if direction == "backward":
+        return backward_schedule(ratio, coff, head_dim)
+    if direction in ("forward_stats", "backward_stats") and supports_stats(ratio, coff, head_dim):
         if direction == "forward_stats":
-            sch = replace(forward_schedule(ratio, coff, head_dim), ST=True)
-        else:
-            sch = stats_backward_schedule(ratio, coff, head_dim)
-    else:
-        raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
+            return replace(forward_schedule(ratio, coff, head_dim), ST=True)
+        return stats_backward_schedule(ratio, coff, head_dim)
+    raise ValueError(f"direction must be 'forward' or 'backward' (or a long window's '*_stats'), got {direction!r}")
+
+
+def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
+    """The tiles (an override's, else the defaults), with the cache policies of ``csa_compressor.backends``."""
+    sch = SCHEDULE_OVERRIDE.get((direction, ratio, coff, head_dim))
+    if sch is None:
+        sch = _default_schedule(direction, ratio, coff, head_dim)
     # Evict-first window loads in the forward kernels only: on the H200 they took the cold (write-flushed) forward
     # 3-16 % down and the backward kernels 2-5 % up, cold and clean alike (benchmarks/variant_ab.py).
     if direction.startswith("forward"):
@@ -343,7 +346,7 @@ class _Launcher:
             self.fast_error = f"{type(exc).__name__}: {exc}"
         self.raw = None
         self.raw_error: str | None = None
-        self.ape_size = 0
+        self.reduce_grid = 0  # backward, raw path: CTAs of the grad_ape reduction (set with the configuration)
         if _MODE == "raw":
             try:
                 self._init_raw(device_index, smem_bytes)
@@ -407,7 +410,7 @@ class _Launcher:
             self._module = module
             kernels = [_RawKernel(module, main[0], entries[main[0]], self.sch.threads, smem_bytes, device_index)]
             if self.direction == "backward":
-                red_smem = REDUCE_WARPS * 32 * 4 * 4 + 64  # the largest reduce_vector (ape_size is set later)
+                red_smem = REDUCE_WARPS * 32 * 4 * 4 + 64  # the largest reduce_vector (the APE size is set later)
                 kernels.append(_RawKernel(module, red[0], "ppi", REDUCE_WARPS * 32, red_smem, device_index))
         self.raw = kernels
 
@@ -435,8 +438,7 @@ class _Launcher:
             else:
                 b, n, t, rows_per_cta, num_ctas = ints
                 raw[0]((*ptrs[:6], *ptrs[6:8], ptrs[9], b, n, t, rows_per_cta), (num_ctas, self.nchunk), stream_handle)
-                grid_x = reduce_grid_x(self.ape_size, reduce_slab_lanes(self.sch))
-                raw[1]((ptrs[9], ptrs[8], num_ctas), (grid_x, 1), stream_handle)
+                raw[1]((ptrs[9], ptrs[8], num_ctas), (self.reduce_grid, 1), stream_handle)
             return
         if self.fast:
             self._launch_fast((*ptrs, *ints, stream_handle))
@@ -484,7 +486,7 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
             launcher.nchunk = -(-head_dim // (sch.TC * sch.V))
             if getattr(sch, "SC", 0):
                 launcher.nchunk *= coff * ratio // sch.SC  # grid y: column chunks x slot chunks
-            launcher.ape_size = ratio * coff * head_dim
+            launcher.reduce_grid = reduce_grid_x(ratio * coff * head_dim, reduce_slab_lanes(sch))
             _LAUNCHERS[lk] = launcher
             _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher
     return launcher
