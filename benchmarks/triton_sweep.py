@@ -66,22 +66,29 @@ def floor_us(direction, tokens, n_rows, head_dim, coff) -> float:
 
 
 def long_candidates(direction, ratio, coff, head_dim, quick=False):
-    """Long-window tiles (<= 12): forward (block_d, num_warps, slots_per_thread, rows_per_prog), backward
+    """Long-window tiles (<= 12): forward (block_d, num_warps, slots_per_thread, rows_per_prog, prefetch_depth), backward
     (block_d, num_warps, rows_per_prog; 0 = from the problem size) at 16 or 32 window elements per thread."""
     k = coff * launch._pow2(ratio)
     d2 = launch._pow2(head_dim)
     default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
     if direction == "forward":
+        # (block_d, num_warps, slots per thread, rows per program, chunks in flight)
         if head_dim <= 128:
-            tiles = [(32, 4, 4, 1), (32, 4, 2, 1), (32, 2, 4, 1), (16, 1, 4, 1), (16, 2, 4, 1), (16, 4, 2, 1),
-                     (32, 1, 2, 1), (64, 4, 2, 1), (64, 2, 2, 1), (32, 4, 4, 2), (64, 8, 2, 1)]  # fmt: skip
+            tiles = [(32, 2, 4, 1, 2), (32, 2, 2, 1, 2), (16, 1, 4, 1, 2), (32, 1, 4, 1, 2), (32, 4, 4, 1, 1),
+                     (32, 4, 2, 1, 1), (16, 1, 4, 1, 1), (16, 2, 4, 1, 1), (32, 1, 2, 1, 1), (64, 2, 2, 1, 1),
+                     (64, 2, 2, 1, 2)]  # fmt: skip
         else:
-            # Last five: many-warp tiles that hold a whole half window per chunk (64 x 8 x 4, 32 x 4 x 4: one chunk
-            # per half window; fewer dependent load round trips per program than the 1-warp tiles' 16).
-            tiles = [(128, 1, 2, 1), (64, 1, 2, 1), (128, 1, 4, 1), (64, 1, 4, 1), (128, 2, 2, 1), (64, 1, 2, 2),
-                     (64, 8, 4, 1), (32, 4, 4, 1), (64, 4, 4, 1), (64, 8, 2, 1), (128, 4, 4, 1)]  # fmt: skip
-        out = [dataclasses.replace(default, block_d=min(bd, d2), num_warps=nw, slots_per_thread=cs, rows_per_prog=r)
-               for bd, nw, cs, r in tiles]  # fmt: skip
+            # Depth 2 keeps two chunks of a row in flight (the 1-warp tiles are under one wave at r128 c1: their
+            # bytes in flight per SM are what they prefetch); the rest are the best depth-1 tiles of earlier sweeps.
+            tiles = [(64, 1, 2, 1, 2), (128, 1, 2, 1, 2), (128, 2, 2, 1, 2), (64, 1, 1, 1, 2), (32, 1, 2, 1, 2),
+                     (64, 2, 2, 1, 2), (128, 1, 4, 1, 2), (128, 1, 4, 1, 1), (128, 2, 2, 1, 1), (64, 1, 4, 1, 1),
+                     (64, 1, 2, 1, 1)]  # fmt: skip
+        out = [
+            dataclasses.replace(
+                default, block_d=min(bd, d2), num_warps=nw, slots_per_thread=cs, rows_per_prog=r, prefetch_depth=p
+            )
+            for bd, nw, cs, r, p in tiles
+        ]
     else:
         tiles = []
         for nw in (4, 8):
@@ -332,7 +339,11 @@ def run_case(case, timer, quick, log, directions=("forward", "backward"), use_st
             log(
                 f"  {name:22s} {direction:8s} {'*' if row['default'] else ' '} br={cfg.block_r:2d} bd={cfg.block_d:3d} "
                 f"nw={cfg.num_warps} vec={cfg.vec} rows={cfg.rows_per_prog:3d} "
-                + (f"cs={cfg.slots_per_thread} " if long else f"exact_exp={int(cfg.precise_exp)} ")
+                + (
+                    f"cs={cfg.slots_per_thread} p={cfg.prefetch_depth} "
+                    if long
+                    else f"exact_exp={int(cfg.precise_exp)} "
+                )
                 + f"{us:8.2f} us  floor {fl:7.2f}  x{us / fl:5.2f}  {check}"
             )
         # The write flush leaves L2 full of dirty lines that the timed kernel pays to write back; time the best

@@ -131,10 +131,16 @@ LONG_TILINGS = [
     launch.KernelConfig(block_r=1, block_d=16, num_warps=1, rows_per_prog=3, vec=8, slots_per_thread=2),
     launch.KernelConfig(block_r=1, block_d=8, num_warps=2, rows_per_prog=2, vec=8, slots_per_thread=4),
     launch.KernelConfig(block_r=1, block_d=32, num_warps=1, rows_per_prog=1, vec=4, slots_per_thread=8),
+    # two chunks in flight (the 3x8192 d512 r128 c1 tile): the row's last two chunks prefetch the next row's first
+    # two; ratio 40 coff 1 has exactly two chunks per row (no steady-state iteration)
+    launch.KernelConfig(
+        block_r=1, block_d=16, num_warps=1, rows_per_prog=3, vec=8, slots_per_thread=2, prefetch_depth=2
+    ),
 ]
+LONG_IDS = ["d16w1c2", "d8w2c4", "d32w1c8", "d16w1c2p2"]
 
 
-@pytest.mark.parametrize("cfg", LONG_TILINGS, ids=["d16w1c2", "d8w2c4", "d32w1c8"])
+@pytest.mark.parametrize("cfg", LONG_TILINGS, ids=LONG_IDS)
 @pytest.mark.parametrize("ratio,coff", [(128, 2), (40, 1)])
 def test_long_window_tilings_match_reference(cfg, ratio, coff):
     """Long-window kernels (coff * next_pow2(ratio) > 16) with GPU-like tiles: first groups (no previous group),

@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from csa_compressor import reference  # noqa: E402
 from csa_compressor.backends.triton import launch  # noqa: E402
 from csa_compressor.testing import bf16_ulp_distance, contract_report  # noqa: E402
-from tests.backends.test_triton import DEVICE, LONG_TILINGS, _bits, _nan_like, _pack  # noqa: E402
+from tests.backends.test_triton import DEVICE, LONG_IDS, LONG_TILINGS, _bits, _nan_like, _pack  # noqa: E402
 
 _REASON = launch.device_unsupported_reason(DEVICE)
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
@@ -174,7 +174,7 @@ def test_padding_row_stats_are_not_read():
     assert _same(first, second)
 
 
-@pytest.mark.parametrize("cfg", LONG_TILINGS, ids=["d16w1c2", "d8w2c4", "d32w1c8"])
+@pytest.mark.parametrize("cfg", LONG_TILINGS, ids=LONG_IDS)
 @pytest.mark.parametrize("ratio,coff", [(128, 2), (40, 1)])
 def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
     """GPU-like tiles: several lanes per column (the forward combines them before writing the stats), several

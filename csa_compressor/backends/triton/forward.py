@@ -374,6 +374,30 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
     return m_new, den, acc
 
 
+@triton.jit
+def _long_row_finish(
+    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
+):  # fmt: skip
+    """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics)."""
+    mx = tl.max(m, axis=0)
+    if WRITE_STATS:  # log2 domain
+        scale = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)[None, :])
+    else:
+        scale = tl.exp2(m * LOG2E - (tl.where(mx == float("-inf"), 0.0, mx) * LOG2E)[None, :])
+    num = tl.sum(acc * scale, axis=0)
+    total = tl.sum(den * scale, axis=0)
+    res = tl.math.div_rn(num, total)
+    omask = cols < tl.where(ok, HEAD_DIM, 0)
+    tl.store(out_ptr + row * HEAD_DIM + cols, _round(res, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
+    if WRITE_STATS:
+        # From the very values out was made of; mx is the max of y = (score + ape) * log2e.
+        sptr = stats_ptr + (row - row_base) * (3 * HEAD_DIM) + cols
+        tl.store(sptr, mx, mask=omask)
+        tl.store(sptr + HEAD_DIM, tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), total), mask=omask)
+        tl.store(sptr + 2 * HEAD_DIM, res, mask=omask)
+
+
 @triton.jit(do_not_specialize=["N", "B", "n_iter", "rows_per_prog"])
 def csa_fwd_long_kernel(
     kv_ptr,
@@ -398,9 +422,10 @@ def csa_fwd_long_kernel(
     N_COL: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
     WRITE_STATS: tl.constexpr,
+    DEPTH: tl.constexpr = 1,
 ):
-    """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next chunk (of this row or the
-    next) loaded before the current one is computed.
+    """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next ``DEPTH`` chunks (of this
+    row or the next) loaded before the current one is computed (``DEPTH`` 2 needs two chunks per row).
 
     Per (lane, column) the program keeps a running max ``m``, sum ``den`` of ``exp(x - m)`` and weighted sum
     ``acc``; a chunk's slots in a thread are folded in-thread, the lanes are combined once per row.
@@ -430,52 +455,109 @@ def csa_fwd_long_kernel(
     kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
     sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
     ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-    for row in range(row_base, row_end):
-        m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
-        den = tl.zeros([LANES, BLOCK_D], tl.float32)
-        acc = tl.zeros([LANES, BLOCK_D], tl.float32)
-        for c in range(NCH - 1):
+    if DEPTH == 1:
+        for row in range(row_base, row_end):
+            m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
+            den = tl.zeros([LANES, BLOCK_D], tl.float32)
+            acc = tl.zeros([LANES, BLOCK_D], tl.float32)
+            for c in range(NCH - 1):
+                kv_c = kv_n
+                sc_c = sc_n
+                ape_c = ape_n
+                mask_c = lmask
+                offs, aoffs, lmask, amask = _long_chunk_at(
+                    c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+                )  # fmt: skip
+                kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+                sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+                ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+            # Last chunk of this row; prefetch chunk 0 of the next row.
             kv_c = kv_n
             sc_c = sc_n
             ape_c = ape_n
             mask_c = lmask
+            t0, hp, _ir, okn = _row_start(
+                row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+            )
             offs, aoffs, lmask, amask = _long_chunk_at(
-                c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+                row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF,
+                EVEN_D,
             )  # fmt: skip
             kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
             sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
             ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
             m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
-        # Last chunk of this row; prefetch chunk 0 of the next row.
-        kv_c = kv_n
-        sc_c = sc_n
-        ape_c = ape_n
-        mask_c = lmask
-        t0, hp, _ir, okn = _row_start(
-            row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
-        )
-        offs, aoffs, lmask, amask = _long_chunk_at(
-            row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+            _long_row_finish(
+                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
+            )  # fmt: skip
+            ok = okn
+    else:
+        # DEPTH 2: chunk c is computed while chunks c + 1 (buffer b1) and c + 2 (b2) are in flight. The r128 grids
+        # are under one wave, so a program's prefetched chunks are what its SM has in flight (one chunk was 1.4x
+        # the floor at 3x8192 d512 r128 c1 with 128 registers; a deeper chunk costs registers, not occupancy).
+        tl.static_assert(NCH >= 2, "DEPTH 2 needs two chunks per row")
+        # ape (L2-resident, the same for every row) stays one chunk ahead: its registers would otherwise cost the
+        # occupancy the deeper window prefetch needs.
+        mask_1 = lmask
+        ape_1 = ape_n
+        offs, aoffs, mask_2, amask = _long_chunk_at(
+            1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
         )  # fmt: skip
-        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-        ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-        m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
-        # Combine the lanes: rescale every lane to the column max.
-        mx = tl.max(m, axis=0)
-        if WRITE_STATS:  # log2 domain
-            scale = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)[None, :])
-        else:
-            scale = tl.exp2(m * LOG2E - (tl.where(mx == float("-inf"), 0.0, mx) * LOG2E)[None, :])
-        num = tl.sum(acc * scale, axis=0)
-        total = tl.sum(den * scale, axis=0)
-        res = tl.math.div_rn(num, total)
-        omask = cols < tl.where(ok, HEAD_DIM, 0)
-        tl.store(out_ptr + row * HEAD_DIM + cols, _round(res, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
-        if WRITE_STATS:
-            # From the very values out was made of; mx is the max of y = (score + ape) * log2e.
-            sptr = stats_ptr + (row - row_base) * (3 * HEAD_DIM) + cols
-            tl.store(sptr, mx, mask=omask)
-            tl.store(sptr + HEAD_DIM, tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), total), mask=omask)
-            tl.store(sptr + 2 * HEAD_DIM, res, mask=omask)
-        ok = okn
+        kv_2 = tl.load(kv_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
+        sc_2 = tl.load(score_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
+        kv_1 = kv_n
+        sc_1 = sc_n
+        for row in range(row_base, row_end):
+            m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
+            den = tl.zeros([LANES, BLOCK_D], tl.float32)
+            acc = tl.zeros([LANES, BLOCK_D], tl.float32)
+            for c in range(NCH - 2):
+                kv_c = kv_1
+                sc_c = sc_1
+                ape_c = ape_1
+                mask_c = mask_1
+                kv_1 = kv_2
+                sc_1 = sc_2
+                mask_1 = mask_2
+                offs, aoffs, mask_2, amask = _long_chunk_at(
+                    c + 2, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+                )  # fmt: skip
+                kv_2 = tl.load(kv_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
+                sc_2 = tl.load(score_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
+                _o, aoffs, _m, amask = _long_chunk_at(
+                    c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+                )  # fmt: skip
+                ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+            # The row's last two chunks; chunks 0 and 1 of the next row go in flight.
+            tn, hpn, _ir, okn = _row_start(
+                row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+            )
+            okl = okn & (row + 1 < row_end)
+            for h in tl.static_range(2):
+                kv_c = kv_1
+                sc_c = sc_1
+                ape_c = ape_1
+                mask_c = mask_1
+                kv_1 = kv_2
+                sc_1 = sc_2
+                mask_1 = mask_2
+                offs, aoffs, mask_2, amask = _long_chunk_at(
+                    row * 0 + h, tn, hpn, okl, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+                )  # fmt: skip
+                kv_2 = tl.load(kv_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
+                sc_2 = tl.load(score_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
+                # ape of chunk NCH - 1 of this row (h = 0), then of chunk 0 of the next (h = 1).
+                _o, aoffs, _m, amask = _long_chunk_at(
+                    row * 0 + (NCH - 1 + h) % NCH, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS,
+                    NCH_HALF, EVEN_D,
+                )  # fmt: skip
+                ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+            _long_row_finish(
+                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
+            )  # fmt: skip
+            t0 = tn
+            hp = hpn
+            ok = okn

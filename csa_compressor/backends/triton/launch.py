@@ -133,7 +133,9 @@ class KernelConfig:
     ``vec`` columns per thread and access; ``precise_exp``: libdevice expf (the
     reference's exp) instead of ex2.approx; ``torch_order``: sum the slots in
     PyTorch's CUDA reduction order where the slots sit in one thread; ``dape_block`` entries x
-    ``dape_chunk`` partials per step of the dAPE reduction (compile-time, never from the problem size).
+    ``dape_chunk`` partials per step of the dAPE reduction (compile-time, never from the problem size);
+    ``slots_per_thread``: slots per thread and chunk of the long-window forward, ``prefetch_depth`` the chunks
+    it keeps in flight (1 or 2; 2 only where a row has at least two chunks).
     """
 
     block_r: int
@@ -149,6 +151,7 @@ class KernelConfig:
     dape_block: int = 64
     dape_chunk: int = 64
     slots_per_thread: int = 4
+    prefetch_depth: int = 1
 
 
 def _pow2(n: int) -> int:
@@ -201,8 +204,9 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
 def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> KernelConfig:
     """GPU tiles for long windows (``coff * next_pow2(ratio) > 16``): 16-byte column vectors (vec = 8).
 
-    Registers with Triton 3.6 for sm_90 (ratio 128, no spills): forward 1 warp x 128 columns x 2 slots per
-    thread and chunk, 128 registers (16 warps per SM); 4 warps x 32 columns x 4 slots, 168. Backward ~240
+    Registers with Triton 3.6 for sm_90 (ratio 128, no spills): forward 1 warp x 64 columns x 2 slots per thread
+    and chunk, 128 registers (16 warps per SM) with one or two chunks in flight at coff 1 (136 at coff 2, where
+    ape is offset per half); 4 warps x 32 columns x 4 slots, 168. Backward ~240
     registers at 32 window elements per thread and input (8 warps: 1 program per SM, 4 warps: 2).
     """
     k = coff * _pow2(ratio)
@@ -212,14 +216,26 @@ def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> Kernel
             # Small problems are latency bound: 32-column blocks for more programs, 2 warps x 16 lanes x 4 slots =
             # 64-slot chunks (H200 sweep with the bench's profiler timer and statistics, 2026-11-30, 1x8192 d128
             # r128 c1: 3.28 us write flush / 2.71 read flush; 4 warps and one 128-slot chunk 3.66 / 3.24).
-            block_d, num_warps, cs_in = min(32, d2), 2, 4
+            block_d, num_warps, cs_in, depth = min(32, d2), 2, 4, 1
         elif coff == 2:
-            # 128 columns x 2 warps (H200 sweep 2026-11-30, 1x65536 d512 r128 c2: 87.4 us; 1 warp 92.2).
-            block_d, num_warps, cs_in = min(128, d2), 2, 2
+            # 64 columns x 1 warp (H200 sweep with the bench's profiler timer and statistics, 2026-11-30 late,
+            # 1x65536 d512 r128 c2: 77.0 us write flush / 71.1 read flush; 128 columns x 2 warps 78.1 / 73.2). Two
+            # chunks in flight measured 95 / 91 here: this grid is two waves, and the 8 more registers cost a warp.
+            block_d, num_warps, cs_in, depth = min(64, d2), 1, 2, 1
         else:
-            # 64-column blocks: twice the programs of 128 (3x8192 d512: 1536 programs, ~12 warps per SM).
-            block_d, num_warps, cs_in = min(64, d2), 1, 2
-        return KernelConfig(1, block_d, num_warps, rows_per_prog=1, vec=8, slots_per_thread=cs_in, sweep_d=min(256, d2))
+            # 64-column blocks: twice the programs of 128 (3x8192 d512: 1536 programs, one wave of ~12 warps per
+            # SM), two chunks in flight (same sweep: 18.1 us write flush / 16.4 read flush; one chunk 18.8 / 18.3).
+            block_d, num_warps, cs_in, depth = min(64, d2), 1, 2, 2
+        return KernelConfig(
+            1,
+            block_d,
+            num_warps,
+            rows_per_prog=1,
+            vec=8,
+            slots_per_thread=cs_in,
+            sweep_d=min(256, d2),
+            prefetch_depth=depth,
+        )
     # Backward: 32 elements per thread of each input (CS_IN = 4 slots x 8 columns), 4 warps (H200 sweep
     # 2026-11-30, 1x65536 d512 r128 c2: 211 us; 8 warps 217).
     num_warps = 4
@@ -444,14 +460,16 @@ def launch_forward(
     if _is_long(ratio, coff):
         lanes, cs_in = _long_shape("forward", cfg, ratio, coff)
         rows = _long_rows(cfg, "forward", n_rows, n_col, kv.device)
+        nch_half = _cdiv(ratio, lanes * cs_in)
         fwd_mod.csa_fwd_long_kernel[(_cdiv(n_rows, rows) * n_col,)](
             *args,
             rows,
             stats,
             LANES=lanes,
             CS_IN=cs_in,
-            NCH_HALF=_cdiv(ratio, lanes * cs_in),
+            NCH_HALF=nch_half,
             WRITE_STATS=stats is not None,
+            DEPTH=2 if cfg.prefetch_depth == 2 and coff * nch_half >= 2 else 1,
             **consts,
         )
         return
