@@ -239,6 +239,8 @@ def gpu(opts) -> dict:
     result: dict = {"device": torch.cuda.get_device_name(device), "torch_version": torch.__version__}
     result["calls"] = opts.calls
     result["torch"] = {
+        # The two CUDA events around nothing: what the wall-time method itself costs on this host.
+        "nothing (events only)": _time_gpu(lambda: None, opts.calls),
         "x.add_(1)": _time_gpu(lambda: x.add_(1), opts.calls),
         "torch.empty(1)+add_": _time_gpu(lambda: torch.empty(1, device=device).add_(1), opts.calls),
     }
@@ -280,7 +282,7 @@ def gpu(opts) -> dict:
                     verdict = "meets" if wall <= k + slack else "misses"
                     print(f"  target {layer}: idle wall {wall:.1f} <= kernel {k:.1f} + {slack:.0f}: {verdict}")
     for name, r in result["torch"].items():
-        print(f"  {name:18s} {r['b2b_host']:9.1f} {r['b2b_wall']:9.1f} {r['idle_host']:10.1f} {r['idle_wall']:10.1f}")
+        print(f"  {name:22s} {r["b2b_host"]:9.1f} {r['b2b_wall']:9.1f} {r['idle_host']:10.1f} {r['idle_wall']:10.1f}")
     result["runtime_s"] = time.perf_counter() - t_start
     print(f"total {result['runtime_s']:.1f} s")
     return result
