@@ -282,7 +282,7 @@ def gpu(opts) -> dict:
                     verdict = "meets" if wall <= k + slack else "misses"
                     print(f"  target {layer}: idle wall {wall:.1f} <= kernel {k:.1f} + {slack:.0f}: {verdict}")
     for name, r in result["torch"].items():
-        print(f"  {name:22s} {r["b2b_host"]:9.1f} {r['b2b_wall']:9.1f} {r['idle_host']:10.1f} {r['idle_wall']:10.1f}")
+        print(f"  {name:22s} {r['b2b_host']:9.1f} {r['b2b_wall']:9.1f} {r['idle_host']:10.1f} {r['idle_wall']:10.1f}")
     result["runtime_s"] = time.perf_counter() - t_start
     print(f"total {result['runtime_s']:.1f} s")
     return result
