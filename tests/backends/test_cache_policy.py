@@ -14,7 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": ROOT, **env}
+    # The repository first, then whatever PYTHONPATH found the packages in this process (the GPU machine's
+    # CuTe-DSL bundle is on PYTHONPATH, not installed).
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    full = {**os.environ, "PYTHONPATH": path, **env}
     full.setdefault("CUTE_DSL_ARCH", "sm_90a")
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
 
