@@ -72,11 +72,12 @@ def long_candidates(direction, ratio, coff, head_dim, quick=False):
     d2 = launch._pow2(head_dim)
     default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
     if direction == "forward":
-        # (block_d, num_warps, slots per thread, rows per program, chunks in flight)
+        # (block_d, num_warps, slots per thread, rows per program, chunks in flight[, vector width])
         if head_dim <= 128:
-            tiles = [(32, 2, 4, 1, 2), (32, 2, 2, 1, 2), (16, 1, 4, 1, 2), (32, 1, 4, 1, 2), (32, 4, 4, 1, 1),
-                     (32, 4, 2, 1, 1), (16, 1, 4, 1, 1), (16, 2, 4, 1, 1), (32, 1, 2, 1, 1), (64, 2, 2, 1, 1),
-                     (64, 2, 2, 1, 2)]  # fmt: skip
+            # Small problems: fewer window elements per thread (8-byte vectors, whole-window chunks, more warps).
+            tiles = [(16, 4, 2, 1, 1), (16, 4, 4, 1, 1, 4), (32, 4, 2, 1, 1, 4), (32, 4, 2, 1, 2, 4),
+                     (32, 4, 4, 1, 1, 4), (16, 2, 4, 1, 1, 4), (32, 4, 2, 1, 1), (16, 8, 2, 1, 1),
+                     (8, 4, 4, 1, 1, 4), (64, 4, 2, 1, 2, 4), (32, 2, 2, 1, 2)]  # fmt: skip
         else:
             # Depth 2 keeps two chunks of a row in flight (the 1-warp tiles are under one wave at r128 c1: their
             # bytes in flight per SM are what they prefetch); the rest are the best depth-1 tiles of earlier sweeps.
@@ -85,9 +86,15 @@ def long_candidates(direction, ratio, coff, head_dim, quick=False):
                      (64, 1, 2, 1, 1)]  # fmt: skip
         out = [
             dataclasses.replace(
-                default, block_d=min(bd, d2), num_warps=nw, slots_per_thread=cs, rows_per_prog=r, prefetch_depth=p
+                default,
+                block_d=min(t[0], d2),
+                num_warps=t[1],
+                slots_per_thread=t[2],
+                rows_per_prog=t[3],
+                prefetch_depth=t[4],
+                vec=t[5] if len(t) > 5 else default.vec,
             )
-            for bd, nw, cs, r, p in tiles
+            for t in tiles
         ]
     else:
         tiles = []

@@ -202,36 +202,39 @@ def choose_config(direction: str, ratio: int, coff: int, head_dim: int, interpre
 
 
 def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> KernelConfig:
-    """GPU tiles for long windows (``coff * next_pow2(ratio) > 16``): 16-byte column vectors (vec = 8).
+    """GPU tiles for long windows (``coff * next_pow2(ratio) > 16``): 16-byte column vectors (vec = 8), 8-byte ones
+    for the small-head_dim forward.
 
     Registers with Triton 3.6 for sm_90 (ratio 128, no spills): forward 1 warp x 64 columns x 2 slots per thread
     and chunk, 128 registers (16 warps per SM) with one or two chunks in flight at coff 1 (136 at coff 2, where
-    ape is offset per half); 4 warps x 32 columns x 4 slots, 168. Backward ~240
+    ape is offset per half); 4 warps x 32 columns x 4 slots, 128 with 8-byte vectors (180 with 16-byte ones at 2
+    warps). Backward ~240
     registers at 32 window elements per thread and input (8 warps: 1 program per SM, 4 warps: 2).
     """
     k = coff * _pow2(ratio)
     d2 = _pow2(head_dim)
     if direction == "forward":
         if head_dim <= 128:
-            # Small problems are latency bound: 32-column blocks for more programs, 2 warps x 16 lanes x 4 slots =
-            # 64-slot chunks (H200 sweep with the bench's profiler timer and statistics, 2026-11-30, 1x8192 d128
-            # r128 c1: 3.28 us write flush / 2.71 read flush; 4 warps and one 128-slot chunk 3.66 / 3.24).
-            block_d, num_warps, cs_in, depth = min(32, d2), 2, 4, 1
+            # Small problems are latency bound: 32-column blocks of 8-byte vectors, 4 warps x 16 lanes x 4 slots =
+            # 64-slot chunks, half the window elements per thread of the 16-byte tile (H200 sweep with the bench's
+            # profiler timer and statistics, 2026-11-30 late, 1x8192 d128 r128 c1: 4.10 us write flush / 3.39 read
+            # flush against 4.78 / 4.36 for 2 warps x 16-byte vectors, on a slower host than the sweep before).
+            block_d, num_warps, cs_in, depth, vec = min(32, d2), 4, 4, 1, 4
         elif coff == 2:
             # 64 columns x 1 warp (H200 sweep with the bench's profiler timer and statistics, 2026-11-30 late,
             # 1x65536 d512 r128 c2: 77.0 us write flush / 71.1 read flush; 128 columns x 2 warps 78.1 / 73.2). Two
             # chunks in flight measured 95 / 91 here: this grid is two waves, and the 8 more registers cost a warp.
-            block_d, num_warps, cs_in, depth = min(64, d2), 1, 2, 1
+            block_d, num_warps, cs_in, depth, vec = min(64, d2), 1, 2, 1, 8
         else:
             # 64-column blocks: twice the programs of 128 (3x8192 d512: 1536 programs, one wave of ~12 warps per
             # SM), two chunks in flight (same sweep: 18.1 us write flush / 16.4 read flush; one chunk 18.8 / 18.3).
-            block_d, num_warps, cs_in, depth = min(64, d2), 1, 2, 2
+            block_d, num_warps, cs_in, depth, vec = min(64, d2), 1, 2, 2, 8
         return KernelConfig(
             1,
             block_d,
             num_warps,
             rows_per_prog=1,
-            vec=8,
+            vec=vec,
             slots_per_thread=cs_in,
             sweep_d=min(256, d2),
             prefetch_depth=depth,
