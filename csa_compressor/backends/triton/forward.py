@@ -323,6 +323,21 @@ def _long_base(
 
 
 @triton.jit
+def _long_ape_at(
+    c, slot, base, col_ok, RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr,
+    NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr,
+):  # fmt: skip
+    """Offsets and mask of chunk ``c``'s ape entries (the same for every row; see ``_long_chunk_at``)."""
+    W: tl.constexpr = COFF * HEAD_DIM
+    own = c >= (COFF - 1) * NCH_HALF
+    s0 = (c % NCH_HALF) * CS
+    amask = slot < RATIO - s0
+    if not EVEN_D:
+        amask = amask & col_ok
+    return base + (s0 * W + tl.where(own, (COFF - 1) * HEAD_DIM, 0)), amask
+
+
+@triton.jit
 def _long_chunk_at(
     c, t0, has_prev, ok, slot, base, col_ok,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr, NCH_HALF: tl.constexpr,
@@ -337,11 +352,18 @@ def _long_chunk_at(
     tok0 = t0 + s0 - tl.where(own, 0, RATIO)
     # (Thresholds rather than scalar-bool broadcasts: the interpreter turns bool tensor & 0-d bool into int32.)
     smask = slot < tl.where(ok & (own | has_prev), RATIO - s0, 0)
-    amask = slot < RATIO - s0
     if not EVEN_D:
         smask = smask & col_ok
-        amask = amask & col_ok
-    return base + (tok0 * W + shift), base + (s0 * W + shift), smask, amask
+    aoffs, amask = _long_ape_at(c, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D)
+    return base + (tok0 * W + shift), aoffs, smask, amask
+
+
+@triton.jit
+def _load_window(kv_ptr, score_ptr, offs, mask):
+    """kv and score of one chunk (masked elements 0), evict-first where ``WINDOW_EVICT`` says so."""
+    kv = tl.load(kv_ptr + offs, mask=mask, other=0.0, eviction_policy=WINDOW_EVICT)
+    sc = tl.load(score_ptr + offs, mask=mask, other=0.0, eviction_policy=WINDOW_EVICT)
+    return kv, sc
 
 
 @triton.jit
@@ -452,8 +474,7 @@ def csa_fwd_long_kernel(
     offs, aoffs, lmask, amask = _long_chunk_at(
         row_base * 0, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
     )  # fmt: skip
-    kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-    sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+    kv_n, sc_n = _load_window(kv_ptr, score_ptr, offs, lmask)
     ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
     if DEPTH == 1:
         for row in range(row_base, row_end):
@@ -468,8 +489,7 @@ def csa_fwd_long_kernel(
                 offs, aoffs, lmask, amask = _long_chunk_at(
                     c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
                 )  # fmt: skip
-                kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-                sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+                kv_n, sc_n = _load_window(kv_ptr, score_ptr, offs, lmask)
                 ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
                 m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
             # Last chunk of this row; prefetch chunk 0 of the next row.
@@ -484,8 +504,7 @@ def csa_fwd_long_kernel(
                 row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF,
                 EVEN_D,
             )  # fmt: skip
-            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
+            kv_n, sc_n = _load_window(kv_ptr, score_ptr, offs, lmask)
             ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
             m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
             _long_row_finish(
@@ -504,8 +523,7 @@ def csa_fwd_long_kernel(
         offs, aoffs, mask_2, amask = _long_chunk_at(
             1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
         )  # fmt: skip
-        kv_2 = tl.load(kv_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
-        sc_2 = tl.load(score_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
+        kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
         kv_1 = kv_n
         sc_1 = sc_n
         for row in range(row_base, row_end):
@@ -523,11 +541,8 @@ def csa_fwd_long_kernel(
                 offs, aoffs, mask_2, amask = _long_chunk_at(
                     c + 2, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
                 )  # fmt: skip
-                kv_2 = tl.load(kv_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
-                sc_2 = tl.load(score_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
-                _o, aoffs, _m, amask = _long_chunk_at(
-                    c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
-                )  # fmt: skip
+                kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
+                aoffs, amask = _long_ape_at(c + 1, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D)
                 ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
                 m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
             # The row's last two chunks; chunks 0 and 1 of the next row go in flight.
@@ -546,12 +561,10 @@ def csa_fwd_long_kernel(
                 offs, aoffs, mask_2, amask = _long_chunk_at(
                     row * 0 + h, tn, hpn, okl, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
                 )  # fmt: skip
-                kv_2 = tl.load(kv_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
-                sc_2 = tl.load(score_ptr + offs, mask=mask_2, other=0.0, eviction_policy=WINDOW_EVICT)
+                kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
                 # ape of chunk NCH - 1 of this row (h = 0), then of chunk 0 of the next (h = 1).
-                _o, aoffs, _m, amask = _long_chunk_at(
-                    row * 0 + (NCH - 1 + h) % NCH, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS,
-                    NCH_HALF, EVEN_D,
+                aoffs, amask = _long_ape_at(
+                    row * 0 + (NCH - 1 + h) % NCH, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
                 )  # fmt: skip
                 ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
                 m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
