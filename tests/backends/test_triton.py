@@ -137,7 +137,7 @@ LONG_TILINGS = [
         block_r=1, block_d=16, num_warps=1, rows_per_prog=3, vec=8, slots_per_thread=2, prefetch_depth=2
     ),
 ]
-LONG_IDS = ["d16w1c2", "d8w2c4", "d32w1c8", "d16w1c2p2"]
+LONG_IDS = [f"d{c.block_d}w{c.num_warps}c{c.slots_per_thread}" + "p2" * (c.prefetch_depth == 2) for c in LONG_TILINGS]
 
 
 @pytest.mark.parametrize("cfg", LONG_TILINGS, ids=LONG_IDS)
