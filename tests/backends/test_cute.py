@@ -228,3 +228,56 @@ def test_softmax_stats_path(case):
     bad = tuple(torch.empty_like(t) for t in (kv, score, ape))
     launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *bad, ratio, coff, None, wrong)
     assert not torch.equal(bad[1], grads[1])
+
+
+# Short windows (G == 1): the forward with RS row steps per CTA in sequence, the next step's window staged in
+# shared memory by cp.async while the current step computes. Row counts that leave the last CTA partly empty.
+STEP_CASES = [
+    ((37, 4, 3, 64, 129, 8), 128, 4, 2, 5, 3),
+    ((1000, 2, 333), 512, 4, 2, 7, 5),
+    ((37, 4, 64, 129), 66, 4, 2, 3, 2),  # 2-column vectors: 4-byte copies
+    ((37, 4, 64, 129), 36, 4, 1, 0, 1),
+    ((33, 5, 64, 2), 128, 2, 2, 1, 2),
+    ((81, 7, 40), 64, 8, 1, 2, 1),
+    ((3, 2), 128, 4, 2, 4, 3),  # every row is padding
+]
+
+
+@pytest.fixture
+def forward_steps():
+    """Set a G == 1 forward schedule's RS for one configuration; the default launcher is restored after."""
+    launch = _launch_module()
+    from dataclasses import replace
+
+    from csa_compressor.backends.cute.forward import forward_schedule
+
+    touched = []
+
+    def set_steps(ratio, coff, d, steps):
+        key = ("forward", ratio, coff, d)
+        sch = forward_schedule(ratio, coff, d)
+        assert sch.G == 1
+        launch.SCHEDULE_OVERRIDE[key] = replace(sch, RS=steps)
+        touched.append(key)
+        return launch._get_launcher("forward", ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+
+    yield set_steps
+    for key in touched:
+        launch.SCHEDULE_OVERRIDE.pop(key, None)
+        launch._get_launcher(*key, torch.bfloat16, torch.device("cuda"))  # rebinds the default launcher
+
+
+@pytest.mark.parametrize("steps", [2, 3, 4])
+@pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_forward_row_steps_in_sequence(case, steps, forward_steps):
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    launcher = forward_steps(ratio, coff, d, steps)
+    assert launcher.sch.RS == steps
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=17 + steps)
+    kv, score, ape, cu, cuc = pack.inputs
+    out = torch.full((pack.total_comp, d), float("nan"), dtype=kv.dtype, device=kv.device)
+    launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
+    ref = reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp, precision="fp32")
+    assert not torch.isnan(out).any()
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
