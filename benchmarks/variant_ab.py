@@ -4,7 +4,7 @@ policies and first named ``evict_first_ab.py``.
 
 Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for the forwards, ``STREAM_BACKWARD``
 for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
-window slots per CTA (``--stats-slots``); the cute short-window forward's row steps per CTA (``--forward-steps``); or two package versions on ``PYTHONPATH``::
+window slots per CTA (``--stats-slots``); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -50,17 +50,6 @@ def measure(args) -> dict:
             key = ("backward_stats", case.ratio, case.coff, case.head_dim)
             sch = stats_backward_schedule(case.ratio, case.coff, case.head_dim, args.stats_slots)
             cute_launch.SCHEDULE_OVERRIDE[key] = sch  # the cache policies apply as for the default schedule
-    if args.forward_steps:
-        from dataclasses import replace
-
-        from csa_compressor.backends.cute import launch as cute_launch
-        from csa_compressor.backends.cute.forward import forward_schedule
-
-        for case in select_cases(args.cases.split(",") if args.cases else None):
-            sch = forward_schedule(case.ratio, case.coff, case.head_dim)
-            if sch.G == 1:
-                key = ("forward", case.ratio, case.coff, case.head_dim)
-                cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, RS=args.forward_steps)
     timer = _Timer(dev, (args.reps, args.reps, 1))
     names = [b for b in args.backends.split(",") if b in available_backends(dev)]
     rows = []
@@ -90,7 +79,6 @@ def measure(args) -> dict:
         "stream_loads": backends.STREAM_LOADS,
         "stream_backward": backends.STREAM_BACKWARD,
         "stats_slots": args.stats_slots,
-        "forward_steps": args.forward_steps,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -104,8 +92,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, forward_steps={a_run.get('forward_steps')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, forward_steps={b_run.get('forward_steps')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -133,9 +121,6 @@ def main() -> int:
     ap.add_argument("--directions", default="fwd,bwd", help="comma-separated: fwd, bwd")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--stats-slots", type=int, default=0, help="cute statistics backward: window slots per CTA")
-    ap.add_argument(
-        "--forward-steps", type=int, default=0, help="cute short-window forward: row steps per CTA in sequence (RS)"
-    )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="environment variable for this run")

@@ -115,30 +115,3 @@ def test_stats_backward_rows_side_by_side(ratio, coff, head_dim):
     assert sch.R == 128 // (sch.TC * sch.G)
     if (ratio, coff, head_dim) == (128, 1, 128):
         assert (sch.SC, sch.R) == (8, 4)
-
-
-@pytest.mark.parametrize("steps", [2, 4])
-@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 66), (2, 2, 36)])
-def test_forward_row_steps_compile(ratio, coff, head_dim, steps):
-    """The short-window forward with row steps in sequence (cp.async stages): no local memory, no register spill."""
-    from dataclasses import replace
-
-    from csa_compressor.backends.cute.forward import forward_schedule
-
-    sch = replace(forward_schedule(ratio, coff, head_dim), RS=steps, EF=True)
-    compiled = cute_launch._build("forward", ratio, coff, head_dim, "sm_90a", sch)
-    ptx = compiled.artifacts.PTX
-    assert "cp.async" in ptx and "cp.async.wait_group" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
-
-
-def test_forward_row_steps_need_two_column_vectors():
-    """cp.async copies 4, 8 or 16 bytes: one-column (2-byte) vectors keep one row step per CTA."""
-    from dataclasses import replace
-
-    from csa_compressor.backends.cute.forward import forward_schedule
-
-    sch = replace(forward_schedule(4, 1, 65), RS=2)
-    assert sch.V == 1
-    with pytest.raises(AssertionError, match="row steps"):
-        cute_launch._build("forward", 4, 1, 65, "sm_90a", sch)

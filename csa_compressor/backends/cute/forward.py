@@ -118,25 +118,6 @@ def div_markstein(a, b, y, *, loc=None, ip=None) -> Float32:
     )
 
 
-@dsl_user_op
-def cp_async(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, nbytes: int, *, loc=None, ip=None) -> None:
-    """``cp.async`` of ``nbytes`` (4, 8 or 16) from global to shared memory (no registers; completes at a
-    wait_group). 16 bytes go L2-only (``.cg``); smaller copies must use ``.ca``."""
-    cache = "cg" if nbytes == 16 else "ca"
-    llvm.inline_asm(
-        None,
-        [
-            smem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-            gmem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-        ],
-        f"cp.async.{cache}.shared.global [$0], [$1], {nbytes};",
-        "r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
 # Below this numerator Markstein's remainder could underflow: the exact IEEE division is used.
 MARKSTEIN_MIN = 2.0**-100
 
@@ -219,7 +200,6 @@ class Schedule:
     SC: int = 0  # statistics backward (backward_stats.py): window slots per CTA
     EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv, score (short backward: grad_out)
     ES: bool = False  # backward: evict-first (``st.global.cs``) stores of grad_kv and grad_score, zeros included
-    RS: int = 1  # G == 1 forward: row steps per CTA in sequence (next step staged by cp.async meanwhile)
 
     @property
     def threads(self) -> int:
@@ -242,7 +222,6 @@ class Schedule:
             self.SC,
             self.EF,
             self.ES,
-            self.RS,
         )
 
 
@@ -330,20 +309,6 @@ def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
     return lo
 
 
-@cute.jit
-def row_start(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32, r: Int32, real, ratio: cutlass.Constexpr) -> tuple:
-    """(t0, first) of row ``r``: its first own token and whether it is its segment's first group; a row that is
-    not ``real`` (padding, or masked off) starts at token 0 as a first group."""
-    t0 = Int32(0)
-    first = Boolean(True)
-    if real:
-        b = find_segment(cuc_t, B, r)
-        j = r - cuc_t[b]
-        t0 = cu_t[b] + j * ratio
-        first = j == 0
-    return t0, first
-
-
 def vec_view(ptr: cute.Pointer, off, V: int) -> cute.Tensor:
     """``V`` contiguous elements at ``ptr + off``; ``off`` is a multiple of V, so the access is one vector."""
     return cute.make_tensor(ptr + cute.assume(off, divby=V), cute.make_layout(V))
@@ -372,10 +337,7 @@ def window_store(ptr: cute.Pointer, off, V: int, value, evict_first: bool) -> No
 
 def forward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
-    if sch.G == 1:
-        # Two cp.async stages of kv and score for the row steps in sequence (RS > 1).
-        return 0 if sch.RS == 1 else 2 * 2 * sch.SG * sch.threads * sch.V * 2 + 256
-    return 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
+    return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
 
 
 def exact_probabilities(scf, apf, pq, first, V: int, SG: int, ratio: int, coff: int, md: bool) -> None:
@@ -475,7 +437,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     also writes the softmax statistics ``(N, 3, D)`` fp32 (``reference.softmax_stats``: the log2-domain
     max, 1 / sum and the fp32 output of every row and column).
     """
-    V, TC, G, SG, R, NB, CM, RS = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.NB, sch.CM, sch.RS
+    V, TC, G, SG, R, NB, CM = sch.V, sch.TC, sch.G, sch.SG, sch.R, sch.NB, sch.CM
     W = coff * ratio
     D = head_dim
     NT = sch.threads
@@ -487,38 +449,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     SMEM_ROW = G * CW  # floats per (quantity, row lane)
     ST = sch.ST
     assert not ST or G > 1, "softmax statistics come from the cross-group combine (long windows)"
-    assert RS == 1 or (G == 1 and V >= 2), "row steps in sequence: the G == 1 forward, cp.async of >= 4 bytes"
-    RB = R * RS  # rows per CTA
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG, sch.EF)
-
-    @cute.jit
-    def stage_copy(kv, score, skv, ssc, stage: cutlass.Constexpr, tidx, c, active, t0, first):
-        """cp.async of the thread's window slots (kv, score) into a shared-memory stage; masked slots skipped."""
-        for k in cutlass.range_constexpr(SG):
-            half = k // ratio
-            valid = active
-            if cutlass.const_expr(coff == 2):
-                valid = active & ((half == 1) | (not first))
-            if valid:
-                goff = (t0 - (coff - 1) * ratio + k) * (coff * D) + half * D + c
-                soff = ((stage * SG + k) * NT + tidx) * V
-                cp_async(skv + soff, kv + cute.assume(goff, divby=V), V * 2)
-                cp_async(ssc + soff, score + cute.assume(goff, divby=V), V * 2)
-
-    @cute.jit
-    def stage_read(skv, ssc, kvf, scf, stage: cutlass.Constexpr, tidx, active, first):
-        """The thread's slots from a stage into registers (masked slots: kv 0, score -inf)."""
-        for k in cutlass.range_constexpr(SG):
-            half = k // ratio
-            valid = active
-            if cutlass.const_expr(coff == 2):
-                valid = active & ((half == 1) | (not first))
-            kvf[k].fill(0.0)
-            scf[k].fill(NEG_INF)
-            if valid:
-                soff = ((stage * SG + k) * NT + tidx) * V
-                kvf[k].store(vec_view(skv, soff, V).load())
-                scf[k].store(vec_view(ssc, soff, V).load())
 
     @cute.jit
     def body(kv, score, ape, cu, cuc, out, stats, B: Int32, N: Int32):
@@ -534,7 +465,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         g = (tidx // TC) % G
         rl = tidx // (TC * G)
         c = (chunk * TC + tc) * V
-        r = rblk * RB + rl
+        r = rblk * R + rl
         cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
         cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
 
@@ -545,7 +476,13 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
         # Row layout (device-side segment lookup).
         nreal = cuc_t[B]
-        t0, first = row_start(cu_t, cuc_t, B, r, active & (r < nreal), ratio)
+        t0 = Int32(0)
+        first = Boolean(True)
+        if active & (r < nreal):
+            b = find_segment(cuc_t, B, r)
+            j = r - cuc_t[b]
+            t0 = cu_t[b] + j * ratio
+            first = j == 0
 
         # Two register buffers of one batch: batch i + 1 is in flight while batch i is used.
         kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
@@ -553,44 +490,19 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
 
         res = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        ops.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
         if cutlass.const_expr(G == 1):
+            ops.load_ape(ape, apf, 0, g, c, col_ok)
+            kvf, scf = kvb[0], scb[0]
+            # The fp32 reference's exact operation order: p = expf(x - max) / sum (IEEE division),
+            # out = sum(p * v) in the order of torch's reduction (four strided accumulators).
             pq = cute.make_rmem_tensor(cute.make_layout(V * SG), Float32)
-            if cutlass.const_expr(RS == 1):
-                ops.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
-            else:
-                # Two stages in shared memory, each thread's own slots (no barrier): the next rows' window
-                # streams in by cp.async while this step's arithmetic runs, and holds no registers meanwhile.
-                smem = cutlass.memory.SmemAllocator()
-                skv = smem.allocate_tensor(BFloat16, cute.make_layout(2 * SG * NT * V), byte_alignment=128)
-                ssc = smem.allocate_tensor(BFloat16, cute.make_layout(2 * SG * NT * V), byte_alignment=128)
-                stage_copy(kv, score, skv.iterator, ssc.iterator, 0, tidx, c, active, t0, first)
-                cute.arch.cp_async_commit_group()
-            for step in cutlass.range_constexpr(RS):
-                rn, activen, t0n, firstn = r, active, t0, first
-                if cutlass.const_expr(RS > 1):
-                    if cutlass.const_expr(step + 1 < RS):
-                        # The CTA's next R rows go out before this step's arithmetic.
-                        rn = r + R
-                        activen = (rn < N) & col_ok
-                        t0n, firstn = row_start(cu_t, cuc_t, B, rn, activen & (rn < nreal), ratio)
-                        stage_copy(kv, score, skv.iterator, ssc.iterator, (step + 1) % 2, tidx, c, activen, t0n, firstn)
-                        cute.arch.cp_async_commit_group()
-                        cute.arch.cp_async_wait_group(1)
-                    else:
-                        cute.arch.cp_async_wait_group(0)
-                    stage_read(skv.iterator, ssc.iterator, kvb[0], scb[0], step % 2, tidx, active, first)
-                # ape (L1-resident) after the DRAM loads.
-                ops.load_ape(ape, apf, 0, g, c, col_ok)
-                kvf, scf = kvb[0], scb[0]
-                # The fp32 reference's exact operation order: p = expf(x - max) / sum (IEEE division),
-                # out = sum(p * v) in the order of torch's reduction (four strided accumulators).
-                exact_probabilities(scf, apf, pq, first, V, SG, ratio, coff, sch.MD)
-                for i in cutlass.range_constexpr(V):
-                    pv = [mul_rn(pq[i * SG + k], Float32(kvf[k][i])) for k in range(SG)]
-                    res[i] = torch_order_sum(pv)
-                if active:
-                    vec_view(out, r * D + c, V).store(res.load().to(BFloat16))
-                r, active, t0, first = rn, activen, t0n, firstn
+            exact_probabilities(scf, apf, pq, first, V, SG, ratio, coff, sch.MD)
+            for i in cutlass.range_constexpr(V):
+                pv = [mul_rn(pq[i * SG + k], Float32(kvf[k][i])) for k in range(SG)]
+                res[i] = torch_order_sum(pv)
+            if active:
+                vec_view(out, r * D + c, V).store(res.load().to(BFloat16))
         else:
             smem = cutlass.memory.SmemAllocator()
             sm_m = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
@@ -599,7 +511,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             # Online (max, sum e, sum e*v) per column in the log2 domain, carried across batches.
             vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
             vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-            ops.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
             for bi in cutlass.range_constexpr(NB):
                 if cutlass.const_expr(bi + 1 < NB):
                     ops.issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
@@ -648,8 +559,8 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
     def grid_of(N):
         if cutlass.const_expr(CM):
-            return [(N + RB - 1) // RB * NCHUNK, 1, 1]
-        return [(N + RB - 1) // RB, NCHUNK, 1]
+            return [(N + R - 1) // R * NCHUNK, 1, 1]
+        return [(N + R - 1) // R, NCHUNK, 1]
 
     if ST:
 

@@ -434,8 +434,7 @@ class _Launcher:
         if raw is not None:
             if self.direction == "forward":
                 n = ints[1]
-                rows = self.sch.R * getattr(self.sch, "RS", 1)  # rows per CTA
-                raw[0]((*ptrs, *ints), ((n + rows - 1) // rows, self.nchunk), stream_handle)
+                raw[0]((*ptrs, *ints), ((n + self.sch.R - 1) // self.sch.R, self.nchunk), stream_handle)
             else:
                 b, n, t, rows_per_cta, num_ctas = ints
                 raw[0]((*ptrs[:6], *ptrs[6:8], ptrs[9], b, n, t, rows_per_cta), (num_ctas, self.nchunk), stream_handle)
