@@ -4,7 +4,8 @@ policies and first named ``evict_first_ab.py``.
 
 Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for the forwards, ``STREAM_BACKWARD``
 for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
-window slots per CTA (``--stats-slots``); or two package versions on ``PYTHONPATH``::
+window slots per CTA (``--stats-slots``); the register cap of the cute forwards (``--forward-min-blocks``,
+``--forward-min-blocks-long``: resident CTAs per SM); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -50,6 +51,21 @@ def measure(args) -> dict:
             key = ("backward_stats", case.ratio, case.coff, case.head_dim)
             sch = stats_backward_schedule(case.ratio, case.coff, case.head_dim, args.stats_slots)
             cute_launch.SCHEDULE_OVERRIDE[key] = sch  # the cache policies apply as for the default schedule
+    if args.forward_min_blocks or args.forward_min_blocks_long:
+        from dataclasses import replace
+
+        from csa_compressor.backends.cute import launch as cute_launch
+
+        for case in select_cases(args.cases.split(",") if args.cases else None):
+            for direction in ("forward", "forward_stats"):
+                try:
+                    sch = cute_launch._default_schedule(direction, case.ratio, case.coff, case.head_dim)
+                except ValueError:
+                    continue  # no statistics form for short windows
+                mb = args.forward_min_blocks if sch.G == 1 else args.forward_min_blocks_long if sch.NB == 1 else 0
+                if mb:
+                    key = (direction, case.ratio, case.coff, case.head_dim)
+                    cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, MB=mb)
     timer = _Timer(dev, (args.reps, args.reps, 1))
     names = [b for b in args.backends.split(",") if b in available_backends(dev)]
     rows = []
@@ -79,6 +95,7 @@ def measure(args) -> dict:
         "stream_loads": backends.STREAM_LOADS,
         "stream_backward": backends.STREAM_BACKWARD,
         "stats_slots": args.stats_slots,
+        "forward_min_blocks": [args.forward_min_blocks, args.forward_min_blocks_long],
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -92,8 +109,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, forward_min_blocks={a_run.get('forward_min_blocks')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, forward_min_blocks={b_run.get('forward_min_blocks')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -121,6 +138,15 @@ def main() -> int:
     ap.add_argument("--directions", default="fwd,bwd", help="comma-separated: fwd, bwd")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--stats-slots", type=int, default=0, help="cute statistics backward: window slots per CTA")
+    ap.add_argument(
+        "--forward-min-blocks", type=int, default=0, help="cute short-window forward: CTAs per SM to cap registers for"
+    )
+    ap.add_argument(
+        "--forward-min-blocks-long",
+        type=int,
+        default=0,
+        help="cute long-window forward with one batch per group (windows <= 128): CTAs per SM to cap registers for",
+    )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="environment variable for this run")

@@ -200,6 +200,7 @@ class Schedule:
     SC: int = 0  # statistics backward (backward_stats.py): window slots per CTA
     EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv, score (short backward: grad_out)
     ES: bool = False  # backward: evict-first (``st.global.cs``) stores of grad_kv and grad_score, zeros included
+    MB: int = 0  # forward: resident CTAs per SM that the registers are capped for (launch bounds); 0: the default
 
     @property
     def threads(self) -> int:
@@ -222,6 +223,7 @@ class Schedule:
             self.SC,
             self.EF,
             self.ES,
+            self.MB,
         )
 
 
@@ -556,6 +558,8 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     LAUNCH_BOUNDS = {}
     if G > 1:
         LAUNCH_BOUNDS = dict(min_blocks_per_mp=max(1, 65536 // (NT * 128)), preferred_smem_carveout=50)
+    if sch.MB:
+        LAUNCH_BOUNDS = dict(min_blocks_per_mp=sch.MB, preferred_smem_carveout=50)
 
     def grid_of(N):
         if cutlass.const_expr(CM):
