@@ -5,7 +5,7 @@ policies and first named ``evict_first_ab.py``.
 Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for the forwards, ``STREAM_BACKWARD``
 for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
 window slots per CTA (``--stats-slots``); the register cap of the cute forwards (``--forward-min-blocks``,
-``--forward-min-blocks-long``: resident CTAs per SM); or two package versions on ``PYTHONPATH``::
+``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -66,6 +66,21 @@ def measure(args) -> dict:
                 if mb:
                     key = (direction, case.ratio, case.coff, case.head_dim)
                     cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, MB=mb)
+    if args.backward_min_blocks:
+        from dataclasses import replace
+
+        from csa_compressor.backends.cute import launch as cute_launch
+
+        for case in select_cases(args.cases.split(",") if args.cases else None):
+            for direction in ("backward", "backward_stats"):
+                try:
+                    sch = cute_launch._default_schedule(direction, case.ratio, case.coff, case.head_dim)
+                except ValueError:
+                    continue
+                if sch.LONG:
+                    continue  # the two-pass kernel sizes its grid by shared memory
+                key = (direction, case.ratio, case.coff, case.head_dim)
+                cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, MB=args.backward_min_blocks)
     timer = _Timer(dev, (args.reps, args.reps, 1))
     names = [b for b in args.backends.split(",") if b in available_backends(dev)]
     rows = []
@@ -96,6 +111,7 @@ def measure(args) -> dict:
         "stream_backward": backends.STREAM_BACKWARD,
         "stats_slots": args.stats_slots,
         "forward_min_blocks": [args.forward_min_blocks, args.forward_min_blocks_long],
+        "backward_min_blocks": args.backward_min_blocks,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -109,8 +125,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, forward_min_blocks={a_run.get('forward_min_blocks')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, forward_min_blocks={b_run.get('forward_min_blocks')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -146,6 +162,9 @@ def main() -> int:
         type=int,
         default=0,
         help="cute long-window forward with one batch per group (windows <= 128): CTAs per SM to cap registers for",
+    )
+    ap.add_argument(
+        "--backward-min-blocks", type=int, default=0, help="cute backwards: CTAs per SM to cap registers for"
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)

@@ -228,3 +228,31 @@ def test_softmax_stats_path(case):
     bad = tuple(torch.empty_like(t) for t in (kv, score, ape))
     launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *bad, ratio, coff, None, wrong)
     assert not torch.equal(bad[1], grads[1])
+
+
+# 8-slot windows: launches of more than one wave of the default build take the register-capped build.
+WIDE_CONFIGS = [(128, 4, 2), (512, 4, 2), (64, 8, 1), (256, 4, 2)]
+
+
+@pytest.mark.parametrize("d,ratio,coff", WIDE_CONFIGS, ids=[f"d{d}-r{r}-c{c}" for d, r, c in WIDE_CONFIGS])
+def test_wide_forward_for_large_launches(d, ratio, coff):
+    launch = _launch_module()
+    dev = torch.device("cuda")
+    launcher = launch._get_launcher("forward", ratio, coff, d, torch.bfloat16, dev)
+    assert launcher.wide is not None and launcher.wide.sch.MB > 0
+    rows = launcher.wide_rows + 37
+    half = rows // 2
+    seqlens = (ratio * half + ratio - 1, 3, ratio * (rows - half) + 1)  # tails and a segment with no group
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=5, comp_padding=3, device=dev, seed=29)
+    assert pack.total_comp >= launcher.wide_rows
+    kv, score, ape, cu, cuc = pack.inputs
+    out = torch.full((pack.total_comp, d), float("nan"), dtype=kv.dtype, device=dev)
+    launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
+    ref = reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp, precision="fp32")
+    assert not torch.isnan(out).any()
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    # One row fewer than the threshold takes the default build: same function, bitwise.
+    small = out[: launcher.wide_rows - 1].clone().fill_(float("nan"))
+    launch.forward(kv, score, ape, cu, cuc, small, ratio, coff, None)
+    part = reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=small.shape[0], precision="fp32")
+    assert torch.equal(small.view(torch.int16), part.view(torch.int16))

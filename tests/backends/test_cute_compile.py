@@ -115,3 +115,27 @@ def test_stats_backward_rows_side_by_side(ratio, coff, head_dim):
     assert sch.R == 128 // (sch.TC * sch.G)
     if (ratio, coff, head_dim) == (128, 1, 128):
         assert (sch.SC, sch.R) == (8, 4)
+
+
+@pytest.mark.parametrize(
+    "ratio,coff,head_dim,wide",
+    [
+        (4, 2, 512, True),
+        (4, 2, 128, True),
+        (8, 1, 64, True),
+        (4, 1, 128, False),
+        (4, 2, 65, False),
+        (128, 1, 512, False),
+    ],
+)
+def test_wide_forward_schedule(ratio, coff, head_dim, wide):
+    """8-slot windows at 128 threads get a register-capped build for large launches (launch bounds in the PTX)."""
+    from csa_compressor.backends.cute.forward import WIDE_CTAS_PER_SM, forward_schedule, wide_forward_schedule
+
+    sch = wide_forward_schedule(forward_schedule(ratio, coff, head_dim))
+    assert (sch is not None) == wide
+    if wide:
+        assert sch.MB == WIDE_CTAS_PER_SM
+        ptx = cute_launch._build("forward", ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
+        assert f".minnctapersm {WIDE_CTAS_PER_SM}" in ptx
+        assert "ld.local" not in ptx and "st.local" not in ptx

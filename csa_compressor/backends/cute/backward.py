@@ -368,5 +368,12 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(dap[k].load())
 
     return make_backward_host(
-        kernel, APE_SIZE, NCHUNK, NT, backward_smem_bytes(sch), SMEM_CARVEOUT, slab_lanes=reduce_slab_lanes(sch)
+        kernel,
+        APE_SIZE,
+        NCHUNK,
+        NT,
+        backward_smem_bytes(sch),
+        SMEM_CARVEOUT,
+        slab_lanes=reduce_slab_lanes(sch),
+        min_blocks=sch.MB,
     )

@@ -150,6 +150,7 @@ def make_backward_host(
     carveout: int,
     stats: bool = False,
     slab_lanes: int = 1,
+    min_blocks: int = 0,
 ):
     """The @cute.jit host function of a backward: ``kernel`` over ``[num_ctas, nchunk]`` persistent CTAs,
     then the grad_ape reduction, on ``stream``.
@@ -159,7 +160,8 @@ def make_backward_host(
     pointer follows ``ws`` (also in the kernel's arguments).
     """
     reduce_kernel = make_reduce_kernel(ape_size, slab_lanes)
-    min_blocks = max(1, 65536 // (threads * MAX_REGS))
+    # Registers capped at MAX_REGS, or for ``min_blocks`` resident CTAs per SM (a schedule's MB).
+    min_blocks = min_blocks or max(1, 65536 // (threads * MAX_REGS))
 
     def launch_both(main, ws, gape, num_ctas, stream):
         # Plain Python, run while the host function is traced.

@@ -213,4 +213,6 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(dape[k].load())
 
-    return make_backward_host(kernel, APE_SIZE, NCOL * NZ, NT, stats_backward_smem_bytes(sch), 100, stats=True)
+    return make_backward_host(
+        kernel, APE_SIZE, NCOL * NZ, NT, stats_backward_smem_bytes(sch), 100, stats=True, min_blocks=sch.MB
+    )

@@ -200,7 +200,7 @@ class Schedule:
     SC: int = 0  # statistics backward (backward_stats.py): window slots per CTA
     EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv, score (short backward: grad_out)
     ES: bool = False  # backward: evict-first (``st.global.cs``) stores of grad_kv and grad_score, zeros included
-    MB: int = 0  # forward: resident CTAs per SM that the registers are capped for (launch bounds); 0: the default
+    MB: int = 0  # resident CTAs per SM that the registers are capped for (launch bounds); 0: the default
 
     @property
     def threads(self) -> int:
@@ -290,6 +290,20 @@ def forward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
         # (H200, 3x8192 d512 r128 c1: 20.7 us against 22.5 for the 256-column streaming schedule).
         return replace(make_schedule(ratio, coff, head_dim, vcap=4, threads=256, cols_cap=64), CM=True)
     return streaming_schedule(ratio, coff, head_dim)
+
+
+# 8-slot windows (G == 1) at 128 threads: the default build takes 95-96 registers (5 CTAs per SM). Capped for 6
+# it takes 80 with 2-4 spill instructions (shorter windows take ~52 and hold more CTAs anyway); on the H200 that is 4-5 % faster for launches of more than one wave
+# (3x8192 d512 r4 c2 33.4-33.7 -> 32.2 us cold) and 12-15 % slower for a single wave (1x8192 d128 r4 c2,
+# 4.35 -> 4.9 us): benchmarks/results/forward_min_blocks_ab_h200_20261201.md. launch.py picks per call.
+WIDE_CTAS_PER_SM = 6
+
+
+def wide_forward_schedule(sch: Schedule) -> Schedule | None:
+    """The register-capped form of a short-window forward schedule for large launches, or None."""
+    if sch.G != 1 or sch.SG != 8 or sch.MB or sch.threads != 128:
+        return None
+    return replace(sch, MB=WIDE_CTAS_PER_SM)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ try:
     from .backward import backward_schedule, backward_smem_bytes, build_backward
     from .backward_common import MAX_REGS, REDUCE_WARPS, reduce_grid_x, reduce_slab_lanes
     from .backward_stats import stats_backward_schedule
-    from .forward import build_forward, forward_schedule, forward_smem_bytes
+    from .forward import build_forward, forward_schedule, forward_smem_bytes, wide_forward_schedule
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
 
@@ -310,6 +310,9 @@ class _Launcher:
         self.fast_error: str | None = None
         self.ctas_per_sm = 2
         self.nchunk = 1
+        # Short-window forward: the register-capped build that one call takes from `wide_rows` rows on.
+        self.wide: _Launcher | None = None
+        self.wide_rows = 1 << 62
         try:
             ex = compiled.to(device_index)
             self._ex = ex
@@ -356,7 +359,7 @@ class _Launcher:
         # Resident CTAs per SM of the backward kernel: its launch bounds cap registers at MAX_REGS, so
         # MIN_BLOCKS CTAs fit by registers; shared memory (50% carveout) may allow fewer.
         if direction.startswith("backward"):
-            by_regs = max(1, 65536 // (sch.threads * MAX_REGS))
+            by_regs = sch.MB or max(1, 65536 // (sch.threads * MAX_REGS))
             # The long-window kernel asks for all of the unified L1/shared memory (227 KB per SM on sm_90).
             smem_cap = 227 if getattr(sch, "LONG", False) else 114
             by_smem = max(1, (smem_cap * 1024) // (smem_bytes + 1024))
@@ -487,6 +490,17 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
             if getattr(sch, "SC", 0):
                 launcher.nchunk *= coff * ratio // sch.SC  # grid y: column chunks x slot chunks
             launcher.reduce_grid = reduce_grid_x(ratio * coff * head_dim, reduce_slab_lanes(sch))
+            wide = wide_forward_schedule(sch) if direction == "forward" else None
+            if wide is not None:
+                wkey = (direction, ratio, coff, head_dim, dtype, arch, wide.key())
+                compiled_w = _COMPILED.get(wkey)
+                if compiled_w is None:
+                    compiled_w = _build(direction, ratio, coff, head_dim, arch, wide)
+                    _COMPILED[wkey] = compiled_w
+                launcher.wide = _Launcher(compiled_w, direction, index, wide, num_sms, smem)
+                launcher.wide.nchunk = launcher.nchunk
+                # More row blocks than one wave of the default build: the capped one holds a CTA more per SM.
+                launcher.wide_rows = num_sms * (wide.MB - 1) * sch.R + 1
             _LAUNCHERS[lk] = launcher
             _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher
     return launcher
@@ -526,6 +540,8 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, strea
     )
     if stats is not None:
         ptrs += (stats.data_ptr(),)
+    if n >= launcher.wide_rows:
+        launcher = launcher.wide
     args = (*ptrs, cu_seqlens.shape[0] - 1, n, _stream_handle(stream, device))
     # Kernels launch into the current CUDA context: switch only when the tensors live elsewhere.
     if index is None or index == _GET_DEVICE():
