@@ -4,7 +4,7 @@ policies and first named ``evict_first_ab.py``.
 
 Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for the forwards, ``STREAM_BACKWARD``
 for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
-window slots per CTA (``--stats-slots``); the register cap of the cute forwards (``--forward-min-blocks``,
+window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
@@ -43,13 +43,14 @@ def measure(args) -> dict:
         from csa_compressor.backends.triton import launch as triton_launch
 
         triton_launch.AUTOGRAD_STATS = True
-    if args.stats_slots:
+    if args.stats_slots or args.stats_tile:
         from csa_compressor.backends.cute import launch as cute_launch
         from csa_compressor.backends.cute.backward_stats import stats_backward_schedule
 
         for case in select_cases(args.cases.split(",") if args.cases else None):
             key = ("backward_stats", case.ratio, case.coff, case.head_dim)
-            sch = stats_backward_schedule(case.ratio, case.coff, case.head_dim, args.stats_slots)
+            vcap, slots = (int(x) for x in args.stats_tile.split(",")) if args.stats_tile else (8, 2)
+            sch = stats_backward_schedule(case.ratio, case.coff, case.head_dim, args.stats_slots or None, vcap, slots)
             cute_launch.SCHEDULE_OVERRIDE[key] = sch  # the cache policies apply as for the default schedule
     if args.forward_min_blocks or args.forward_min_blocks_long:
         from dataclasses import replace
@@ -110,6 +111,7 @@ def measure(args) -> dict:
         "stream_loads": backends.STREAM_LOADS,
         "stream_backward": backends.STREAM_BACKWARD,
         "stats_slots": args.stats_slots,
+        "stats_tile": args.stats_tile,
         "forward_min_blocks": [args.forward_min_blocks, args.forward_min_blocks_long],
         "backward_min_blocks": args.backward_min_blocks,
         "device": torch.cuda.get_device_name(dev),
@@ -125,8 +127,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -165,6 +167,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--backward-min-blocks", type=int, default=0, help="cute backwards: CTAs per SM to cap registers for"
+    )
+    ap.add_argument(
+        "--stats-tile", default="", help="cute statistics backward: 'VCAP,SLOTS' (vector cap, slots per thread)"
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)

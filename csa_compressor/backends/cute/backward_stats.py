@@ -41,7 +41,9 @@ STATS_MIN_SLOTS = 8
 STATS_CHUNKS = 16
 
 
-def stats_backward_schedule(ratio: int, coff: int, head_dim: int, slots_cap: int | None = None) -> Schedule:
+def stats_backward_schedule(
+    ratio: int, coff: int, head_dim: int, slots_cap: int | None = None, vcap: int = 8, slots: int = 2
+) -> Schedule:
     """128 threads: 64 columns (16-byte vectors, ``TC`` threads) x ``G`` groups of 2 slots (``SC = G * SG <=
     slots_cap`` window slots per CTA) x ``R`` rows at a time. Every CTA writes one grad_ape slab per row range, so
     rows side by side in a CTA (``R``) divide the slab bytes by ``R`` at the same CTA count (one wave); the price is
@@ -51,12 +53,12 @@ def stats_backward_schedule(ratio: int, coff: int, head_dim: int, slots_cap: int
     W = coff * ratio
     if slots_cap is None:
         slots_cap = max(STATS_MIN_SLOTS, W // STATS_CHUNKS)
-    V = vector_width(head_dim, 8)
+    V = vector_width(head_dim, vcap)
     col_threads = -(-head_dim // V)
     TC = 1
     while TC * 2 <= col_threads and TC * 2 * V <= 64:
         TC *= 2
-    SG = 2 if W % 2 == 0 else 1
+    SG = slots if W % slots == 0 else 1
     G = max(1, min(128 // TC, slots_cap // SG))
     while G > 1 and W % (G * SG):
         G //= 2
