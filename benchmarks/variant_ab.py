@@ -49,8 +49,10 @@ def measure(args) -> dict:
 
         for case in select_cases(args.cases.split(",") if args.cases else None):
             key = ("backward_stats", case.ratio, case.coff, case.head_dim)
-            vcap, slots = (int(x) for x in args.stats_tile.split(",")) if args.stats_tile else (8, 2)
-            sch = stats_backward_schedule(case.ratio, case.coff, case.head_dim, args.stats_slots or None, vcap, slots)
+            tile = {}
+            if args.stats_tile:
+                tile = dict(zip(("vcap", "slots"), (int(x) for x in args.stats_tile.split(",")), strict=True))
+            sch = stats_backward_schedule(case.ratio, case.coff, case.head_dim, args.stats_slots or None, **tile)
             cute_launch.SCHEDULE_OVERRIDE[key] = sch  # the cache policies apply as for the default schedule
     if args.forward_min_blocks or args.forward_min_blocks_long:
         from dataclasses import replace

@@ -8,7 +8,7 @@ kernel):
 - grid ``[row ranges, column chunks x slot chunks]``: a CTA owns ``CW = TC * V`` columns and
   ``SC = G * SG`` consecutive window slots of a contiguous range of rows, ``R`` rows at a time (row lane
   ``rl`` takes rows ``rl, rl + R, ...`` of the range);
-- a thread owns ``V`` columns (16-byte vectors) of ``SG`` slots; per row it loads the row's statistics and
+- a thread owns ``V`` columns (8-byte vectors) of ``SG`` slots; per row it loads the row's statistics and
   ``grad_out`` for its columns (L1 serves the CTA's other slot groups) and its slots' kv and score,
   with the next row's kv and score already in flight (double buffer in registers), and stores ``dv``
   and ``dlogit`` at once;
@@ -42,14 +42,18 @@ STATS_CHUNKS = 16
 
 
 def stats_backward_schedule(
-    ratio: int, coff: int, head_dim: int, slots_cap: int | None = None, vcap: int = 8, slots: int = 2
+    ratio: int, coff: int, head_dim: int, slots_cap: int | None = None, vcap: int = 4, slots: int = 4
 ) -> Schedule:
-    """128 threads: 64 columns (16-byte vectors, ``TC`` threads) x ``G`` groups of 2 slots (``SC = G * SG <=
+    """128 threads: 64 columns (8-byte vectors, ``TC`` threads) x ``G`` groups of 4 slots (``SC = G * SG <=
     slots_cap`` window slots per CTA) x ``R`` rows at a time. Every CTA writes one grad_ape slab per row range, so
     rows side by side in a CTA (``R``) divide the slab bytes by ``R`` at the same CTA count (one wave); the price is
     that the statistics and grad_out of a row are read by ``W / SC`` CTAs (L2 hits; ``slots_cap``, by default
-    ``max(STATS_MIN_SLOTS, W // STATS_CHUNKS)``, bounds that). 2 slots per thread keep the
-    double-buffered rows, the statistics and the grad_ape accumulators within 128 registers."""
+    ``max(STATS_MIN_SLOTS, W // STATS_CHUNKS)``, bounds that). 4 slots of 4 columns per thread keep the
+    double-buffered rows, the statistics and the grad_ape accumulators within 128 registers (124), and load a row's
+    statistics and grad_out once per 4 slots. H200 A/B (2026-12-01, cold backward, against 16-byte vectors x 2 slots):
+    1x8192 d128 r128 c1 -6 / -7 %, 3x8192 d512 r128 c1 -1 / -2 %, 1x65536 d512 r128 c2 -0.3 / -0.9 % (both GPUs;
+    benchmarks/results/stats_tile_ab_h200_20261201.md); 4 columns x 2 slots (79 registers, 6 CTAs per SM): +16-18 %
+    on the large cases."""
     W = coff * ratio
     if slots_cap is None:
         slots_cap = max(STATS_MIN_SLOTS, W // STATS_CHUNKS)
