@@ -6,6 +6,7 @@
 #   PHASE=3: after a change, in one call: the test suite and the sanitizers (GPU 1) beside the benchmark and
 #            the launch-overhead breakdown (GPU 0), then the two-GPU tests;
 #   PHASE=tests: validation only: the suite split over both GPUs, the sanitizers and the two-GPU tests;
+#   PHASE=tests1: validation on one GPU (nvidia-h200): the cute files, the cute sanitizers, the other files;
 #   PHASE=bench: one GPU (a plain nvidia-h200 call): the benchmark, launch overhead and full-size numerics;
 #   PHASE=dev: development: the test suite (GPU 1) beside benchmarks/cute_dev.py timing + schedule variants
 #            and an optional $DEV_EXTRA command (GPU 0).
@@ -60,6 +61,20 @@ elif [ "${PHASE:-1}" = tests ]; then
     wait
     timeout 90 python3 -m pytest tests -q -ra -p no:cacheprovider -k "non_current" >"$LOGS/pytest_two_gpus.log" 2>&1
     echo "rc=$?" >>"$LOGS/pytest_two_gpus.log"
+elif [ "${PHASE:-1}" = tests1 ]; then
+    # Validation on one GPU (a plain nvidia-h200 call, when no two-GPU machine is lent), within one call's 10
+    # minutes: the cute files, the cute sanitizers, then every other file (the two-GPU cases skip).
+    CUTE_FILES="tests/backends/test_cute.py tests/backends/test_cute_compile.py tests/backends/test_cute_launch_abi.py"
+    IGNORE=""; for f in $CUTE_FILES; do IGNORE="$IGNORE --ignore=$f"; done
+    timeout ${TEST_TIMEOUT:-130} python3 -m pytest $CUTE_FILES -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest_cute.log" 2>&1
+    echo "pytest rc=$?" >>"$LOGS/pytest_cute.log"
+    for tool in memcheck racecheck; do
+        timeout ${SAN_TIMEOUT:-50} compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
+            python3 tests/sanitize_cases.py --backend cute --cases ${SAN_CASES:-6} >"$LOGS/sanitize_cute_$tool.log" 2>&1
+        echo "rc=$?" >>"$LOGS/sanitize_cute_$tool.log"
+    done
+    timeout ${REST_TIMEOUT:-300} python3 -m pytest tests $IGNORE -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest_rest.log" 2>&1
+    echo "pytest rc=$?" >>"$LOGS/pytest_rest.log"
 elif [ "${PHASE:-1}" = bench ]; then
     # One GPU (nvidia-h200 will do): the benchmark alone, then the launch-overhead breakdown and the full-size
     # numerics. ~7 minutes with --clean-cold.
@@ -146,6 +161,9 @@ elif [ "${PHASE:-1}" = tests ]; then
     for g in 0 1; do echo "==== pytest (GPU $g)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest_gpu$g.log" | head -n 30; tail -n 2 "$LOGS/pytest_gpu$g.log"; done
     echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
     echo "==== two GPUs"; tail -n 2 "$LOGS/pytest_two_gpus.log"
+elif [ "${PHASE:-1}" = tests1 ]; then
+    for f in cute rest; do echo "==== pytest ($f)"; grep -E "^(FAILED|ERROR)" "$LOGS/pytest_$f.log" | head -n 30; tail -n 2 "$LOGS/pytest_$f.log"; done
+    echo "==== sanitizers"; for f in "$LOGS"/sanitize_*.log; do echo "$(basename "$f"): $(grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -n 1) $(tail -n 1 "$f")"; done
 elif [ "${PHASE:-1}" = bench ]; then
     echo "==== launch overhead"; grep -E "^\[|wrapper|target|bare|piece|execute|x.add_" "$LOGS/launch_overhead.txt"
     echo "==== full-size numerics"; tail -n 16 "$LOGS/full_numerics.txt" | cut -c1-200
