@@ -24,7 +24,7 @@ _LIBC = ctypes.CDLL(None)
 
 
 class _Sch:
-    R, TC, V, threads = 4, 32, 4, 128
+    R, TC, V, threads, MB = 4, 32, 4, 128, 0
 
 
 @cute.jit
