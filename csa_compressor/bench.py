@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -332,7 +333,10 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
     kernel_backends = [b for b in backends if b in KERNEL_BACKENDS]
     lines: list[str] = []
     if meta:
-        lines.append(f"Device: {meta.get('device', '?')}; date: {meta.get('date', '?')}; commit: {meta.get('commit')}")
+        lines.append(
+            f"Device: {meta.get('device', '?')}; date: {meta.get('date', '?')}; commit: {meta.get('commit')}"
+            + (f" (source digest {meta['source_digest']})" if meta.get("source_digest") else "")
+        )
         if meta.get("copy_tb_s") is not None:
             lines.append(
                 f"Floor = bytes that must move / device-to-device copy rate measured in this run "
@@ -493,6 +497,18 @@ def draw_chart(records: Sequence[dict], path: Path) -> str | None:
 # Environment facts
 
 
+def source_digest(package: Path | None = None) -> str:
+    """First 12 hex digits of a SHA-256 over the package's ``.py`` files (relative path and content, in path
+    order). Unlike the commit it cannot go stale in a copy of the tree: the same sources give the same digest,
+    so a result can be matched to a commit by checking it out and recomputing (``--source-digest``)."""
+    package = package or Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        h.update(path.relative_to(package).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def git_commit(repo: Path | None = None) -> str | None:
     """``git rev-parse HEAD`` of the checkout holding this package (``-dirty`` if it has changes), or None."""
     repo = repo or Path(__file__).resolve().parent.parent
@@ -576,6 +592,7 @@ def make_record(meta: dict, case: Case, backend: str, direction: str, copy_bytes
         "device": meta.get("device"),
         "date": meta.get("date"),
         "commit": meta.get("commit"),
+        "source_digest": meta.get("source_digest"),
         "versions": meta.get("versions"),
         "case": case.name,
         "seqlens": list(case.seqlens),
@@ -863,6 +880,7 @@ def run_bench(
         "device": f"{props.name} (sm_{props.major}{props.minor})",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit or git_commit(),
+        "source_digest": source_digest(),
         "versions": versions(),
         "copy_tb_s": rate / 1e12,
         "reps": list(reps),
@@ -971,6 +989,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit", help="commit id to record when the tree has no .git (default: git rev-parse HEAD)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument(
+        "--source-digest",
+        action="store_true",
+        help="print the package's source digest (recorded by every run) and exit",
+    )
+    p.add_argument(
         "--clean-cold",
         action="store_true",
         help="also time kernel backends cold after a flush that leaves L2 clean (write, then read 2x L2)",
@@ -981,6 +1004,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.source_digest:
+        print(source_digest())
+        return 0
     if args.list:
         for i, case in enumerate(CASES):
             print(f"{i}: {case.name}  (T={case.total_tokens}, N={case.total_comp})")

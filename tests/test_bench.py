@@ -327,7 +327,32 @@ def test_default_name():
     assert bench.default_name("NVIDIA H200", "2026-11-30T14:12:05+00:00") == "bench_nvidia-h200_20261130T1412Z"
 
 
+def test_source_digest_follows_the_sources(tmp_path):
+    """Same sources, same digest; one changed byte or a renamed file changes it (it identifies a result's code
+    where a copied tree's commit id may be stale)."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not a source")
+    first = bench.source_digest(pkg)
+    assert len(first) == 12 and first == bench.source_digest(pkg)
+    (pkg / "notes.txt").write_text("changed, still not a source")
+    assert bench.source_digest(pkg) == first
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    changed = bench.source_digest(pkg)
+    assert changed != first
+    (pkg / "sub" / "b.py").rename(pkg / "sub" / "c.py")
+    assert bench.source_digest(pkg) not in (first, changed)
+    assert bench.source_digest() == bench.source_digest()  # the installed package
+
+
 # ---------------------------------------------------------------- command line
+
+
+def test_main_source_digest(capsys):
+    assert bench.main(["--source-digest"]) == 0
+    assert capsys.readouterr().out.strip() == bench.source_digest()
 
 
 def test_main_list(capsys):
