@@ -247,7 +247,14 @@ def test_wide_forward_for_large_launches(d, ratio, coff):
     assert pack.total_comp >= launcher.wide_rows
     kv, score, ape, cu, cuc = pack.inputs
     out = torch.full((pack.total_comp, d), float("nan"), dtype=kv.dtype, device=dev)
-    launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
+    wide_calls = []
+    wide_launch = launcher.wide.launch
+    launcher.wide.launch = lambda args: (wide_calls.append(args[-2]), wide_launch(args))
+    try:
+        launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
+    finally:
+        launcher.wide.launch = wide_launch
+    assert wide_calls == [pack.total_comp]  # the capped build ran, once, over every row
     ref = reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp, precision="fp32")
     assert not torch.isnan(out).any()
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))

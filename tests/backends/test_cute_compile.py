@@ -139,3 +139,17 @@ def test_wide_forward_schedule(ratio, coff, head_dim, wide):
         ptx = cute_launch._build("forward", ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
         assert f".minnctapersm {WIDE_CTAS_PER_SM}" in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("direction,ratio,coff,head_dim", [("backward", 4, 2, 512), ("backward_stats", 128, 1, 512)])
+def test_backward_register_cap_reaches_the_launch_bounds(direction, ratio, coff, head_dim):
+    """A backward schedule's MB (resident CTAs per SM) becomes the main kernel's launch bound; 0 keeps MAX_REGS's."""
+    from dataclasses import replace
+
+    from csa_compressor.backends.cute.backward_common import MAX_REGS
+
+    _, sch = cute_launch._key(direction, ratio, coff, head_dim, torch.bfloat16, "sm_90a")
+    default = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
+    assert f".minnctapersm {65536 // (sch.threads * MAX_REGS)}" in default
+    capped = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", replace(sch, MB=5)).artifacts.PTX
+    assert ".minnctapersm 5" in capped
