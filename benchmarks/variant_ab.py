@@ -5,7 +5,8 @@ policies and first named ``evict_first_ab.py``.
 Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for the forwards, ``STREAM_BACKWARD``
 for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
-``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); or two package versions on ``PYTHONPATH``::
+``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
+long-window forward at a given column width (``--forward-long-stream-cols``); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -69,6 +70,19 @@ def measure(args) -> dict:
                 if mb:
                     key = (direction, case.ratio, case.coff, case.head_dim)
                     cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, MB=mb)
+    if args.forward_long_stream_cols:
+        from dataclasses import replace
+
+        from csa_compressor.backends.cute import launch as cute_launch
+        from csa_compressor.backends.cute.forward import streaming_schedule
+
+        for case in select_cases(args.cases.split(",") if args.cases else None):
+            if case.ratio * case.coff <= 16:
+                continue  # short windows have no streaming form
+            for direction in ("forward", "forward_stats"):
+                sch = streaming_schedule(case.ratio, case.coff, case.head_dim, cols_cap=args.forward_long_stream_cols)
+                key = (direction, case.ratio, case.coff, case.head_dim)
+                cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, ST=direction == "forward_stats")
     if args.backward_min_blocks:
         from dataclasses import replace
 
@@ -116,6 +130,7 @@ def measure(args) -> dict:
         "stats_tile": args.stats_tile,
         "forward_min_blocks": [args.forward_min_blocks, args.forward_min_blocks_long],
         "backward_min_blocks": args.backward_min_blocks,
+        "forward_long_stream_cols": args.forward_long_stream_cols,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -129,8 +144,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -172,6 +187,12 @@ def main() -> int:
     )
     ap.add_argument(
         "--stats-tile", default="", help="cute statistics backward: 'VCAP,SLOTS' (vector cap, slots per thread)"
+    )
+    ap.add_argument(
+        "--forward-long-stream-cols",
+        type=int,
+        default=0,
+        help="cute long-window forward: the streaming schedule (batches in flight) with this many columns per CTA",
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)
