@@ -293,9 +293,10 @@ def forward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
 
 
 # 8-slot windows (G == 1) at 128 threads: the default build takes 95-96 registers (5 CTAs per SM). Capped for 6
-# it takes 80 with 2-4 spill instructions (shorter windows take ~52 and hold more CTAs anyway); on the H200 that is 4-5 % faster for launches of more than one wave
-# (3x8192 d512 r4 c2 33.4-33.7 -> 32.2 us cold) and 12-15 % slower for a single wave (1x8192 d128 r4 c2,
-# 4.35 -> 4.9 us): benchmarks/results/min_blocks_ab_h200_20261201.md. launch.py picks per call.
+# it takes 80 with 2-4 spill instructions (shorter windows take ~52 and hold more CTAs anyway). On the H200 that
+# is 4-5 % faster for launches of more than one wave (3x8192 d512 r4 c2 33.4-33.7 -> 32.2 us cold) and 12-15 %
+# slower for a single wave (1x8192 d128 r4 c2, 4.35 -> 4.9 us): benchmarks/results/min_blocks_ab_h200_20261201.md.
+# launch.forward picks per call.
 WIDE_CTAS_PER_SM = 6
 
 
