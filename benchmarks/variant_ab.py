@@ -6,7 +6,8 @@ Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for
 for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
-long-window forward at a given column width (``--forward-long-stream-cols``); or two package versions on ``PYTHONPATH``::
+long-window forward at a given column width (``--forward-long-stream-cols``); the backwards' prefetch ahead
+(``--prefetch-ahead``); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -98,6 +99,21 @@ def measure(args) -> dict:
                     continue  # the two-pass kernel sizes its grid by shared memory
                 key = (direction, case.ratio, case.coff, case.head_dim)
                 cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, MB=args.backward_min_blocks)
+    if args.prefetch_ahead:
+        from dataclasses import replace
+
+        from csa_compressor.backends.cute import launch as cute_launch
+
+        for case in select_cases(args.cases.split(",") if args.cases else None):
+            for direction in ("backward", "backward_stats"):
+                key = (direction, case.ratio, case.coff, case.head_dim)
+                try:
+                    sch = cute_launch.SCHEDULE_OVERRIDE.get(key) or cute_launch._default_schedule(*key)
+                except ValueError:
+                    continue
+                if sch.LONG and not sch.SC:
+                    continue  # the two-pass kernel prefetches by its own rule
+                cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, PF=True)
     timer = _Timer(dev, (args.reps, args.reps, 1))
     names = [b for b in args.backends.split(",") if b in available_backends(dev)]
     rows = []
@@ -131,6 +147,7 @@ def measure(args) -> dict:
         "forward_min_blocks": [args.forward_min_blocks, args.forward_min_blocks_long],
         "backward_min_blocks": args.backward_min_blocks,
         "forward_long_stream_cols": args.forward_long_stream_cols,
+        "prefetch_ahead": args.prefetch_ahead,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -144,8 +161,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -193,6 +210,11 @@ def main() -> int:
         type=int,
         default=0,
         help="cute long-window forward: the streaming schedule (batches in flight) with this many columns per CTA",
+    )
+    ap.add_argument(
+        "--prefetch-ahead",
+        action="store_true",
+        help="cute backwards (short windows, statistics): prefetch rows ahead (Schedule.PF)",
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)

@@ -263,3 +263,41 @@ def test_wide_forward_for_large_launches(d, ratio, coff):
     launch.forward(kv, score, ape, cu, cuc, small, ratio, coff, None)
     part = reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=small.shape[0], precision="fp32")
     assert torch.equal(small.view(torch.int16), part.view(torch.int16))
+
+
+# Schedule.PF on the short-window and statistics backwards (prefetch hints only): the same gradients, bitwise.
+PREFETCH_CASES = [
+    ((37, 4, 3, 64, 129, 8), 128, 4, 2, 5, 3),
+    ((1000, 2, 333, 700), 512, 4, 2, 7, 4),
+    ((81, 7, 40), 64, 8, 1, 2, 1),
+    ((515, 1, 1030, 127, 260), 512, 128, 1, 3, 2),
+    ((700, 300, 2000), 512, 128, 2, 9, 1),
+    ((200, 5, 61, 90), 128, 17, 1, 2, 1),
+]
+
+
+@pytest.mark.parametrize("case", PREFETCH_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_backward_prefetch_ahead_changes_no_bit(case):
+    launch = _launch_module()
+    from dataclasses import replace
+
+    seqlens, d, ratio, coff, tp, cp = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=31)
+    long = launch.supports_stats(ratio, coff, d)
+    direction = "backward_stats" if long else "backward"
+    run = _run_stats if long else _run
+    plain = run(launch, pack)
+    key = (direction, ratio, coff, d)
+    launch.SCHEDULE_OVERRIDE[key] = replace(launch._default_schedule(*key), PF=True)
+    try:
+        launcher = launch._get_launcher(direction, ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+        assert launcher.sch.PF
+        got = run(launch, pack)
+    finally:
+        launch.SCHEDULE_OVERRIDE.pop(key)
+        launch._get_launcher(direction, ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+    grads = (plain[2], got[2]) if long else (plain[1:], got[1:])
+    for a, b in zip(*grads, strict=True):
+        assert not torch.isnan(b).any()
+        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))  # fmt: skip

@@ -153,3 +153,22 @@ def test_backward_register_cap_reaches_the_launch_bounds(direction, ratio, coff,
     assert f".minnctapersm {65536 // (sch.threads * MAX_REGS)}" in default
     capped = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", replace(sch, MB=5)).artifacts.PTX
     assert ".minnctapersm 5" in capped
+
+
+@pytest.mark.parametrize(
+    "direction,ratio,coff,head_dim",
+    [("backward", 4, 2, 512), ("backward", 2, 2, 7), ("backward_stats", 128, 1, 512), ("backward_stats", 17, 1, 128)],
+)
+def test_backward_prefetch_ahead_compiles(direction, ratio, coff, head_dim):
+    """Schedule.PF on the short-window and statistics backwards: L2 (and, for the statistics, L1) prefetches, no
+    local memory; off, the kernels carry none."""
+    from dataclasses import replace
+
+    _, sch = cute_launch._key(direction, ratio, coff, head_dim, torch.bfloat16, "sm_90a")
+    assert not sch.PF
+    plain = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
+    assert "prefetch.global" not in plain
+    ptx = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", replace(sch, PF=True)).artifacts.PTX
+    assert "prefetch.global.L2" in ptx
+    assert ("prefetch.global.L1" in ptx) == (direction == "backward_stats")
+    assert "ld.local" not in ptx and "st.local" not in ptx

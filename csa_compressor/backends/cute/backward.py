@@ -35,7 +35,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .backward_common import ZeroStores, make_backward_host, reduce_slab_lanes
-from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes
+from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes, prefetch_l2
 from .backward_stats import build_backward_stats, stats_backward_smem_bytes
 from .forward import (
     LOG2E,
@@ -105,6 +105,24 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     zeros = ZeroStores(ratio, coff, head_dim, V, ES)
     APE_SIZE = ratio * WIDTH
     # Register cap: ptxas otherwise spends ~150 registers on ILP; 128 per thread keeps 512 threads per SM.
+
+    # PF: per row lane and row step, the window two steps ahead (W slots x 2 tensors x LINES 128-byte lines of the
+    # CTA's columns) is prefetched into L2 by the row lane's first threads, adding bytes in flight that hold no
+    # registers (the next row's loads are in registers already). Hints only: the token is guessed from the next
+    # row's (same segment), clamped into [0, T); a wrong guess at a segment boundary costs a line.
+    LINES = -(-CW * 2 // 128)
+
+    @cute.jit
+    def prefetch_window(kv, score, rp, t0p, q, by, row_lim, T):
+        if (q < 2 * W * LINES) & (rp < row_lim):
+            rem = q % (W * LINES)
+            s = rem // LINES
+            tok = cutlass.min(cutlass.max(t0p - (coff - 1) * ratio + s, Int32(0)), T - 1)
+            off = tok * WIDTH + (s // ratio) * D + by * CW + (rem % LINES) * 64
+            if q < W * LINES:
+                prefetch_l2(kv + off)
+            else:
+                prefetch_l2(score + off)
 
     @cute.jit
     def store_slot(gkv, gsc, dvo, dlo, t0, s, valid, c):
@@ -281,6 +299,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         g = (tidx // TC) % G
         rl = tidx // (TC * G)
         lane = rl * G + g
+        q = tidx % (TC * G)  # thread within its row lane
         c = (by * TC + tc) * V
         col_ok = Boolean(True)
         if cutlass.const_expr(not COLS_EXACT):
@@ -336,6 +355,8 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     kv, score, gout, cu_t, cuc_t, B, kvb[1 - ph], scb[1 - ph], gbb[1 - ph], rn,
                     col_ok & (rn < row_lim), g, c,
                 )  # fmt: skip
+                if cutlass.const_expr(sch.PF):
+                    prefetch_window(kv, score, rn + R, n_t0 + R * ratio, q, by, row_lim, T)
                 compute_row(
                     ape, gkv, gsc, kvb[ph], scb[ph], gbb[ph], apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
                     sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,

@@ -84,6 +84,20 @@ def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
     )
 
 
+@dsl_user_op
+def prefetch_l1(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """``prefetch.global.L1`` of the 128-byte line holding ``ptr`` (into L1 and L2; no register, no wait)."""
+    llvm.inline_asm(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+        "prefetch.global.L1 [$0];",
+        "l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 def long_backward_schedule(ratio: int, coff: int, head_dim: int, threads: int = 256, cols_cap: int = 64) -> Schedule:
     """16-byte column vectors, ``cols_cap`` columns per CTA (the grad_ape accumulator is window x
     columns of shared memory), batches of 4 slots, as many groups as ``threads`` allows."""

@@ -30,6 +30,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .backward_common import ZeroStores, make_backward_host
+from .backward_long import prefetch_l1, prefetch_l2
 from .forward import LOG2E, Schedule, WindowOps, ex2, find_segment, vec_view, vector_width, window_store
 
 # Window slots per CTA: at least 8, and few enough slot chunks (at most STATS_CHUNKS) that a row's statistics and
@@ -92,6 +93,34 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
     ops = WindowOps(ratio, coff, head_dim, V, SG, SG, sch.EF)  # group index = global slot group, SG slots each
     zeros = ZeroStores(ratio, coff, head_dim, V, sch.ES)
 
+    # PF: per row lane and row step, threads 0 .. 5 prefetch the next step's statistics (3 x CW fp32) into L1 and
+    # thread 6 its grad_out (CW bf16), whose loads otherwise wait a full L2 round trip at the top of every step;
+    # threads 7 .. 7 + 2 * SC - 1 prefetch the window two steps ahead (one CW-column line per slot and tensor) into
+    # L2. Hints only: token offsets are clamped into [0, T) and a wrong guess (a segment boundary) costs a line.
+    PF_STATS = 3 * -(-CW * 4 // 128)  # 128-byte lines of one row's statistics for the CTA's columns
+    PF_THREADS = PF_STATS + 1 + 2 * SC
+
+    @cute.jit
+    def prefetch_ahead(kv, score, gout, stats, r, t0n, q, by, bz, row_lim, T):
+        if q < PF_THREADS:
+            rq = r + R
+            if (q < PF_STATS) & (rq < row_lim):
+                per = PF_STATS // 3
+                prefetch_l1(stats + (rq * (3 * D) + (q // per) * D + by * CW + (q % per) * 32))
+            if (q == PF_STATS) & (rq < row_lim):
+                prefetch_l1(gout + (rq * D + by * CW))
+            rp = r + 2 * R
+            if (q > PF_STATS) & (rp < row_lim):
+                qq = q - PF_STATS - 1
+                k = qq % SC
+                s = bz * SC + k
+                tok = cutlass.min(cutlass.max(t0n + R * ratio - (coff - 1) * ratio + s, Int32(0)), T - 1)
+                off = tok * WIDTH + (s // ratio) * D + by * CW
+                if qq < SC:
+                    prefetch_l2(kv + off)
+                else:
+                    prefetch_l2(score + off)
+
     @cute.kernel
     def kernel(
         kv: cute.Pointer,
@@ -117,6 +146,7 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
         tc = tidx % TC
         gl = (tidx // TC) % G
         rl = tidx // (TC * G)  # row lane: rows row_begin + rl, + R, ...
+        q = tidx % (TC * G)  # thread within its row lane
         gg = bz * G + gl  # global slot group: slots gg * SG .. gg * SG + SG - 1
         c = (by * TC + tc) * V
         col_ok = Boolean(True)
@@ -161,10 +191,14 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
             t0 = cu_t[b] + j * ratio
             first = j == 0
             # The next row's window slice goes out before this row's math.
+            t0n = t0 + R * ratio
             if r + R < row_lim:
                 bn = find_segment(cuc_t, B, r + R)
                 jn = r + R - cuc_t[bn]
-                ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[bn] + jn * ratio, jn == 0)
+                t0n = cu_t[bn] + jn * ratio
+                ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, jn == 0)
+            if cutlass.const_expr(sch.PF):
+                prefetch_ahead(kv, score, gout, stats, r, t0n, q, by, bz, row_lim, T)
             gb.fill(0.0)
             vm.fill(0.0)
             vl.fill(0.0)

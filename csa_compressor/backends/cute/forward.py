@@ -194,7 +194,7 @@ class Schedule:
     CM: bool = False  # chunk-major CTA order
     MD: bool = False  # G == 1: divide by the row sum through its correctly rounded reciprocal (Markstein)
     LONG: bool = False  # backward: the two-pass streaming kernel of backward_long.py
-    PF: bool = False  # long-window backward: L2 prefetch of the next row's window
+    PF: bool = False  # long-window backwards: prefetch ahead (two-pass: next window to L2; statistics: see there)
     AS: bool = False  # long-window backward: rows' windows staged in shared memory by cp.async (2 stages)
     ST: bool = False  # softmax statistics: the forward writes them, the long-window backward reads them
     SC: int = 0  # statistics backward (backward_stats.py): window slots per CTA
