@@ -20,6 +20,15 @@ mkdir -p "$LOGS" "$RESULT_DIR"
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/gpu.txt"
 python3 -c "import torch, triton, cutlass; print('torch', torch.__version__, 'triton', triton.__version__, 'cutlass-dsl', cutlass.__version__)" | tee -a "$LOGS/gpu.txt"
 
+# The cute test files run apart from the others (their own GPU or their own time budget).
+CUTE_FILES="tests/backends/test_cute.py tests/backends/test_cute_compile.py tests/backends/test_cute_launch_abi.py"
+IGNORE=""; for f in $CUTE_FILES; do IGNORE="$IGNORE --ignore=$f"; done
+sanitize() {  # backend tool timeout: compute-sanitizer on tests/sanitize_cases.py, log in $LOGS/sanitize_<backend>_<tool>.log
+    timeout "$3" compute-sanitizer --tool "$2" --report-api-errors no --error-exitcode 9 \
+        python3 tests/sanitize_cases.py --backend "$1" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_$1_$2.log" 2>&1
+    echo "rc=$?" >>"$LOGS/sanitize_$1_$2.log"
+}
+
 if [ "${PHASE:-1}" = dev ]; then
     (
         export CUDA_VISIBLE_DEVICES=1
@@ -38,25 +47,18 @@ elif [ "${PHASE:-1}" = tests ]; then
     # Validation only, the suite split over both GPUs (one GPU took more than 300 s for 166 tests at 9259c20):
     # GPU 0 the cute files, GPU 1 the rest; then the sanitizers (cute on GPU 0, Triton on GPU 1) and the
     # two-GPU tests. ~8 minutes. The benchmark runs apart (PHASE=bench).
-    CUTE_FILES="tests/backends/test_cute.py tests/backends/test_cute_compile.py tests/backends/test_cute_launch_abi.py"
-    IGNORE=""; for f in $CUTE_FILES; do IGNORE="$IGNORE --ignore=$f"; done
     (
         export CUDA_VISIBLE_DEVICES=0
         timeout ${TEST_TIMEOUT:-330} python3 -m pytest $CUTE_FILES -q -ra -p no:cacheprovider --durations=15 >"$LOGS/pytest_gpu0.log" 2>&1
         echo "pytest rc=$?" >>"$LOGS/pytest_gpu0.log"
-        for tool in memcheck racecheck; do
-            timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
-                python3 tests/sanitize_cases.py --backend cute --cases ${SAN_CASES:-6} >"$LOGS/sanitize_cute_$tool.log" 2>&1
-            echo "rc=$?" >>"$LOGS/sanitize_cute_$tool.log"
-        done
+        sanitize cute memcheck ${SAN_TIMEOUT:-60}
+        sanitize cute racecheck ${SAN_TIMEOUT:-60}
     ) &
     (
         export CUDA_VISIBLE_DEVICES=1
         timeout ${TEST_TIMEOUT:-330} python3 -m pytest tests $IGNORE -q -ra -p no:cacheprovider --durations=15 >"$LOGS/pytest_gpu1.log" 2>&1
         echo "pytest rc=$?" >>"$LOGS/pytest_gpu1.log"
-        timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
-            python3 tests/sanitize_cases.py --backend triton --cases ${SAN_CASES:-6} >"$LOGS/sanitize_triton_memcheck.log" 2>&1
-        echo "rc=$?" >>"$LOGS/sanitize_triton_memcheck.log"
+        sanitize triton memcheck ${SAN_TIMEOUT:-60}
     ) &
     wait
     timeout 90 python3 -m pytest tests -q -ra -p no:cacheprovider -k "non_current" >"$LOGS/pytest_two_gpus.log" 2>&1
@@ -64,15 +66,10 @@ elif [ "${PHASE:-1}" = tests ]; then
 elif [ "${PHASE:-1}" = tests1 ]; then
     # Validation on one GPU (a plain nvidia-h200 call, when no two-GPU machine is lent), within one call's 10
     # minutes: the cute files, the cute sanitizers, then every other file (the two-GPU cases skip).
-    CUTE_FILES="tests/backends/test_cute.py tests/backends/test_cute_compile.py tests/backends/test_cute_launch_abi.py"
-    IGNORE=""; for f in $CUTE_FILES; do IGNORE="$IGNORE --ignore=$f"; done
     timeout ${TEST_TIMEOUT:-130} python3 -m pytest $CUTE_FILES -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest_cute.log" 2>&1
     echo "pytest rc=$?" >>"$LOGS/pytest_cute.log"
-    for tool in memcheck racecheck; do
-        timeout ${SAN_TIMEOUT:-50} compute-sanitizer --tool "$tool" --report-api-errors no --error-exitcode 9 \
-            python3 tests/sanitize_cases.py --backend cute --cases ${SAN_CASES:-6} >"$LOGS/sanitize_cute_$tool.log" 2>&1
-        echo "rc=$?" >>"$LOGS/sanitize_cute_$tool.log"
-    done
+    sanitize cute memcheck ${SAN_TIMEOUT:-50}
+    sanitize cute racecheck ${SAN_TIMEOUT:-50}
     timeout ${REST_TIMEOUT:-300} python3 -m pytest tests $IGNORE -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest_rest.log" 2>&1
     echo "pytest rc=$?" >>"$LOGS/pytest_rest.log"
 elif [ "${PHASE:-1}" = bench ]; then
@@ -105,10 +102,7 @@ elif [ "${PHASE:-1}" = 3 ]; then
         timeout ${TEST_TIMEOUT:-420} python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 >"$LOGS/pytest.log" 2>&1
         echo "pytest rc=$?" >>"$LOGS/pytest.log"
         for spec in "cute memcheck" "triton memcheck" "cute racecheck"; do
-            set -- $spec
-            timeout ${SAN_TIMEOUT:-60} compute-sanitizer --tool "$2" --report-api-errors no --error-exitcode 9 \
-                python3 tests/sanitize_cases.py --backend "$1" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_$1_$2.log" 2>&1
-            echo "rc=$?" >>"$LOGS/sanitize_$1_$2.log"
+            sanitize $spec ${SAN_TIMEOUT:-60}
         done
     ) &
     (
@@ -130,10 +124,7 @@ else
     (
         export CUDA_VISIBLE_DEVICES=1
         for spec in "cute memcheck" "triton memcheck" "cute racecheck" "triton racecheck"; do
-            set -- $spec
-            timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool "$2" --report-api-errors no --error-exitcode 9 \
-                python3 tests/sanitize_cases.py --backend "$1" --cases ${SAN_CASES:-6} >"$LOGS/sanitize_$1_$2.log" 2>&1
-            echo "rc=$?" >>"$LOGS/sanitize_$1_$2.log"
+            sanitize $spec ${SAN_TIMEOUT:-90}
         done
     ) &
     (

@@ -29,8 +29,27 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _override(cases, directions, make) -> None:
+    """``SCHEDULE_OVERRIDE[(direction, ratio, coff, head_dim)] = make(direction, case, schedule)`` for every case and
+    direction where ``make`` returns a schedule; ``schedule`` is the override set so far, else the default (the
+    cache policies apply on top, as for the defaults). Directions without a form for a case are skipped."""
+    from csa_compressor.backends.cute import launch as cute_launch
+
+    for case in cases:
+        for direction in directions:
+            key = (direction, case.ratio, case.coff, case.head_dim)
+            try:
+                sch = cute_launch.SCHEDULE_OVERRIDE.get(key) or cute_launch._default_schedule(*key)
+            except ValueError:
+                continue  # no statistics form for short windows
+            new = make(direction, case, sch)
+            if new is not None:
+                cute_launch.SCHEDULE_OVERRIDE[key] = new
 
 
 def measure(args) -> dict:
@@ -45,80 +64,53 @@ def measure(args) -> dict:
         from csa_compressor.backends.triton import launch as triton_launch
 
         triton_launch.AUTOGRAD_STATS = True
+    cases = select_cases(args.cases.split(",") if args.cases else None)
     if args.stats_slots or args.stats_tile:
-        from csa_compressor.backends.cute import launch as cute_launch
         from csa_compressor.backends.cute.backward_stats import stats_backward_schedule
 
-        for case in select_cases(args.cases.split(",") if args.cases else None):
-            key = ("backward_stats", case.ratio, case.coff, case.head_dim)
-            tile = {}
-            if args.stats_tile:
-                tile = dict(zip(("vcap", "slots"), (int(x) for x in args.stats_tile.split(",")), strict=True))
-            sch = stats_backward_schedule(case.ratio, case.coff, case.head_dim, args.stats_slots or None, **tile)
-            cute_launch.SCHEDULE_OVERRIDE[key] = sch  # the cache policies apply as for the default schedule
+        tile = {}
+        if args.stats_tile:
+            tile = dict(zip(("vcap", "slots"), (int(x) for x in args.stats_tile.split(",")), strict=True))
+        _override(
+            cases,
+            ("backward_stats",),
+            lambda d, c, sch: stats_backward_schedule(c.ratio, c.coff, c.head_dim, args.stats_slots or None, **tile),
+        )
     if args.forward_min_blocks or args.forward_min_blocks_long:
-        from dataclasses import replace
 
-        from csa_compressor.backends.cute import launch as cute_launch
+        def capped(d, c, sch):
+            mb = args.forward_min_blocks if sch.G == 1 else args.forward_min_blocks_long if sch.NB == 1 else 0
+            return replace(sch, MB=mb) if mb else None
 
-        for case in select_cases(args.cases.split(",") if args.cases else None):
-            for direction in ("forward", "forward_stats"):
-                try:
-                    sch = cute_launch._default_schedule(direction, case.ratio, case.coff, case.head_dim)
-                except ValueError:
-                    continue  # no statistics form for short windows
-                mb = args.forward_min_blocks if sch.G == 1 else args.forward_min_blocks_long if sch.NB == 1 else 0
-                if mb:
-                    key = (direction, case.ratio, case.coff, case.head_dim)
-                    cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, MB=mb)
+        _override(cases, ("forward", "forward_stats"), capped)
     if args.forward_long_stream_cols:
-        from dataclasses import replace
-
-        from csa_compressor.backends.cute import launch as cute_launch
         from csa_compressor.backends.cute.forward import streaming_schedule
 
-        for case in select_cases(args.cases.split(",") if args.cases else None):
-            if case.ratio * case.coff <= 16:
-                continue  # short windows have no streaming form
-            for direction in ("forward", "forward_stats"):
-                sch = streaming_schedule(case.ratio, case.coff, case.head_dim, cols_cap=args.forward_long_stream_cols)
-                key = (direction, case.ratio, case.coff, case.head_dim)
-                cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, ST=direction == "forward_stats")
+        def streaming(d, c, sch):
+            if c.ratio * c.coff <= 16:
+                return None  # short windows have no streaming form
+            sch = streaming_schedule(c.ratio, c.coff, c.head_dim, cols_cap=args.forward_long_stream_cols)
+            return replace(sch, ST=d == "forward_stats")
+
+        _override(cases, ("forward", "forward_stats"), streaming)
+    # The two-pass long backward (LONG without SC) sizes its grid by shared memory and prefetches by its own rule.
     if args.backward_min_blocks:
-        from dataclasses import replace
-
-        from csa_compressor.backends.cute import launch as cute_launch
-
-        for case in select_cases(args.cases.split(",") if args.cases else None):
-            for direction in ("backward", "backward_stats"):
-                try:
-                    sch = cute_launch._default_schedule(direction, case.ratio, case.coff, case.head_dim)
-                except ValueError:
-                    continue
-                if sch.LONG:
-                    continue  # the two-pass kernel sizes its grid by shared memory
-                key = (direction, case.ratio, case.coff, case.head_dim)
-                cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, MB=args.backward_min_blocks)
+        _override(
+            cases,
+            ("backward", "backward_stats"),
+            lambda d, c, sch: None if sch.LONG and not sch.SC else replace(sch, MB=args.backward_min_blocks),
+        )
     if args.prefetch_ahead:
-        from dataclasses import replace
-
-        from csa_compressor.backends.cute import launch as cute_launch
-
-        for case in select_cases(args.cases.split(",") if args.cases else None):
-            for direction in ("backward", "backward_stats"):
-                key = (direction, case.ratio, case.coff, case.head_dim)
-                try:
-                    sch = cute_launch.SCHEDULE_OVERRIDE.get(key) or cute_launch._default_schedule(*key)
-                except ValueError:
-                    continue
-                if sch.LONG and not sch.SC:
-                    continue  # the two-pass kernel prefetches by its own rule
-                cute_launch.SCHEDULE_OVERRIDE[key] = replace(sch, PF=True)
+        _override(
+            cases,
+            ("backward", "backward_stats"),
+            lambda d, c, sch: None if sch.LONG and not sch.SC else replace(sch, PF=True),
+        )
     timer = _Timer(dev, (args.reps, args.reps, 1))
     names = [b for b in args.backends.split(",") if b in available_backends(dev)]
     rows = []
     t0 = time.time()
-    for case in select_cases(args.cases.split(",") if args.cases else None):
+    for case in cases:
         pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=dev, seed=3)
         for backend in names:
             fns = _kernel_callables(backend, pack, case)

@@ -70,32 +70,26 @@ def cp_async_16(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, *, loc=None, ip=
     )
 
 
-@dsl_user_op
-def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L2`` of the 128-byte line holding ``ptr`` (no register, no wait)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-        "prefetch.global.L2 [$0];",
-        "l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+def _prefetch(level: str):
+    """``prefetch.global.<level>`` of the 128-byte line holding ``ptr`` (no register, no wait)."""
+
+    @dsl_user_op
+    def fn(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+        llvm.inline_asm(
+            None,
+            [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
+            f"prefetch.global.{level} [$0];",
+            "l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+
+    return fn
 
 
-@dsl_user_op
-def prefetch_l1(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L1`` of the 128-byte line holding ``ptr`` (into L1 and L2; no register, no wait)."""
-    llvm.inline_asm(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-        "prefetch.global.L1 [$0];",
-        "l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
+prefetch_l2 = _prefetch("L2")
+prefetch_l1 = _prefetch("L1")  # into L1 (and L2)
 
 
 def long_backward_schedule(ratio: int, coff: int, head_dim: int, threads: int = 256, cols_cap: int = 64) -> Schedule:

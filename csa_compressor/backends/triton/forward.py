@@ -367,6 +367,20 @@ def _load_window(kv_ptr, score_ptr, offs, mask):
 
 
 @triton.jit
+def _load_chunk(
+    kv_ptr, score_ptr, ape_ptr, c, t0, has_prev, ok, slot, base, col_ok,
+    RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr, NCH_HALF: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):  # fmt: skip
+    """kv, score and ape of chunk ``c`` of a row, and the chunk's load mask (one chunk in flight per step)."""
+    offs, aoffs, mask, amask = _long_chunk_at(
+        c, t0, has_prev, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+    )  # fmt: skip
+    kv, sc = _load_window(kv_ptr, score_ptr, offs, mask)
+    return kv, sc, tl.load(ape_ptr + aoffs, mask=amask, other=0.0), mask
+
+
+@triton.jit
 def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
     """Fold one chunk into the running (max, sum of exp, weighted sum) of each (lane, column).
 
@@ -471,11 +485,10 @@ def csa_fwd_long_kernel(
         stats_ptr += row_base.to(tl.int64) * (3 * HEAD_DIM)
 
     t0, hp, _ir, ok = _row_start(row_base, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO)
-    offs, aoffs, lmask, amask = _long_chunk_at(
-        row_base * 0, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+    kv_n, sc_n, ape_n, lmask = _load_chunk(
+        kv_ptr, score_ptr, ape_ptr, row_base * 0, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS,
+        NCH_HALF, EVEN_D,
     )  # fmt: skip
-    kv_n, sc_n = _load_window(kv_ptr, score_ptr, offs, lmask)
-    ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
     if DEPTH == 1:
         for row in range(row_base, row_end):
             m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
@@ -486,11 +499,10 @@ def csa_fwd_long_kernel(
                 sc_c = sc_n
                 ape_c = ape_n
                 mask_c = lmask
-                offs, aoffs, lmask, amask = _long_chunk_at(
-                    c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+                kv_n, sc_n, ape_n, lmask = _load_chunk(
+                    kv_ptr, score_ptr, ape_ptr, c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS,
+                    NCH_HALF, EVEN_D,
                 )  # fmt: skip
-                kv_n, sc_n = _load_window(kv_ptr, score_ptr, offs, lmask)
-                ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
                 m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
             # Last chunk of this row; prefetch chunk 0 of the next row.
             kv_c = kv_n
@@ -500,12 +512,10 @@ def csa_fwd_long_kernel(
             t0, hp, _ir, okn = _row_start(
                 row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
             )
-            offs, aoffs, lmask, amask = _long_chunk_at(
-                row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF,
-                EVEN_D,
+            kv_n, sc_n, ape_n, lmask = _load_chunk(
+                kv_ptr, score_ptr, ape_ptr, row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO,
+                COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D,
             )  # fmt: skip
-            kv_n, sc_n = _load_window(kv_ptr, score_ptr, offs, lmask)
-            ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
             m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
             _long_row_finish(
                 m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
