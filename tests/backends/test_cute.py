@@ -301,3 +301,50 @@ def test_backward_prefetch_ahead_changes_no_bit(case):
         assert not torch.isnan(b).any()
         assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
                            b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+
+
+# Schedule.BK (windows bulk-copied into shared memory stages) on the short-window backward: dKV and dScore bitwise
+# those of the register double buffer (and, at ratio 4, of the fp32 reference); grad_ape within the contract (its
+# slab partition follows the grid, which the 5 CTAs per SM of BK change) and the same from run to run. Ragged
+# packs, segments shorter than ratio, empty segments, token and row padding, a partial last column chunk (d320),
+# rows per CTA beyond the stage count, and stage counts 2 and 4.
+BULK_CASES = [
+    ((37, 4, 3, 64, 129, 8), 128, 4, 2, 5, 3, 4),
+    ((1000, 2, 0, 333, 700), 512, 4, 2, 7, 4, 4),
+    ((81, 7, 40), 64, 8, 1, 2, 1, 2),
+    ((515, 1, 1030, 127, 260), 320, 4, 1, 3, 2, 3),
+    ((3000, 11), 128, 2, 1, 1, 5, 4),
+    ((9000,), 256, 4, 2, 0, 0, 2),
+]
+
+
+@pytest.mark.parametrize("case", BULK_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}-bk{c[6]}")
+def test_backward_bulk_staging_changes_no_bit(case):
+    launch = _launch_module()
+    from csa_compressor.backends.cute.backward import bulk_backward_schedule
+
+    seqlens, d, ratio, coff, tp, cp, stages = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=37)
+    key = ("backward", ratio, coff, d)
+    sch = bulk_backward_schedule(launch._default_schedule(*key), d, stages)
+    assert sch is not None and sch.BK == stages
+    plain = _run(launch, pack)
+    launch.SCHEDULE_OVERRIDE[key] = sch
+    try:
+        launcher = launch._get_launcher("backward", ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+        assert launcher.sch.BK == stages
+        got = _run(launch, pack)
+        again = _run(launch, pack)
+    finally:
+        launch.SCHEDULE_OVERRIDE.pop(key)
+    for a, b in zip(plain[1:3], got[1:3], strict=True):
+        assert not torch.isnan(b).any()
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    _, _, rape64 = reference.backward(*pack.inputs, pack.grad_out, ratio=ratio, coff=coff, precision="fp64")
+    assert rel_l2(got[3], rape64) <= 1e-5
+    assert torch.equal(got[3].view(torch.int32), again[3].view(torch.int32))
+    assert_contract(pack, got[0], got[1:])
+    if ratio == 4:
+        rkv, rsc, _ = reference.backward(*pack.inputs, pack.grad_out, ratio=ratio, coff=coff, precision="fp32")
+        assert torch.equal(got[1].view(torch.int16), rkv.view(torch.int16))
+        assert torch.equal(got[2].view(torch.int16), rsc.view(torch.int16))
