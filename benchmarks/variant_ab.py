@@ -7,8 +7,7 @@ for the backwards), set by ``--set KEY=VALUE`` before the package is imported; t
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
 long-window forward at a given column width (``--forward-long-stream-cols``); the backwards' prefetch ahead
-(``--prefetch-ahead``); the short-window backward's bulk-copy stages (``--bulk-stages``, ``--bulk-min-blocks``) and thread tile
-(``--backward-tile``); or two package versions on ``PYTHONPATH``::
+(``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -119,14 +118,6 @@ def measure(args) -> dict:
             ("backward", "backward_stats"),
             lambda d, c, sch: None if sch.LONG and not sch.SC else replace(sch, PF=True),
         )
-    if args.bulk_stages:
-        from csa_compressor.backends.cute.backward import bulk_backward_schedule
-
-        _override(
-            cases,
-            ("backward",),
-            lambda d, c, sch: bulk_backward_schedule(sch, c.head_dim, args.bulk_stages, args.bulk_min_blocks),
-        )
     timer = _Timer(dev, (args.reps, args.reps, 1))
     names = [b for b in args.backends.split(",") if b in available_backends(dev)]
     rows = []
@@ -161,7 +152,6 @@ def measure(args) -> dict:
         "backward_min_blocks": args.backward_min_blocks,
         "forward_long_stream_cols": args.forward_long_stream_cols,
         "prefetch_ahead": args.prefetch_ahead,
-        "bulk_stages": [args.bulk_stages, args.bulk_min_blocks],
         "backward_tile": args.backward_tile,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
@@ -176,8 +166,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, bulk_stages={a_run.get('bulk_stages')}, backward_tile={a_run.get('backward_tile')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, bulk_stages={b_run.get('bulk_stages')}, backward_tile={b_run.get('backward_tile')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -231,13 +221,6 @@ def main() -> int:
         action="store_true",
         help="cute backwards (short windows, statistics): prefetch rows ahead (Schedule.PF)",
     )
-    ap.add_argument(
-        "--bulk-stages",
-        type=int,
-        default=0,
-        help="cute short-window backward: windows bulk-copied into this many shared-memory stages (Schedule.BK)",
-    )
-    ap.add_argument("--bulk-min-blocks", type=int, default=5, help="with --bulk-stages: CTAs per SM (launch bounds)")
     ap.add_argument(
         "--backward-tile",
         default="",

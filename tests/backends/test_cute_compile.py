@@ -172,26 +172,3 @@ def test_backward_prefetch_ahead_compiles(direction, ratio, coff, head_dim):
     assert "prefetch.global.L2" in ptx
     assert ("prefetch.global.L1" in ptx) == (direction == "backward_stats")
     assert "ld.local" not in ptx and "st.local" not in ptx
-
-
-@pytest.mark.parametrize("ratio,coff,head_dim", [(4, 2, 512), (4, 1, 320), (8, 1, 64), (2, 2, 64)])
-def test_bulk_staged_backward_compiles(ratio, coff, head_dim):
-    """Schedule.BK on the short-window backward: the window arrives by ``cp.async.bulk`` on mbarriers, in shared
-    memory sized for its stages, no local memory; head_dims that are not whole 16-byte pieces have no such form."""
-    from csa_compressor.backends.cute.backward import backward_smem_bytes, bulk_backward_schedule
-
-    _, sch = cute_launch._key("backward", ratio, coff, head_dim, torch.bfloat16, "sm_90a")
-    assert not sch.BK
-    plain = cute_launch._build("backward", ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
-    assert "cp.async.bulk" not in plain
-    bulk = bulk_backward_schedule(sch, head_dim, 3)
-    assert bulk.BK == 3
-    assert backward_smem_bytes(bulk) >= backward_smem_bytes(sch) + 3 * bulk.R * (2 * ratio * coff + 1) * 2 * 16
-    ptx = cute_launch._build("backward", ratio, coff, head_dim, "sm_90a", bulk).artifacts.PTX
-    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
-    assert "mbarrier.init" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    assert bulk_backward_schedule(cute_launch._default_schedule("backward", 4, 1, 65), 65, 3) is None
-    assert bulk_backward_schedule(cute_launch._default_schedule("backward", 16, 1, 64), 64, 3) is None
-    # head_dim 8 packs 32 rows per CTA: 32 x 9 copies per stage exceed one copy per thread
-    assert bulk_backward_schedule(cute_launch._default_schedule("backward", 2, 2, 8), 8, 3) is None

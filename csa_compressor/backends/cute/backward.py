@@ -30,13 +30,11 @@ the tokens past ``cu_seqlens[-1]``.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
-from .backward_common import ZeroStores, bulk_copy_g2s, make_backward_host, reduce_slab_lanes
+from .backward_common import ZeroStores, make_backward_host, reduce_slab_lanes
 from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes, prefetch_l2
 from .backward_stats import build_backward_stats, stats_backward_smem_bytes
 from .forward import (
@@ -78,28 +76,7 @@ def backward_smem_bytes(sch: Schedule) -> int:
         return long_backward_smem_bytes(sch)
     cw = sch.TC * sch.V
     cross = 2 * sch.R * sch.G * cw + 3 * sch.R * cw if sch.G > 1 else 0
-    return (sch.threads * sch.V + cross) * 4 + 128 + bulk_stage_bytes(sch)
-
-
-def bulk_stage_bytes(sch: Schedule) -> int:
-    """Shared memory of the ``BK`` staged windows: per stage and row lane, ``2W + 1`` copies (kv and score per
-    slot, grad_out) of the CTA's columns in bf16, plus one 8-byte mbarrier per stage."""
-    if not sch.BK:
-        return 0
-    W = sch.G * sch.SG
-    return sch.BK * sch.R * ((2 * W + 1) * sch.TC * sch.V * 2 + 8) + 16
-
-
-def bulk_backward_schedule(sch: Schedule, head_dim: int, stages: int, min_blocks: int = 5) -> Schedule | None:
-    """``sch`` with its windows staged by bulk copies ``stages`` deep, or None where that form does not apply:
-    one slot group (``G == 1``) and 16-byte row pieces (``head_dim % 8 == 0``: copies are multiples of 16 bytes
-    at 16-byte aligned addresses). Without the register double buffer the ratio-4 coff-2 kernel needs 96
-    registers (120 before), so ``min_blocks`` CTAs of 128 threads fit per SM."""
-    if sch.LONG or sch.SC or sch.G != 1 or head_dim % 8 or stages < 2:
-        return None
-    if 2 * sch.SG + 1 > sch.TC or sch.TC % 32 or sch.R > 15:
-        return None  # one copy per thread of a row lane, whole warps per row lane, one named barrier per row lane
-    return replace(sch, BK=stages, PF=False, MB=min_blocks)
+    return (sch.threads * sch.V + cross) * 4 + 128
 
 
 def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
@@ -123,7 +100,6 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     NCHUNK = -(-D // CW)
     COLS_EXACT = D % CW == 0
     assert G * SG == W
-    assert not sch.BK or (G == 1 and D % 8 == 0), "bulk-copy staging: one slot group, 16-byte row pieces"
     SMEM_ROW = G * CW
     LANES = R * G  # threads sharing one column vector (zero duties are spread over them)
     zeros = ZeroStores(ratio, coff, head_dim, V, ES)
@@ -157,8 +133,9 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             window_store(gsc, off, V, dlo.load().to(BFloat16), ES)
 
     @cute.jit
-    def row_layout(cu_t, cuc_t, B, r, active):
-        """(first token t0, first row of its segment, last row, segment end) of row r where active."""
+    def load_row(kv, score, gout, cu_t, cuc_t, B, kvf, scf, gb, r, ok, g, c):
+        """Row layout of row r and every DRAM load of the thread's window slots (issued, not waited for)."""
+        active = ok
         t0 = Int32(0)
         first = Boolean(True)
         last = Boolean(False)
@@ -170,13 +147,6 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             first = j == 0
             last = r == cuc_t[b + 1] - 1
             seg_end = cu_t[b + 1]
-        return t0, first, last, seg_end
-
-    @cute.jit
-    def load_row(kv, score, gout, cu_t, cuc_t, B, kvf, scf, gb, r, ok, g, c):
-        """Row layout of row r and every DRAM load of the thread's window slots (issued, not waited for)."""
-        active = ok
-        t0, first, last, seg_end = row_layout(cu_t, cuc_t, B, r, active)
         for k in cutlass.range_constexpr(SG):
             s = g * SG + k
             half = s // ratio
@@ -193,83 +163,6 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         if active:
             gb.store(window_load(gout, r * D + c, V, EF))
         return active, t0, first, last, seg_end
-
-    # BK: the window of each row step comes into a shared-memory stage by bulk copies (TMA unit, no registers),
-    # BK steps ahead: more bytes in flight per SM than the register double buffer allows, and ~17 fewer live
-    # registers. Stage layout [BK][R][2W + 1][CW] bf16: slot k's kv at k, its score at W + k, grad_out at 2W. Each
-    # row lane is its own pipeline (one mbarrier per stage and row lane, a named barrier over its warps): its thread
-    # q < 2W + 1 owns copy q of every stage, and arrives on the mbarrier (arrival count 2W + 1) with its bytes (0
-    # for a masked slot or a row past the range) before issuing the copy.
-    NCP = 2 * W + 1
-
-    @cute.jit
-    def walk_layout(cu_t, cuc_t, b, r, active):
-        """``row_layout`` of row r from segment b of an earlier row of the same thread (rows only increase): the
-        segment index walks forward instead of a binary search on the step's critical path. Returns b too."""
-        t0 = Int32(0)
-        first = Boolean(True)
-        last = Boolean(False)
-        seg_end = Int32(0)
-        if active:
-            while cuc_t[b + 1] <= r:
-                b = b + 1
-            j = r - cuc_t[b]
-            t0 = cu_t[b] + j * ratio
-            first = j == 0
-            last = r == cuc_t[b + 1] - 1
-            seg_end = cu_t[b + 1]
-        return b, t0, first, last, seg_end
-
-    @cute.jit
-    def stage_copies(kv, score, gout, cu_t, cuc_t, bp, sbuf, bars, step, row_begin, row_lim, q, rl, by, nbytes):
-        """The copies of step ``step`` into stage ``step % BK`` owned by this thread; returns its segment index."""
-        if q < NCP:
-            st = step % sch.BK
-            jc = q
-            r = row_begin + step * R + rl
-            valid = r < row_lim
-            src = r * D + by * CW  # grad_out
-            if valid & (jc < 2 * W):
-                bp, t0, first, _last, _end = walk_layout(cu_t, cuc_t, bp, r, valid)
-                s = jc % W
-                half = s // ratio
-                if cutlass.const_expr(coff == 2):
-                    valid = (half == 1) | (not first)
-                src = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + by * CW
-            bar = bars + st * R + rl
-            nb = Int32(0)
-            if valid:
-                nb = nbytes
-            cute.arch.mbarrier_arrive_and_expect_tx(bar, nb)
-            if valid:
-                dst = sbuf.iterator + cute.assume(((st * R + rl) * NCP + jc) * CW, divby=8)
-                if jc < W:
-                    bulk_copy_g2s(dst, kv + cute.assume(src, divby=8), nbytes, bar)
-                elif jc < 2 * W:
-                    bulk_copy_g2s(dst, score + cute.assume(src, divby=8), nbytes, bar)
-                else:
-                    bulk_copy_g2s(dst, gout + cute.assume(src, divby=8), nbytes, bar)
-        return bp
-
-    @cute.jit
-    def read_stage(cu_t, cuc_t, b, sbuf, kvf, scf, gb, st, r, rl, ok, tc):
-        """Row layout of row r and the thread's window slots and grad_out from stage st (masked: 0 / -inf / 0)."""
-        active = ok
-        b, t0, first, last, seg_end = walk_layout(cu_t, cuc_t, b, r, active)
-        base = (st * R + rl) * NCP * CW + tc * V
-        for k in cutlass.range_constexpr(SG):
-            vk = active
-            if cutlass.const_expr(coff == 2):
-                vk = active & ((k // ratio == 1) | (not first))
-            kvf[k].fill(0.0)
-            scf[k].fill(NEG_INF)
-            if vk:
-                kvf[k].store(vec_view(sbuf.iterator, base + k * CW, V).load())
-                scf[k].store(vec_view(sbuf.iterator, base + (W + k) * CW, V).load())
-        gb.fill(0.0)
-        if active:
-            gb.store(vec_view(sbuf.iterator, base + 2 * W * CW, V).load())
-        return b, active, t0, first, last, seg_end
 
     @cute.jit
     def compute_row(
@@ -425,23 +318,15 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             sm_b = smem.allocate_tensor(Float32, cute.make_layout(R * SMEM_ROW), byte_alignment=16)
             sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * R * CW), byte_alignment=16)
 
-        sbuf = sm_red
-        bars = sm_red.iterator
-        if cutlass.const_expr(sch.BK):
-            sbuf = smem.allocate_tensor(BFloat16, cute.make_layout(sch.BK * R * NCP * CW), byte_alignment=128)
-            bars = smem.allocate_array(cutlass.Int64, sch.BK * R, byte_alignment=8)
-
         zero = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
         zero.fill(0.0)
         dap = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
         for k in cutlass.range_constexpr(SG):
             dap[k].fill(0.0)
-        # Two buffer sets: the next row's loads are in flight while the current row is computed (BK: one set,
-        # read from the stage).
-        NBUF = 1 if sch.BK else 2
-        kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(NBUF)]
-        scb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(NBUF)]
-        gbb = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(NBUF)]
+        # Two buffer sets: the next row's loads are in flight while the current row is computed.
+        kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
+        scb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
+        gbb = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(2)]
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
         # G == 1 keeps p per (slot, column); G > 1 keeps the fp32 logits (score + ape) instead.
         pf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G == 1 else 0)]
@@ -459,59 +344,28 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_end, N), nreal)
         n_iter = rows_per_cta // R
-        if cutlass.const_expr(sch.BK):
-            nbytes = Int32(CW * 2)
-            if cutlass.const_expr(not COLS_EXACT):
-                nbytes = cutlass.min(Int32(CW), D - by * CW) * 2
-            if tidx == 0:
-                for st in cutlass.range_constexpr(sch.BK * R):
-                    cute.arch.mbarrier_init(bars + st, NCP)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            # Segment indices walked forward from the CTA's first row (one binary search per thread).
-            bc = find_segment(cuc_t, B, row_begin)
-            bp = bc
-            for st in cutlass.range_constexpr(sch.BK):
-                bp = stage_copies(kv, score, gout, cu_t, cuc_t, bp, sbuf, bars, Int32(st), row_begin, row_lim, q, rl,
-                                  by, nbytes)  # fmt: skip
-            for it in cutlass.range(n_iter):
-                st = it % sch.BK
-                cute.arch.mbarrier_wait(bars + st * R + rl, (it // sch.BK) % 2)
-                r = row_begin + it * R + rl
-                bc, active, t0, first, last, seg_end = read_stage(
-                    cu_t, cuc_t, bc, sbuf, kvb[0], scb[0], gbb[0], st, r, rl, col_ok & (r < row_lim), tc
-                )
-                # Every thread of the row lane has its values of this stage in registers: refill it, BK steps ahead.
-                cute.arch.barrier(barrier_id=1 + rl, number_of_threads=TC)
-                bp = stage_copies(kv, score, gout, cu_t, cuc_t, bp, sbuf, bars, it + sch.BK, row_begin, row_lim, q, rl,
-                                  by, nbytes)  # fmt: skip
+        r0 = row_begin + rl
+        active, t0, first, last, seg_end = load_row(
+            kv, score, gout, cu_t, cuc_t, B, kvb[0], scb[0], gbb[0], r0, col_ok & (r0 < row_lim), g, c
+        )
+        for jp in cutlass.range((n_iter + 1) // 2):
+            for ph in cutlass.range_constexpr(2):
+                rn = row_begin + (2 * jp + ph + 1) * R + rl
+                n_active, n_t0, n_first, n_last, n_seg_end = load_row(
+                    kv, score, gout, cu_t, cuc_t, B, kvb[1 - ph], scb[1 - ph], gbb[1 - ph], rn,
+                    col_ok & (rn < row_lim), g, c,
+                )  # fmt: skip
+                if cutlass.const_expr(sch.PF):
+                    prefetch_window(kv, score, rn + R, n_t0 + R * ratio, q, by, row_lim, T)
                 compute_row(
-                    ape, gkv, gsc, kvb[0], scb[0], gbb[0], apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
+                    ape, gkv, gsc, kvb[ph], scb[ph], gbb[ph], apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
                     sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
                 )  # fmt: skip
-        else:
-            r0 = row_begin + rl
-            active, t0, first, last, seg_end = load_row(
-                kv, score, gout, cu_t, cuc_t, B, kvb[0], scb[0], gbb[0], r0, col_ok & (r0 < row_lim), g, c
-            )
-            for jp in cutlass.range((n_iter + 1) // 2):
-                for ph in cutlass.range_constexpr(2):
-                    rn = row_begin + (2 * jp + ph + 1) * R + rl
-                    n_active, n_t0, n_first, n_last, n_seg_end = load_row(
-                        kv, score, gout, cu_t, cuc_t, B, kvb[1 - ph], scb[1 - ph], gbb[1 - ph], rn,
-                        col_ok & (rn < row_lim), g, c,
-                    )  # fmt: skip
-                    if cutlass.const_expr(sch.PF):
-                        prefetch_window(kv, score, rn + R, n_t0 + R * ratio, q, by, row_lim, T)
-                    compute_row(
-                        ape, gkv, gsc, kvb[ph], scb[ph], gbb[ph], apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
-                        sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
-                    )  # fmt: skip
-                    active = n_active
-                    t0 = n_t0
-                    first = n_first
-                    last = n_last
-                    seg_end = n_seg_end
+                active = n_active
+                t0 = n_t0
+                first = n_first
+                last = n_last
+                seg_end = n_seg_end
 
         # Exact zeros: segments with no group (seqlen < ratio) and token-capacity padding.
         if col_ok:
@@ -540,7 +394,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         NCHUNK,
         NT,
         backward_smem_bytes(sch),
-        100 if sch.BK else SMEM_CARVEOUT,
+        SMEM_CARVEOUT,
         slab_lanes=reduce_slab_lanes(sch),
         min_blocks=sch.MB,
     )

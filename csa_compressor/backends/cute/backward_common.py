@@ -11,34 +11,12 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
 from .forward import add_rn, vec_view, window_store
 
 REDUCE_WARPS = 8  # 32 warps measured slower on the H200 (the 32-partial serial combine at every 32 entries)
 REDUCE_UNROLL = 8
 MAX_REGS = 128  # launch bound of the main kernels: no spills, and the residency launch.py assumes
-
-
-@dsl_user_op
-def bulk_copy_g2s(smem_dst: cute.Pointer, gmem_src: cute.Pointer, nbytes, mbar: cute.Pointer, *, loc=None, ip=None):
-    """``cp.async.bulk`` of ``nbytes`` (a multiple of 16; both addresses 16-byte aligned) from global into shared
-    memory by the TMA unit, completing as transaction bytes on the mbarrier ``mbar`` (no registers held)."""
-    llvm.inline_asm(
-        None,
-        [
-            smem_dst.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-            gmem_src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-            Int32(nbytes).ir_value(loc=loc, ip=ip),
-            mbar.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 def reduce_vector(ape_size: int) -> int:

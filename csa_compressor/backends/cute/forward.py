@@ -201,7 +201,6 @@ class Schedule:
     EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv, score (short backward: grad_out)
     ES: bool = False  # backward: evict-first (``st.global.cs``) stores of grad_kv and grad_score, zeros included
     MB: int = 0  # resident CTAs per SM that the registers are capped for (launch bounds); 0: the default
-    BK: int = 0  # short-window backward: rows' windows bulk-copied into shared memory, BK stages deep (0: registers)
 
     @property
     def threads(self) -> int:
@@ -225,7 +224,6 @@ class Schedule:
             self.EF,
             self.ES,
             self.MB,
-            self.BK,
         )
 
 

@@ -361,7 +361,7 @@ class _Launcher:
         if direction.startswith("backward"):
             by_regs = sch.MB or max(1, 65536 // (sch.threads * MAX_REGS))
             # The long-window kernel asks for all of the unified L1/shared memory (227 KB per SM on sm_90).
-            smem_cap = 227 if getattr(sch, "LONG", False) or getattr(sch, "BK", 0) else 114
+            smem_cap = 227 if getattr(sch, "LONG", False) else 114
             by_smem = max(1, (smem_cap * 1024) // (smem_bytes + 1024))
             self.ctas_per_sm = max(1, min(by_regs, by_smem, 2048 // sch.threads))
 
