@@ -301,3 +301,35 @@ def test_backward_prefetch_ahead_changes_no_bit(case):
         assert not torch.isnan(b).any()
         assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
                            b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+
+
+# Schedule.HA on the short-window backward (ape held in registers across rows instead of reloaded per row): the
+# same gradients, bitwise, with grad_ape included (same grid), and ratio 4 bitwise equal to the fp32 reference.
+HOLD_APE_CASES = [c for c in PREFETCH_CASES if c[2] * c[3] <= 8] + [((13, 2, 0, 30), 72, 2, 2, 4, 2)]
+
+
+@pytest.mark.parametrize("case", HOLD_APE_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_backward_held_ape_changes_no_bit(case):
+    launch = _launch_module()
+    from dataclasses import replace
+
+    seqlens, d, ratio, coff, tp, cp = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=41)
+    key = ("backward", ratio, coff, d)
+    toggled = replace(launch._default_schedule(*key), HA=not launch._default_schedule(*key).HA)
+    plain = _run(launch, pack)
+    launch.SCHEDULE_OVERRIDE[key] = toggled
+    try:
+        launcher = launch._get_launcher("backward", ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+        assert launcher.sch.HA == toggled.HA
+        got = _run(launch, pack)
+    finally:
+        launch.SCHEDULE_OVERRIDE.pop(key)
+    for a, b in zip(plain[1:], got[1:], strict=True):
+        assert not torch.isnan(b).any()
+        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+    if ratio == 4:
+        rkv, rsc, _ = reference.backward(*pack.inputs, pack.grad_out, ratio=ratio, coff=coff, precision="fp32")
+        assert torch.equal(got[1].view(torch.int16), rkv.view(torch.int16))
+        assert torch.equal(got[2].view(torch.int16), rsc.view(torch.int16))

@@ -30,6 +30,8 @@ the tokens past ``cu_seqlens[-1]``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
@@ -59,12 +61,16 @@ SMEM_CARVEOUT = 50  # percent of the unified L1/shared memory offered to shared 
 
 def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
     """Windows of at most 8 slots: this file's kernel, persistent CTAs with V = 2, which keeps two rows of
-    window (double buffer) plus the per-thread grad_ape accumulators (SG*V fp32) in registers.
+    window (double buffer), the thread's ape entries and its grad_ape accumulators (SG*V fp32 each) in registers.
     Longer windows: the two-pass streaming kernel of ``backward_long.py``.
     """
     W = coff * ratio
     if W <= 8:
-        return make_schedule(ratio, coff, head_dim, vcap=2, threads=128, cols_cap=128, md=True)
+        # HA: the thread's ape entries stay in registers across its rows (ratio 4 coff 2: 124 registers, was 120
+        # with a reload per row). H200, one GPU, two runs per side (2026-12-01): 3x8192 d512 r4 c2 backward -1 to
+        # -2 % cold, the other ratio-4 cases level to -2 % (benchmarks/results/backward_occupancy_ab_h200_20261201.md).
+        sch = make_schedule(ratio, coff, head_dim, vcap=2, threads=128, cols_cap=128, md=True)
+        return replace(sch, HA=True)
     return long_backward_schedule(ratio, coff, head_dim)
 
 
@@ -177,9 +183,10 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             if cutlass.const_expr(coff == 2):
                 vk = active & ((s // ratio == 1) | (not first))
             valid.append(vk)
-            apf[k].fill(0.0)
-            if col_ok:
-                apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+            if cutlass.const_expr(not sch.HA):
+                apf[k].fill(0.0)
+                if col_ok:
+                    apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
         gf.store(gb.load().to(Float32))
 
         if cutlass.const_expr(G == 1):
@@ -328,6 +335,13 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         scb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
         gbb = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(2)]
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
+        if cutlass.const_expr(sch.HA):
+            # The thread's ape entries are the same for every row: loaded once, held in registers.
+            for k in cutlass.range_constexpr(SG):
+                sa = g * SG + k
+                apf[k].fill(0.0)
+                if col_ok:
+                    apf[k].store(vec_view(ape, (sa % ratio) * WIDTH + (sa // ratio) * D + c, V).load())
         # G == 1 keeps p per (slot, column); G > 1 keeps the fp32 logits (score + ape) instead.
         pf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G == 1 else 0)]
         pq = cute.make_rmem_tensor(cute.make_layout(V * SG if G == 1 else 1), Float32)

@@ -201,6 +201,7 @@ class Schedule:
     EF: bool = False  # evict-first (``ld.global.cs``) loads of the window's kv, score (short backward: grad_out)
     ES: bool = False  # backward: evict-first (``st.global.cs``) stores of grad_kv and grad_score, zeros included
     MB: int = 0  # resident CTAs per SM that the registers are capped for (launch bounds); 0: the default
+    HA: bool = False  # short-window backward: the thread's ape entries held in registers across rows
 
     @property
     def threads(self) -> int:
@@ -224,6 +225,7 @@ class Schedule:
             self.EF,
             self.ES,
             self.MB,
+            self.HA,
         )
 
 
