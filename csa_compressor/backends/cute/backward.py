@@ -171,6 +171,15 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         return active, t0, first, last, seg_end
 
     @cute.jit
+    def load_ape(ape, apf, g, c, col_ok):
+        """The thread's ape entries (its group's slots x V columns; 0 past head_dim)."""
+        for k in cutlass.range_constexpr(SG):
+            s = g * SG + k
+            apf[k].fill(0.0)
+            if col_ok:
+                apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+
+    @cute.jit
     def compute_row(
         ape, gkv, gsc, kvf, scf, gb, apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
         sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
@@ -183,10 +192,8 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             if cutlass.const_expr(coff == 2):
                 vk = active & ((s // ratio == 1) | (not first))
             valid.append(vk)
-            if cutlass.const_expr(not sch.HA):
-                apf[k].fill(0.0)
-                if col_ok:
-                    apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+        if cutlass.const_expr(not sch.HA):
+            load_ape(ape, apf, g, c, col_ok)
         gf.store(gb.load().to(Float32))
 
         if cutlass.const_expr(G == 1):
@@ -336,12 +343,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         gbb = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(2)]
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
         if cutlass.const_expr(sch.HA):
-            # The thread's ape entries are the same for every row: loaded once, held in registers.
-            for k in cutlass.range_constexpr(SG):
-                sa = g * SG + k
-                apf[k].fill(0.0)
-                if col_ok:
-                    apf[k].store(vec_view(ape, (sa % ratio) * WIDTH + (sa // ratio) * D + c, V).load())
+            load_ape(ape, apf, g, c, col_ok)  # the same for every row of the thread: loaded once
         # G == 1 keeps p per (slot, column); G > 1 keeps the fp32 logits (score + ape) instead.
         pf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G == 1 else 0)]
         pq = cute.make_rmem_tensor(cute.make_layout(V * SG if G == 1 else 1), Float32)
