@@ -52,19 +52,8 @@ def _override(cases, directions, make) -> None:
                 cute_launch.SCHEDULE_OVERRIDE[key] = new
 
 
-def measure(args) -> dict:
-    import torch
-
-    from csa_compressor import available_backends, backends
-    from csa_compressor.bench import _kernel_callables, _Timer, select_cases
-    from csa_compressor.testing import make_pack
-
-    dev = torch.device("cuda", 0)
-    if args.triton_stats:
-        from csa_compressor.backends.triton import launch as triton_launch
-
-        triton_launch.AUTOGRAD_STATS = True
-    cases = select_cases(args.cases.split(",") if args.cases else None)
+def apply_overrides(args, cases) -> None:
+    """The cute schedule switches of ``args`` as ``SCHEDULE_OVERRIDE`` entries for ``cases`` (they compose)."""
     if args.stats_slots or args.stats_tile:
         from csa_compressor.backends.cute.backward_stats import stats_backward_schedule
 
@@ -120,6 +109,22 @@ def measure(args) -> dict:
             ("backward", "backward_stats"),
             lambda d, c, sch: None if sch.LONG and not sch.SC else replace(sch, PF=True),
         )
+
+
+def measure(args) -> dict:
+    import torch
+
+    from csa_compressor import available_backends, backends
+    from csa_compressor.bench import _kernel_callables, _Timer, select_cases
+    from csa_compressor.testing import make_pack
+
+    dev = torch.device("cuda", 0)
+    if args.triton_stats:
+        from csa_compressor.backends.triton import launch as triton_launch
+
+        triton_launch.AUTOGRAD_STATS = True
+    cases = select_cases(args.cases.split(",") if args.cases else None)
+    apply_overrides(args, cases)
     timer = _Timer(dev, (args.reps, args.reps, 1))
     names = [b for b in args.backends.split(",") if b in available_backends(dev)]
     rows = []
@@ -191,7 +196,7 @@ def compare(a_path: str, b_path: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="cute,triton")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: the SPEC section 6 cases)")
@@ -236,7 +241,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="environment variable for this run")
     ap.add_argument("--compare", nargs=2, metavar=("A_JSON", "B_JSON"))
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     for item in args.set:
         key, _, value = item.partition("=")
         os.environ[key] = value  # before the package is imported (measure imports it)

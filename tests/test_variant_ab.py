@@ -1,0 +1,94 @@
+"""benchmarks/variant_ab.py's schedule switches reach the kernels they name, and only those (CPU; needs
+nvidia-cutlass-dsl for the cute schedules, no GPU).
+
+An A/B measures whatever ``SCHEDULE_OVERRIDE`` holds when the kernels are built: a switch that silently skips a
+kernel makes the record compare the default with itself (the eighth round's ``--backward-min-blocks`` skipped the
+statistics backward that way), so each switch is checked here against the schedules it must and must not change.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+cute_launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
+
+from csa_compressor.bench import select_cases  # noqa: E402
+
+_SPEC = importlib.util.spec_from_file_location(
+    "variant_ab", Path(__file__).resolve().parents[1] / "benchmarks" / "variant_ab.py"
+)
+variant_ab = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(variant_ab)
+
+R4 = ("backward", 4, 2, 512)  # the short-window backward of 3x8192 d512 r4 c2
+STATS = ("backward_stats", 128, 1, 512)  # the statistics backward of 3x8192 d512 r128 c1
+TWO_PASS = ("backward", 128, 1, 512)  # the statistics-free long backward
+
+
+@pytest.fixture
+def overrides():
+    cute_launch.SCHEDULE_OVERRIDE.clear()
+    yield cute_launch.SCHEDULE_OVERRIDE
+    cute_launch.SCHEDULE_OVERRIDE.clear()
+
+
+def _apply(argv, cases=("3x8192-d512-r4-c2", "3x8192-d512-r128-c1")):
+    args = variant_ab.build_parser().parse_args(list(argv))
+    variant_ab.apply_overrides(args, select_cases(list(cases)))
+
+
+def test_no_switch_no_override(overrides):
+    _apply([])
+    assert overrides == {}
+
+
+def test_backward_min_blocks_reaches_both_backwards(overrides):
+    _apply(["--backward-min-blocks", "5"])
+    assert overrides[R4].MB == 5
+    assert overrides[STATS].MB == 5 and overrides[STATS].SC  # the statistics backward, not skipped
+    assert TWO_PASS not in overrides  # sizes its grid by shared memory: left alone
+    assert not any(key[0].startswith("forward") for key in overrides)
+
+
+def test_switches_compose(overrides):
+    _apply(["--prefetch-ahead", "--backward-min-blocks", "5"])
+    for key in (R4, STATS):
+        assert overrides[key].PF and overrides[key].MB == 5
+
+
+def test_backward_tile_and_hold_ape_touch_only_the_short_window_backward(overrides):
+    _apply(["--backward-tile", "1,128", "--hold-ape"])
+    sch = overrides[R4]
+    assert (sch.V, sch.TC, sch.R) == (1, 128, 1) and sch.HA
+    assert sch.threads == cute_launch._default_schedule(*R4).threads
+    assert STATS not in overrides and TWO_PASS not in overrides
+
+
+def test_stats_tile(overrides):
+    _apply(["--stats-tile", "2,4"])
+    sch = overrides[STATS]
+    assert (sch.V, sch.SG) == (2, 4)
+    assert sch != cute_launch._default_schedule(*STATS)
+    assert R4 not in overrides
+
+
+def test_forward_min_blocks_caps_only_one_group_forwards(overrides):
+    _apply(["--forward-min-blocks", "7"])
+    assert overrides[("forward", 4, 2, 512)].MB == 7
+    assert ("forward_stats", 128, 1, 512) not in overrides  # slot groups > 1: --forward-min-blocks-long
+    _apply(["--forward-min-blocks-long", "3"])
+    assert overrides[("forward_stats", 128, 1, 512)].MB == 3
+
+
+def test_streaming_long_forward(overrides):
+    _apply(["--forward-long-stream-cols", "64"])
+    fwd = overrides[("forward_stats", 128, 1, 512)]
+    assert fwd.NB > 1 and fwd.TC * fwd.V == 64 and fwd.ST
+    assert not overrides[("forward", 128, 1, 512)].ST
+    assert ("forward", 4, 2, 512) not in overrides  # short windows have no streaming form
