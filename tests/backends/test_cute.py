@@ -6,6 +6,8 @@ the GPU is not sm_90 / sm_100.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -265,6 +267,27 @@ def test_wide_forward_for_large_launches(d, ratio, coff):
     assert torch.equal(small.view(torch.int16), part.view(torch.int16))
 
 
+def _run_with_schedule(launch, run, pack, key, sch):
+    """``run(launch, pack)`` with ``sch`` for kernel ``key`` = (direction, ratio, coff, head_dim). The calls find
+    their launcher in a per-configuration fast map, which ``_get_launcher`` points at the override's build and,
+    after it, back at the default's (or later tests of the process would run the override)."""
+    dev = torch.device("cuda")
+    launch.SCHEDULE_OVERRIDE[key] = sch
+    try:
+        built = launch._get_launcher(*key, torch.bfloat16, dev).sch
+        assert replace(built, EF=sch.EF, ES=sch.ES) == sch  # the cache policies set EF / ES on top
+        return run(launch, pack)
+    finally:
+        launch.SCHEDULE_OVERRIDE.pop(key)
+        launch._get_launcher(*key, torch.bfloat16, dev)
+
+
+def _assert_bitwise(a, b):
+    assert not torch.isnan(b).any()
+    bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(a.view(bits), b.view(bits))
+
+
 # Schedule.PF on the short-window and statistics backwards (prefetch hints only): the same gradients, bitwise.
 PREFETCH_CASES = [
     ((37, 4, 3, 64, 129, 8), 128, 4, 2, 5, 3),
@@ -279,7 +302,6 @@ PREFETCH_CASES = [
 @pytest.mark.parametrize("case", PREFETCH_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
 def test_backward_prefetch_ahead_changes_no_bit(case):
     launch = _launch_module()
-    from dataclasses import replace
 
     seqlens, d, ratio, coff, tp, cp = case
     pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=31)
@@ -288,19 +310,10 @@ def test_backward_prefetch_ahead_changes_no_bit(case):
     run = _run_stats if long else _run
     plain = run(launch, pack)
     key = (direction, ratio, coff, d)
-    launch.SCHEDULE_OVERRIDE[key] = replace(launch._default_schedule(*key), PF=True)
-    try:
-        launcher = launch._get_launcher(direction, ratio, coff, d, torch.bfloat16, torch.device("cuda"))
-        assert launcher.sch.PF
-        got = run(launch, pack)
-    finally:
-        launch.SCHEDULE_OVERRIDE.pop(key)
-        launch._get_launcher(direction, ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+    got = _run_with_schedule(launch, run, pack, key, replace(launch._default_schedule(*key), PF=True))
     grads = (plain[2], got[2]) if long else (plain[1:], got[1:])
     for a, b in zip(*grads, strict=True):
-        assert not torch.isnan(b).any()
-        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
-                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+        _assert_bitwise(a, b)
 
 
 # Schedule.HA on the short-window backward (ape held in registers across rows instead of reloaded per row): the
@@ -311,24 +324,15 @@ HOLD_APE_CASES = [c for c in PREFETCH_CASES if c[2] * c[3] <= 8] + [((13, 2, 0, 
 @pytest.mark.parametrize("case", HOLD_APE_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
 def test_backward_held_ape_changes_no_bit(case):
     launch = _launch_module()
-    from dataclasses import replace
 
     seqlens, d, ratio, coff, tp, cp = case
     pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=41)
     key = ("backward", ratio, coff, d)
-    toggled = replace(launch._default_schedule(*key), HA=not launch._default_schedule(*key).HA)
+    default = launch._default_schedule(*key)
     plain = _run(launch, pack)
-    launch.SCHEDULE_OVERRIDE[key] = toggled
-    try:
-        launcher = launch._get_launcher("backward", ratio, coff, d, torch.bfloat16, torch.device("cuda"))
-        assert launcher.sch.HA == toggled.HA
-        got = _run(launch, pack)
-    finally:
-        launch.SCHEDULE_OVERRIDE.pop(key)
+    got = _run_with_schedule(launch, _run, pack, key, replace(default, HA=not default.HA))
     for a, b in zip(plain[1:], got[1:], strict=True):
-        assert not torch.isnan(b).any()
-        assert torch.equal(a.view(torch.int16 if a.dtype == torch.bfloat16 else torch.int32),
-                           b.view(torch.int16 if b.dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+        _assert_bitwise(a, b)
     if ratio == 4:
         rkv, rsc, _ = reference.backward(*pack.inputs, pack.grad_out, ratio=ratio, coff=coff, precision="fp32")
         assert torch.equal(got[1].view(torch.int16), rkv.view(torch.int16))

@@ -172,3 +172,20 @@ def test_backward_prefetch_ahead_compiles(direction, ratio, coff, head_dim):
     assert "prefetch.global.L2" in ptx
     assert ("prefetch.global.L1" in ptx) == (direction == "backward_stats")
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_compiled_kernels_are_cached_per_schedule(monkeypatch):
+    """One build per (direction, configuration, dtype, arch, schedule): the default and the wide (register-capped)
+    forward of one configuration are two entries, and a second request of either builds nothing."""
+    from csa_compressor.backends.cute.forward import wide_forward_schedule
+
+    builds = []
+    monkeypatch.setattr(cute_launch, "_COMPILED", {})
+    monkeypatch.setattr(cute_launch, "_build", lambda *a: builds.append(a) or object())
+    _, sch = cute_launch._key("forward", 4, 2, 512, torch.bfloat16, "sm_90a")
+    wide = wide_forward_schedule(sch)
+    first = [cute_launch._compiled_for("forward", 4, 2, 512, torch.bfloat16, "sm_90a", s) for s in (sch, wide)]
+    again = [cute_launch._compiled_for("forward", 4, 2, 512, torch.bfloat16, "sm_90a", s) for s in (sch, wide)]
+    assert first[0] is not first[1] and again[0] is first[0] and again[1] is first[1]
+    assert [b[-1] for b in builds] == [sch, wide]
+    assert cute_launch._key("forward", 4, 2, 512, torch.bfloat16, "sm_90a")[0] in cute_launch._COMPILED

@@ -33,7 +33,6 @@ from dataclasses import replace
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .backward_common import ZeroStores, make_backward_host
@@ -44,6 +43,7 @@ from .forward import (
     WindowOps,
     ex2,
     find_segment,
+    ptx_effect,
     slots_per_group,
     vec_view,
     vector_width,
@@ -56,17 +56,10 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
 @dsl_user_op
 def cp_async_16(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
     """``cp.async.cg.shared.global`` of 16 bytes (L2 only, no registers; completes at a wait_group)."""
-    llvm.inline_asm(
-        None,
-        [
-            smem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-            gmem_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-        ],
+    ptx_effect(
         "cp.async.cg.shared.global [$0], [$1], 16;",
+        [p.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip) for p in (smem_ptr, gmem_ptr)],
         "r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 
@@ -75,15 +68,7 @@ def _prefetch(level: str):
 
     @dsl_user_op
     def fn(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-        llvm.inline_asm(
-            None,
-            [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)],
-            f"prefetch.global.{level} [$0];",
-            "l",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
+        ptx_effect(f"prefetch.global.{level} [$0];", [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)], "l")
 
     return fn
 

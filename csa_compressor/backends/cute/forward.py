@@ -43,22 +43,41 @@ NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
 
 
+def ptx_effect(text: str, operands, constraints: str) -> None:
+    """Inline PTX run for its side effect (a prefetch, an asynchronous copy): no result, never removed."""
+    llvm.inline_asm(
+        None,
+        operands,
+        text,
+        constraints,
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+def ptx_f32(text: str, values, *, loc=None, ip=None) -> Float32:
+    """The fp32 result ``$0`` of inline PTX over fp32 operands ``$1 ..`` (pure: free to move or remove)."""
+    operands = [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            operands,
+            text,
+            "=f" + ",f" * len(operands),
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 # fp32 arithmetic with the rounding pinned in PTX (``.rn``): neither NVVM nor ptxas may contract a
 # pinned mul + add into an fma, which would change results against the fp32 reference.
 def _binary_rn(op: str):
     @dsl_user_op
     def fn(a, b, *, loc=None, ip=None) -> Float32:
-        return Float32(
-            llvm.inline_asm(
-                T.f32(),
-                [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-                f"{op}.rn.f32 $0, $1, $2;",
-                "=f,f,f",
-                has_side_effects=False,
-                is_align_stack=False,
-                asm_dialect=llvm.AsmDialect.AD_ATT,
-            )
-        )
+        return ptx_f32(f"{op}.rn.f32 $0, $1, $2;", (a, b), loc=loc, ip=ip)
 
     return fn
 
@@ -71,50 +90,25 @@ sub_rn = _binary_rn("sub")
 @dsl_user_op
 def ex2(a, *, loc=None, ip=None) -> Float32:
     """2**a via ``ex2.approx.ftz.f32`` (2 ulp; exact 0 for -inf)."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip)],
-            "ex2.approx.ftz.f32 $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return ptx_f32("ex2.approx.ftz.f32 $0, $1;", (a,), loc=loc, ip=ip)
 
 
 @dsl_user_op
 def rcp_rn(a, *, loc=None, ip=None) -> Float32:
     """Correctly rounded 1/a (``rcp.rn.f32``)."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(a).ir_value(loc=loc, ip=ip)],
-            "rcp.rn.f32 $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return ptx_f32("rcp.rn.f32 $0, $1;", (a,), loc=loc, ip=ip)
 
 
 @dsl_user_op
 def div_markstein(a, b, y, *, loc=None, ip=None) -> Float32:
     """a / b correctly rounded, given y = RN(1/b): q = RN(a*y), r = a - b*q (exact by fma),
     RN(q + r*y) (Markstein's theorem; needs no underflow, i.e. a not tiny)."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, y)],
-            "{\n.reg .f32 %mq, %mr;\nmul.rn.f32 %mq, $1, $3;\nneg.f32 %mr, %mq;\n"
-            "fma.rn.f32 %mr, %mr, $2, $1;\nfma.rn.f32 $0, %mr, $3, %mq;\n}",
-            "=f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
+    return ptx_f32(
+        "{\n.reg .f32 %mq, %mr;\nmul.rn.f32 %mq, $1, $3;\nneg.f32 %mr, %mq;\n"
+        "fma.rn.f32 %mr, %mr, $2, $1;\nfma.rn.f32 $0, %mr, $3, %mq;\n}",
+        (a, b, y),
+        loc=loc,
+        ip=ip,
     )
 
 

@@ -164,7 +164,21 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
 
 def _key(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, arch: str) -> tuple:
     sch = _schedule(direction, ratio, coff, head_dim)
-    return (direction, ratio, coff, head_dim, dtype, arch, sch.key()), sch
+    return _cache_key(direction, ratio, coff, head_dim, dtype, arch, sch), sch
+
+
+def _cache_key(direction: str, ratio: int, coff: int, head_dim: int, dtype, arch: str, sch) -> tuple:
+    """(direction, ratio, coff, head_dim, dtype, arch, schedule): what a compiled kernel depends on."""
+    return (direction, ratio, coff, head_dim, dtype, arch, sch.key())
+
+
+def _compiled_for(direction: str, ratio: int, coff: int, head_dim: int, dtype, arch: str, sch):
+    """The compiled host function of one schedule from the process-wide cache, built on a miss (hold _LOCK)."""
+    key = _cache_key(direction, ratio, coff, head_dim, dtype, arch, sch)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _COMPILED[key] = _build(direction, ratio, coff, head_dim, arch, sch)
+    return compiled
 
 
 def _fake_ptr(dtype):
@@ -478,10 +492,7 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
     if dtype != torch.bfloat16:
         raise ValueError(f"cute backend: only bfloat16 kv/score are supported, got {dtype}")
     with _LOCK:
-        compiled = _COMPILED.get(key)
-        if compiled is None:
-            compiled = _build(direction, ratio, coff, head_dim, arch, sch)
-            _COMPILED[key] = compiled
+        compiled = _compiled_for(direction, ratio, coff, head_dim, dtype, arch, sch)
         launcher = _LAUNCHERS.get(lk)
         if launcher is None:
             smem = forward_smem_bytes(sch) if direction.startswith("forward") else backward_smem_bytes(sch)
@@ -492,11 +503,7 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
             launcher.reduce_grid = reduce_grid_x(ratio * coff * head_dim, reduce_slab_lanes(sch))
             wide = wide_forward_schedule(sch) if direction == "forward" else None
             if wide is not None:
-                wkey = (direction, ratio, coff, head_dim, dtype, arch, wide.key())
-                compiled_w = _COMPILED.get(wkey)
-                if compiled_w is None:
-                    compiled_w = _build(direction, ratio, coff, head_dim, arch, wide)
-                    _COMPILED[wkey] = compiled_w
+                compiled_w = _compiled_for(direction, ratio, coff, head_dim, dtype, arch, wide)
                 launcher.wide = _Launcher(compiled_w, direction, index, wide, num_sms, smem)
                 launcher.wide.nchunk = launcher.nchunk
                 # More row blocks than one wave of the default build: the capped one holds a CTA more per SM.
