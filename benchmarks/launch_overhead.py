@@ -22,6 +22,11 @@ Layers: ``bare`` (the backend's ``forward``/``backward`` on preallocated buffers
 ``total_comp``, allocating its outputs), ``autograd fwd`` (``compressor_pool`` on leaves that require
 grad), ``autograd fwd+bwd`` (the same plus ``torch.autograd.grad``).
 
+The per-stream slab scratch of the cute backward, on against off (``launch.CACHE_SLABS``), alternated in one
+process (GPU)::
+
+    python3 benchmarks/launch_overhead.py --slab-cache-ab [--rounds 8] [--out FILE.json]
+
 CPU mock (no GPU needed; the backend launch is replaced by a no-op, so only the Python layers are
 timed, best of ``--repeat`` rounds of ``--number`` calls)::
 
@@ -232,6 +237,34 @@ def _time_gpu(fn, calls: int, warmup: int = 20) -> dict[str, float]:
     }
 
 
+def slab_cache_ab(opts) -> dict:
+    """The cute wrapper backward with the per-stream slab scratch (``launch.CACHE_SLABS``) on and off, alternated
+    in one process (``--rounds`` rounds of ``--calls`` calls per side), so that host drift hits both sides alike."""
+    from csa_compressor.backends.cute import launch as cute_launch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    result: dict = {"device": torch.cuda.get_device_name(device), "torch_version": torch.__version__}
+    result.update(calls=opts.calls, rounds=opts.rounds, mode="slab-cache-ab")
+    for ratio, coff in CASES:
+        p = make_pack((8192,), 128, ratio, coff, device=device, seed=0)
+        layers = _layers(p, "cute", dispatch.backend_module("cute"), device)
+        fn = layers["wrapper bwd"]
+        sides: dict[str, list[dict]] = {"cached": [], "per call": []}
+        for _ in range(opts.rounds):
+            for name, flag in (("cached", True), ("per call", False)):
+                cute_launch.CACHE_SLABS = flag
+                sides[name].append(_time_gpu(fn, opts.calls))
+        cute_launch.CACHE_SLABS = True
+        case = f"cute 1x8192 d128 r{ratio} c{coff} wrapper bwd"
+        result[case] = {
+            name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in sides.items()
+        }
+        print(case)
+        for name, r in result[case].items():
+            print(f"  {name:9s} " + " ".join(f"{k} {v:.1f}" for k, v in r.items()))
+    return result
+
+
 def gpu(opts) -> dict:
     device = torch.device("cuda", torch.cuda.current_device())
     t_start = time.perf_counter()
@@ -295,6 +328,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200, help="GPU: timed calls per layer and mode")
     parser.add_argument("--backends", help="GPU: comma-separated subset of the GPU backends")
     parser.add_argument("--budget-s", type=float, default=75.0, help="GPU: start no new case after this many seconds")
+    parser.add_argument("--slab-cache-ab", action="store_true", help="GPU: cute backward, slab scratch on vs off")
+    parser.add_argument("--rounds", type=int, default=8, help="--slab-cache-ab: alternating rounds")
     parser.add_argument("--number", type=int, default=2000, help="CPU mock: calls per round")
     parser.add_argument("--repeat", type=int, default=7, help="CPU mock: rounds (the best is kept)")
     opts = parser.parse_args()
@@ -303,6 +338,8 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (use --cpu-mock for the Python layers)")
         return 0
+    elif opts.slab_cache_ab:
+        result = slab_cache_ab(opts)
     else:
         result = gpu(opts)
     if opts.out:

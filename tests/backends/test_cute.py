@@ -125,10 +125,16 @@ def test_cuda_graph_replay_with_smaller_true_row_count():
         launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
         launch.backward(kv, score, ape, cu, cuc, g, gkv, gsc, gape, ratio, coff, None)
     torch.cuda.current_stream().wait_stream(side)
+    scratch_before = dict(launch._SCRATCH)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
         launch.backward(kv, score, ape, cu, cuc, g, gkv, gsc, gape, ratio, coff, None)
+    # The captured backward has slabs of its own: the per-stream eager scratch is neither created nor reused.
+    assert launch._SCRATCH == scratch_before
+    # Eager backwards with more slabs grow the eager scratch afterwards; the graph keeps its own.
+    _run(launch, make_pack((2000, 3000), 512, ratio, coff, device="cuda", seed=3))
+    torch.cuda.synchronize()
     small = make_pack((100, 9, 50), d, ratio, coff, device="cuda", seed=2)
     ts = small.kv.shape[0]
     kv.zero_()
@@ -171,6 +177,43 @@ def test_explicit_stream():
     torch.cuda.synchronize()
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a, b)
+
+
+def test_threads_sharing_a_stream():
+    """Eager backwards keep their grad_ape slabs per stream: two threads launching on one stream (different
+    configurations, so different slab sizes) must not interleave one call's two kernels with the other's."""
+    import threading
+
+    launch = _launch_module()
+    packs = [
+        make_pack((300, 41, 77), 128, 4, 2, device="cuda", seed=11),
+        make_pack((1000, 2, 333), 512, 128, 1, device="cuda", seed=12),
+    ]
+    expected = [_run(launch, p) for p in packs]
+    torch.cuda.synchronize()
+    results: list[list] = [[], []]
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def work(k):
+        try:
+            barrier.wait()
+            for _ in range(20):
+                results[k].append(_run(launch, packs[k]))
+        except BaseException as exc:  # reported in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    for k in range(2):
+        for got in results[k]:
+            for a, b in zip(expected[k], got, strict=True):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -22,7 +22,8 @@ Host functions (one per configuration):
 - backward: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
   grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)`` (two kernels: main + grad_ape reduction),
 with bf16/fp32/int32 global pointers (16-byte aligned), ``B = len(cu_seqlens) - 1``, ``N = total_comp``,
-``T`` tokens, and the persistent-grid shape of ``backward_grid``.
+``T`` tokens, and the persistent-grid shape of ``backward_grid``. The slabs ``ws`` are kept per (device,
+stream) outside CUDA-graph capture (``_Scratch``), so an eager backward call allocates only its gradients.
 """
 
 from __future__ import annotations
@@ -613,12 +614,24 @@ def backward(
         grad_score.zero_()
         grad_ape.zero_()
         return
+    index = device.index
+    if index is None or index == _GET_DEVICE():
+        _launch_backward(launcher, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                         grad_ape, stream, stats, n)  # fmt: skip
+    else:
+        with torch.cuda.device(index):
+            _launch_backward(launcher, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                             grad_ape, stream, stats, n)  # fmt: skip
+
+
+def _launch_backward(
+    launcher, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats, n
+) -> None:
+    """``backward`` on the tensors' device, which is the current device here."""
+    device = kv.device
     rows_per_cta, num_ctas = backward_grid(launcher, n, ape.numel())
-    ws = torch.empty(num_ctas * ape.numel(), dtype=torch.float32, device=device)
     handle = _stream_handle(stream, device)
-    if stream is not None and handle != _stream_handle(None, device):
-        ws.record_stream(stream)
-    args = (
+    ptrs = (
         kv.data_ptr(),
         score.data_ptr(),
         ape.data_ptr(),
@@ -628,17 +641,80 @@ def backward(
         grad_kv.data_ptr(),
         grad_score.data_ptr(),
         grad_ape.data_ptr(),
-        ws.data_ptr(),
     )
-    if stats is not None:
-        args += (stats.data_ptr(),)
-    args += (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas, handle)
-    index = device.index
-    if index is None or index == _GET_DEVICE():
-        launcher.launch(args)
-    else:
-        with torch.cuda.device(index):
-            launcher.launch(args)
+    tail = (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas, handle)
+    ws_numel = num_ctas * ape.numel()
+    explicit = stream is not None and handle != _stream_handle(None, device)
+    if not CACHE_SLABS or _capturing(stream, explicit):
+        # Inside a CUDA graph: slabs from the graph's pool, owned by this launch alone.
+        ws = torch.empty(ws_numel, dtype=torch.float32, device=device)
+        if explicit:
+            ws.record_stream(stream)
+        launcher.launch((*ptrs, ws.data_ptr(), *((stats.data_ptr(),) if stats is not None else ()), *tail))
+        return
+    scratch = _SCRATCH.get((device.index, handle))
+    if scratch is None or scratch.numel < ws_numel:
+        scratch = _grow_scratch(device, stream, handle, ws_numel, explicit)
+    # The lock keeps another thread's launches on this stream from landing between this call's two kernels.
+    with scratch.lock:
+        launcher.launch((*ptrs, scratch.ptr, *((stats.data_ptr(),) if stats is not None else ()), *tail))
+
+
+class _Scratch:
+    """The backward's grad_ape slabs for one (device, stream), reused by every eager call on that stream.
+
+    Launches on one stream run in order, and the slabs are dead once the reduction kernel (same host function,
+    same stream) has read them, so the next call may overwrite them: a call then allocates only its gradients.
+    """
+
+    __slots__ = ("lock", "numel", "ptr", "tensor")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self.numel = tensor.numel()
+        self.ptr = tensor.data_ptr()
+        self.lock = threading.Lock()
+
+
+# (device index, stream handle) -> _Scratch; release_scratch() empties it. CACHE_SLABS = False (a development
+# switch, read per call) allocates the slabs per call instead, as before the per-stream scratch.
+CACHE_SLABS = True
+_SCRATCH: dict[tuple[int, int], _Scratch] = {}
+_IS_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+
+
+def _capturing(stream, explicit: bool) -> bool:
+    """Whether the launch stream is capturing a CUDA graph."""
+    if not explicit:
+        return _IS_CAPTURING()
+    with torch.cuda.stream(stream):
+        return _IS_CAPTURING()
+
+
+def _grow_scratch(device, stream, handle: int, ws_numel: int, explicit: bool) -> _Scratch:
+    """A scratch entry of at least ``ws_numel`` fp32 for the stream, allocated on that stream (the caching
+    allocator then hands the block to no other stream until the stream's queued work has run)."""
+    with _LOCK:
+        old = _SCRATCH.get((device.index, handle))
+        if old is not None and old.numel >= ws_numel:
+            return old
+        numel = max(ws_numel, old.numel if old is not None else 0)
+        if explicit:
+            with torch.cuda.stream(stream):
+                tensor = torch.empty(numel, dtype=torch.float32, device=device)
+        else:
+            tensor = torch.empty(numel, dtype=torch.float32, device=device)
+        scratch = _Scratch(tensor)
+        if old is not None:
+            scratch.lock = old.lock  # a launch holding the old entry's lock still orders against this one
+        _SCRATCH[(device.index, handle)] = scratch
+        return scratch
+
+
+def release_scratch() -> None:
+    """Drop the backward's per-stream slabs (their memory goes back to the caching allocator)."""
+    with _LOCK:
+        _SCRATCH.clear()
 
 
 def _probe(reps: int = 2000) -> dict[str, tuple[float, float]]:
@@ -695,7 +771,7 @@ def _probe(reps: int = 2000) -> dict[str, tuple[float, float]]:
     stream = _stream_handle(None, dev)
     b = cu.shape[0] - 1
     rows_per_cta, num_ctas = backward_grid(lb, p.total_comp, ape.numel())
-    ws = torch.empty(num_ctas * ape.numel(), dtype=torch.float32, device=dev)
+    ws = _grow_scratch(dev, None, stream, num_ctas * ape.numel(), False).tensor
     bare = (
         (lf, (kv, score, ape, cu, cuc, out), (b, p.total_comp)),
         (
