@@ -22,10 +22,10 @@ Layers: ``bare`` (the backend's ``forward``/``backward`` on preallocated buffers
 ``total_comp``, allocating its outputs), ``autograd fwd`` (``compressor_pool`` on leaves that require
 grad), ``autograd fwd+bwd`` (the same plus ``torch.autograd.grad``).
 
-The per-stream slab scratch of the cute backward, on against off (``launch.CACHE_SLABS``), alternated in one
-process (GPU)::
+One switch of the cute wrappers on against off, alternated in one process (GPU): the backward's per-stream slab
+scratch (``launch.CACHE_SLABS``) or the C++ host fast path (``host_ext``)::
 
-    python3 benchmarks/launch_overhead.py --slab-cache-ab [--rounds 8] [--out FILE.json]
+    python3 benchmarks/launch_overhead.py --ab slab-cache|host-ext [--rounds 8] [--out FILE.json]
 
 CPU mock (no GPU needed; the backend launch is replaced by a no-op, so only the Python layers are
 timed, best of ``--repeat`` rounds of ``--number`` calls)::
@@ -237,31 +237,48 @@ def _time_gpu(fn, calls: int, warmup: int = 20) -> dict[str, float]:
     }
 
 
-def slab_cache_ab(opts) -> dict:
-    """The cute wrapper backward with the per-stream slab scratch (``launch.CACHE_SLABS``) on and off, alternated
-    in one process (``--rounds`` rounds of ``--calls`` calls per side), so that host drift hits both sides alike."""
+def toggle_ab(opts) -> dict:
+    """One switch of the cute wrappers on against off, alternated in one process (``--rounds`` rounds of ``--calls``
+    calls per side), so that host drift hits both sides alike. ``--ab slab-cache``: the backward's per-stream slab
+    scratch (``launch.CACHE_SLABS``; off also turns the C++ backward path off); ``--ab host-ext``: the C++ host fast
+    path of both wrappers (the ops' ``_host``)."""
+    from csa_compressor import api
     from csa_compressor.backends.cute import launch as cute_launch
 
     device = torch.device("cuda", torch.cuda.current_device())
     result: dict = {"device": torch.cuda.get_device_name(device), "torch_version": torch.__version__}
-    result.update(calls=opts.calls, rounds=opts.rounds, mode="slab-cache-ab")
+    result.update(calls=opts.calls, rounds=opts.rounds, mode=f"ab {opts.ab}")
     for ratio, coff in CASES:
         p = make_pack((8192,), 128, ratio, coff, device=device, seed=0)
         layers = _layers(p, "cute", dispatch.backend_module("cute"), device)
-        fn = layers["wrapper bwd"]
-        sides: dict[str, list[dict]] = {"cached": [], "per call": []}
-        for _ in range(opts.rounds):
-            for name, flag in (("cached", True), ("per call", False)):
-                cute_launch.CACHE_SLABS = flag
-                sides[name].append(_time_gpu(fn, opts.calls))
-        cute_launch.CACHE_SLABS = True
-        case = f"cute 1x8192 d128 r{ratio} c{coff} wrapper bwd"
-        result[case] = {
-            name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in sides.items()
-        }
-        print(case)
-        for name, r in result[case].items():
-            print(f"  {name:9s} " + " ".join(f"{k} {v:.1f}" for k, v in r.items()))
+        for layer in ("wrapper fwd", "wrapper bwd"):
+            fn = layers[layer]
+            fn()
+            fn()  # the ops exist and the stream has its slabs
+            ops = [op for op in (*api._FWD_FAST.values(), *api._BWD_FAST.values()) if op.backend == "cute"]
+            saved = [op._host for op in ops]
+
+            def switch(on: bool, ops=ops, saved=saved) -> None:
+                if opts.ab == "slab-cache":
+                    cute_launch.CACHE_SLABS = on
+                else:
+                    for op, host in zip(ops, saved, strict=True):
+                        op._host = host if on else None
+
+            sides: dict[str, list[dict]] = {"on": [], "off": []}
+            for _ in range(opts.rounds):
+                for name in ("on", "off"):
+                    switch(name == "on")
+                    sides[name].append(_time_gpu(fn, opts.calls))
+            switch(True)
+            case = f"cute 1x8192 d128 r{ratio} c{coff} {layer}"
+            result[case] = {
+                name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in sides.items()
+            }
+            result[case]["host path bound"] = all(h is not None for h in saved)
+            print(case, "(C++ host path bound)" if result[case]["host path bound"] else "")
+            for name in ("on", "off"):
+                print(f"  {name:4s} " + " ".join(f"{k} {v:.1f}" for k, v in result[case][name].items()))
     return result
 
 
@@ -328,8 +345,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200, help="GPU: timed calls per layer and mode")
     parser.add_argument("--backends", help="GPU: comma-separated subset of the GPU backends")
     parser.add_argument("--budget-s", type=float, default=75.0, help="GPU: start no new case after this many seconds")
-    parser.add_argument("--slab-cache-ab", action="store_true", help="GPU: cute backward, slab scratch on vs off")
-    parser.add_argument("--rounds", type=int, default=8, help="--slab-cache-ab: alternating rounds")
+    parser.add_argument("--ab", choices=("slab-cache", "host-ext"), help="GPU: one cute switch on vs off, alternated")
+    parser.add_argument("--rounds", type=int, default=8, help="--ab: alternating rounds")
     parser.add_argument("--number", type=int, default=2000, help="CPU mock: calls per round")
     parser.add_argument("--repeat", type=int, default=7, help="CPU mock: rounds (the best is kept)")
     opts = parser.parse_args()
@@ -338,8 +355,8 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (use --cpu-mock for the Python layers)")
         return 0
-    elif opts.slab_cache_ab:
-        result = slab_cache_ab(opts)
+    elif opts.ab:
+        result = toggle_ab(opts)
     else:
         result = gpu(opts)
     if opts.out:

@@ -57,6 +57,8 @@ class _Op:
         self._module = None
         # Per-call fast path, bound by compile(): the backend's launch function and the scalars it takes.
         self._launch = None
+        # The backend's host fast path for the wrappers (launch.host_path), bound by compile(); None: Python path.
+        self._host = None
         self._ratio = self._coff = self._head_dim = 0
         # Long windows: the forward can save softmax statistics that the backward then uses (reference.py).
         self.uses_stats = reference.uses_softmax_stats(ratio, coff) if isinstance(ratio, int) else False
@@ -95,6 +97,9 @@ class _Op:
         # From here on execute() goes straight to the backend: nothing it does can compile.
         self._ratio, self._coff, self._head_dim = cfg.ratio, cfg.coff, cfg.head_dim
         self._launch = getattr(self._module, self.direction)
+        host_path = getattr(self._module, "host_path", None)
+        if host_path is not None and cfg.device.type == "cuda":
+            self._host = host_path(self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
 
     def _release_samples(self) -> None:
         self._samples = None
@@ -392,6 +397,10 @@ def _pool_forward(
         )
         if key is not None:
             _FWD_FAST[key] = op
+    if not return_stats and stream is None and op._host is not None:
+        out = op._host(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows)
+        if out is not None:
+            return out
     # Allocated on the current stream; with an explicit `stream`, execute() records the use there.
     out = kv.new_empty((rows, op._head_dim))
     if not return_stats:
@@ -408,10 +417,14 @@ def _pool_backward(
     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim=None, stream=None, stats=None
 ):
     """The backward wrapper without the TupleDict: returns ``(grad_kv, grad_score, grad_ape)``."""
-    # The kernel writes every element: uninitialised buffers, one allocation each.
-    grad_kv, grad_score, grad_ape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
     key = _fast_key(kv, ratio, coff, head_dim, backend)
     op = _BWD_FAST.get(key) if key is not None else None
+    if op is not None and stats is None and stream is None and op._host is not None:
+        grads = op._host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
+        if grads is not None:
+            return grads
+    # The kernel writes every element: uninitialised buffers, one allocation each.
+    grad_kv, grad_score, grad_ape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
     if op is None:
         head_dim = _head_dim(kv, ratio, coff, head_dim)
         tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)

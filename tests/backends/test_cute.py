@@ -216,6 +216,84 @@ def test_threads_sharing_a_stream():
                 assert torch.equal(a, b)
 
 
+def _host_ops(pack, kw):
+    """The wrappers' cached ops for ``pack`` after one forward and two backward calls (the first backward makes the
+    stream's slabs, so the second can take the C++ host path)."""
+    from csa_compressor import api
+    from csa_compressor.backends.cute import host_ext
+
+    if not host_ext.enabled():
+        pytest.skip("CSA_COMPRESSOR_HOST_EXT=0")
+    assert host_ext.module() is not None, host_ext.error()
+    for _ in range(2):
+        api.csa_compressor_forward_wrapper(*pack.inputs, **kw)
+        api.csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+    key = api._fast_key(pack.kv, kw["ratio"], kw["coff"], None, "cute")
+    return api._FWD_FAST[key], api._BWD_FAST[key]
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[9], CASES[12]], ids=["r4c2", "r128c1", "d65", "padding"])
+def test_wrapper_host_path_matches_python_path(case):
+    """The C++ host fast path of the wrappers (host_ext.cpp) computes what the Python path computes, bitwise, and is
+    the path the wrappers take for valid arguments."""
+    from csa_compressor import api
+
+    _launch_module()
+    seqlens, d, ratio, coff, tpad, cpad = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tpad, comp_padding=cpad, device="cuda", seed=21)
+    kw = dict(ratio=ratio, coff=coff, total_comp=pack.total_comp, backend="cute")
+    fop, bop = _host_ops(pack, kw)
+    hosts = (fop._host, bop._host)
+    assert all(h is not None for h in hosts)
+    taken = []
+
+    def counting(host):
+        def run(*args):
+            result = host(*args)
+            taken.append(result is not None)
+            return result
+
+        return run
+
+    def both():
+        out = api.csa_compressor_forward_wrapper(*pack.inputs, **kw)["out"]
+        grads = api.csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+        return (out, *grads.values())
+
+    try:
+        fop._host, bop._host = counting(hosts[0]), counting(hosts[1])
+        fast = both()
+        assert taken == [True, True]
+        fop._host = bop._host = None
+        slow = both()
+    finally:
+        fop._host, bop._host = hosts
+    torch.cuda.synchronize()
+    for a, b in zip(fast, slow, strict=True):
+        _assert_bitwise(a, b)
+    assert_contract(pack, fast[0], fast[1:])
+
+
+def test_wrapper_host_path_leaves_errors_to_python():
+    """Arguments the C++ checks reject take the Python path, which raises its own error."""
+    from csa_compressor import api
+
+    _launch_module()
+    pack = make_pack((300, 41, 77), 128, 4, 2, device="cuda", seed=22)
+    kw = dict(ratio=4, coff=2, total_comp=pack.total_comp, backend="cute")
+    _host_ops(pack, kw)
+    kv = pack.kv
+    shifted = torch.empty(kv.numel() + 8, dtype=kv.dtype, device=kv.device)[1 : 1 + kv.numel()].view(kv.shape)
+    shifted.copy_(kv)
+    inputs = (shifted, *pack.inputs[1:])
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        api.csa_compressor_forward_wrapper(*inputs, **kw)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        api.csa_compressor_backward_wrapper(*inputs, pack.grad_out, **kw)
+    with pytest.raises(ValueError, match="total_comp"):
+        api.csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out[:-1], **kw)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_non_current_device():
     launch = _launch_module()

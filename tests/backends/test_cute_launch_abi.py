@@ -20,6 +20,8 @@ import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import BFloat16, Float32, Int32  # noqa: E402
 
+from csa_compressor.backends.cute import host_ext  # noqa: E402
+
 _LIBC = ctypes.CDLL(None)
 
 
@@ -71,9 +73,26 @@ def test_packed_call_slot_layout(direction, capfd):
     _received(capfd)
     launcher.launch((*ptrs, *ints, 0))  # fast path
     launcher(ptrs, ints, 0)  # compatibility entry
+    calls = 2
+    record = host_ext.make_launch(launcher) if host_ext.module() is not None else None
+    if record is not None:  # the C++ host fast path's own slots and packed array
+        host_ext.module().call(record, ptrs, ints, 0)
+        calls += 1
     launcher.fast = False  # regular compiled-function call
     launcher.launch((*ptrs, *ints, 0))
-    assert _received(capfd) == [expected] * 3
+    assert _received(capfd) == [expected] * (calls + 1)
     launcher.fast = True
     with pytest.raises(Exception, match="format requires"):
         launcher.launch((*ptrs, *ints[:-1], 2**31, 0))  # an Int32 out of range raises instead of wrapping
+    if record is not None:
+        with pytest.raises(OverflowError, match="out of range"):
+            host_ext.module().call(record, ptrs, (*ints[:-1], 2**31), 0)
+
+
+def test_host_extension_builds_where_a_compiler_exists():
+    """The ABI test above covers the C++ call only when the extension builds: make a failed build visible."""
+    import shutil
+
+    if not host_ext.enabled() or shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("host extension disabled, or no C++ compiler / ninja")
+    assert host_ext.module() is not None, host_ext.error()

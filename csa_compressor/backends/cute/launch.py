@@ -475,6 +475,58 @@ def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
         _get_launcher(f"{direction}_stats", ratio, coff, head_dim, dtype, device)
 
 
+def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device):
+    """The C++ host fast path of the wrappers for one compiled configuration (``host_ext``), or None.
+
+    ``forward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows) -> out`` (allocated);
+    ``backward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out) -> (grad_kv, grad_score, grad_ape)``.
+    Either returns None where the Python path must run instead: other than the current device, an argument the
+    C++ checks do not accept, and for the backward CUDA-graph capture or a stream without (large enough) slabs yet.
+    Explicit streams and softmax statistics always take the Python path.
+    """
+    if direction not in ("forward", "backward") or device.type != "cuda" or _RAW_STREAM is None:
+        return None
+    from . import host_ext
+
+    ext = host_ext.module()
+    if ext is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    launcher = _get_launcher(direction, ratio, coff, head_dim, dtype, device)
+    record = host_ext.make_launch(launcher)
+    if record is None:
+        return None
+    if direction == "forward":
+        wide = host_ext.make_launch(launcher.wide) if launcher.wide is not None else None
+        cfg = ext.make_config(ratio, coff, head_dim, index, record, wide, launcher.wide_rows, None, 0, 1, 1, 0)
+        call = ext.forward
+
+        def run_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows):
+            if _GET_DEVICE() != index:
+                return None
+            return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, _RAW_STREAM(index))
+
+        run_forward.keep = (launcher, record, wide)  # the records point into these launchers' compiled functions
+        return run_forward
+    capacity = launcher.num_sms * launcher.ctas_per_sm
+    cfg = ext.make_config(ratio, coff, head_dim, index, None, None, 1 << 62, record, capacity, launcher.nchunk,
+                          launcher.sch.R, WS_CAP_BYTES)  # fmt: skip
+    call = ext.backward
+
+    def run_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out):
+        if _GET_DEVICE() != index or _IS_CAPTURING():
+            return None
+        handle = _RAW_STREAM(index)
+        scratch = _SCRATCH.get((index, handle)) if CACHE_SLABS else None
+        if scratch is None:
+            return None  # the stream's first backward call (Python path) makes its slabs
+        with scratch.lock:
+            return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, handle, scratch.ptr, scratch.numel)
+
+    run_backward.keep = (launcher, record)
+    return run_backward
+
+
 def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device) -> _Launcher:
     index = device.index if device.index is not None else torch.cuda.current_device()
     arch, num_sms = _device_info(index)
