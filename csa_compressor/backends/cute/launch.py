@@ -364,6 +364,7 @@ class _Launcher:
             self.fast_error = f"{type(exc).__name__}: {exc}"
         self.raw = None
         self.raw_error: str | None = None
+        self.smem_bytes = smem_bytes
         self.reduce_grid = 0  # backward, raw path: CTAs of the grad_ape reduction (set with the configuration)
         if _MODE == "raw":
             try:
@@ -403,6 +404,11 @@ class _Launcher:
         self.launch = self._launch_fast if self._fast and self._raw is None else self._launch_slow
 
     def _init_raw(self, device_index: int, smem_bytes: int) -> None:
+        self.raw = self._load_raw(device_index, smem_bytes)
+
+    def _load_raw(self, device_index: int, smem_bytes: int) -> list[_RawKernel]:
+        """The main kernel (and the backward's grad_ape reduction) of the compiled cubin, loaded into the device's
+        primary context for ``cuLaunchKernel``."""
         global _CU_INIT
         art = self.compiled.artifacts
         ptx, cubin = art.PTX, art.CUBIN
@@ -430,7 +436,7 @@ class _Launcher:
             if self.direction == "backward":
                 red_smem = REDUCE_WARPS * 32 * 4 * 4 + 64  # the largest reduce_vector (the APE size is set later)
                 kernels.append(_RawKernel(module, red[0], "ppi", REDUCE_WARPS * 32, red_smem, device_index))
-        self.raw = kernels
+        return kernels
 
     def _launch_fast(self, args) -> None:
         """``args``: the host function's arguments in order (pointers, Int32 scalars, stream handle)."""
@@ -451,8 +457,10 @@ class _Launcher:
         raw = self.raw
         if raw is not None:
             if self.direction == "forward":
-                n = ints[1]
-                raw[0]((*ptrs, *ints), ((n + self.sch.R - 1) // self.sch.R, self.nchunk), stream_handle)
+                blocks = (ints[1] + self.sch.R - 1) // self.sch.R
+                # Chunk-major schedules (CM) put the column chunks on grid x, as the host function does.
+                grid = (blocks * self.nchunk, 1) if self.sch.CM else (blocks, self.nchunk)
+                raw[0]((*ptrs, *ints), grid, stream_handle)
             else:
                 b, n, t, rows_per_cta, num_ctas = ints
                 raw[0]((*ptrs[:6], *ptrs[6:8], ptrs[9], b, n, t, rows_per_cta), (num_ctas, self.nchunk), stream_handle)
@@ -475,14 +483,14 @@ def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
         _get_launcher(f"{direction}_stats", ratio, coff, head_dim, dtype, device)
 
 
-def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device):
+def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device, mode=None):
     """The C++ host fast path of the wrappers for one compiled configuration (``host_ext``), or None.
 
     ``forward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows) -> out`` (allocated);
     ``backward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out) -> (grad_kv, grad_score, grad_ape)``.
     Either returns None where the Python path must run instead: other than the current device, an argument the
     C++ checks do not accept, and for the backward CUDA-graph capture or a stream without (large enough) slabs yet.
-    Explicit streams and softmax statistics always take the Python path.
+    Explicit streams and softmax statistics always take the Python path. ``mode``: ``host_ext.LAUNCH_MODE`` by default.
     """
     if direction not in ("forward", "backward") or device.type != "cuda" or _RAW_STREAM is None:
         return None
@@ -493,11 +501,11 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     launcher = _get_launcher(direction, ratio, coff, head_dim, dtype, device)
-    record = host_ext.make_launch(launcher)
+    record = host_ext.make_launch(launcher, index, mode)
     if record is None:
         return None
     if direction == "forward":
-        wide = host_ext.make_launch(launcher.wide) if launcher.wide is not None else None
+        wide = host_ext.make_launch(launcher.wide, index, mode) if launcher.wide is not None else None
         cfg = ext.make_config(ratio, coff, head_dim, index, record, wide, launcher.wide_rows, None, 0, 1, 1, 0)
         call = ext.forward
 
