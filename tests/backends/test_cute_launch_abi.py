@@ -74,7 +74,7 @@ def test_packed_call_slot_layout(direction, capfd):
     launcher.launch((*ptrs, *ints, 0))  # fast path
     launcher(ptrs, ints, 0)  # compatibility entry
     calls = 2
-    record = host_ext.make_launch(launcher) if host_ext.module() is not None else None
+    record = host_ext.make_launch(launcher, 0, "packed") if host_ext.module() is not None else None
     if record is not None:  # the C++ host fast path's own slots and packed array
         host_ext.module().call(record, ptrs, ints, 0)
         calls += 1
@@ -96,3 +96,64 @@ def test_host_extension_builds_where_a_compiler_exists():
     if not host_ext.enabled() or shutil.which("c++") is None or shutil.which("ninja") is None:
         pytest.skip("host extension disabled, or no C++ compiler / ninja")
     assert host_ext.module() is not None, host_ext.error()
+
+
+def _cpu_pack():
+    """A valid ratio-4 coff-2 head_dim-64 pack on the CPU (the C++ checks accept CPU tensors for device -1)."""
+    import torch
+
+    kv = torch.randn(37, 128).to(torch.bfloat16)
+    score = torch.randn(37, 128).to(torch.bfloat16)
+    ape = torch.randn(4, 128)
+    cu = torch.tensor([0, 20, 37], dtype=torch.int32)
+    cuc = torch.tensor([0, 5, 9], dtype=torch.int32)
+    return kv, score, ape, cu, cuc
+
+
+def _ptrs(tensors):
+    return " ".join(str(t.data_ptr()) for t in tensors)
+
+
+def test_host_forward_packs_what_the_python_path_packs(capfd):
+    """The C++ wrapper path end to end on the CPU, through a host-only function that prints its arguments: the
+    inputs' and the freshly allocated output's pointers, B and the row count, in the Python path's slot order."""
+    ext = host_ext.module()
+    if ext is None:
+        pytest.skip(f"host extension not built: {host_ext.error()}")
+    launcher = launch._Launcher(_compile("forward"), "forward", 0, _Sch(), 132, 0)
+    cfg = ext.make_config(4, 2, 64, -1, host_ext.make_launch(launcher, 0, "packed"), None, 1 << 62, None, 0, 1, 1, 0)
+    inputs = _cpu_pack()
+    _received(capfd)
+    out = ext.forward(cfg, *inputs, 9, 0)
+    assert out is not None and out.shape == (9, 64) and out.dtype == inputs[0].dtype
+    assert _received(capfd) == [f"ABI {_ptrs((*inputs, out))} | 2 9"]
+    assert ext.forward(cfg, *inputs[:4], inputs[4].long(), 9, 0) is None  # rejected: the Python path runs
+
+
+def test_host_backward_grid_matches_python(capfd):
+    """The C++ backward path computes the persistent grid as ``launch.backward_grid`` does and packs the gradients
+    it allocates, the slabs pointer and the grid in the Python path's order; too small slabs send it back to Python."""
+    import types
+
+    import torch
+
+    ext = host_ext.module()
+    if ext is None:
+        pytest.skip(f"host extension not built: {host_ext.error()}")
+    launcher = launch._Launcher(_compile("backward"), "backward", 0, _Sch(), 132, 0)
+    record = host_ext.make_launch(launcher, 0, "packed")
+    inputs = _cpu_pack()
+    grad_out = torch.randn(9, 64).to(torch.bfloat16)
+    ws = torch.empty(1 << 16)
+    for num_sms, ctas, nchunk, rows_per_step in ((132, 4, 1, 2), (2, 1, 2, 4), (1, 1, 1, 1)):
+        fake = types.SimpleNamespace(sch=types.SimpleNamespace(R=rows_per_step), num_sms=num_sms, ctas_per_sm=ctas,
+                                     nchunk=nchunk)  # fmt: skip
+        rows_per_cta, num_ctas = launch.backward_grid(fake, 9, inputs[2].numel())
+        cfg = ext.make_config(4, 2, 64, -1, None, None, 1 << 62, record, num_sms * ctas, nchunk, rows_per_step,
+                              launch.WS_CAP_BYTES)  # fmt: skip
+        _received(capfd)
+        grads = ext.backward(cfg, *inputs, grad_out, 0, ws.data_ptr(), ws.numel())
+        assert grads is not None and [g.shape for g in grads] == [t.shape for t in inputs[:3]]
+        ptrs = _ptrs((*inputs, grad_out, *grads)) + f" {ws.data_ptr()}"
+        assert _received(capfd) == [f"ABI {ptrs} | 2 9 37 {rows_per_cta} {num_ctas}"]
+        assert ext.backward(cfg, *inputs, grad_out, 0, ws.data_ptr(), num_ctas * inputs[2].numel() - 1) is None

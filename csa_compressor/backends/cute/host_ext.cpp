@@ -15,6 +15,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <dlfcn.h>
@@ -69,10 +70,15 @@ struct Config {
   int64_t wide_rows = INT64_MAX;
   Launch* bwd = nullptr;
   int64_t capacity = 0, nchunk = 1, rows_per_step = 1, ws_cap_bytes = 0;
+  PyObject* owned[3] = {nullptr, nullptr, nullptr};  // the launch capsules, kept alive by the configuration
 };
 
 void free_launch(PyObject* capsule) { delete static_cast<Launch*>(PyCapsule_GetPointer(capsule, "csa_launch")); }
-void free_config(PyObject* capsule) { delete static_cast<Config*>(PyCapsule_GetPointer(capsule, "csa_config")); }
+void free_config(PyObject* capsule) {
+  auto* cfg = static_cast<Config*>(PyCapsule_GetPointer(capsule, "csa_config"));
+  for (PyObject* o : cfg->owned) Py_XDECREF(o);
+  delete cfg;
+}
 
 bool as_i64(PyObject* o, int64_t* out) {
   *out = PyLong_AsLongLong(o);
@@ -156,6 +162,15 @@ PyObject* make_config(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     cfg->fwd_wide = launch_of(args[5]);
     cfg->bwd = launch_of(args[7]);
     ok = !PyErr_Occurred();
+  }
+  if (ok) {
+    const int slots[3] = {4, 5, 7};
+    for (int i = 0; i < 3; ++i) {
+      if (args[slots[i]] != Py_None) {
+        Py_INCREF(args[slots[i]]);
+        cfg->owned[i] = args[slots[i]];
+      }
+    }
   }
   if (!ok) {
     delete cfg;
@@ -272,6 +287,7 @@ bool raw_backward(Launch* rec, const std::vector<uint64_t>& ptrs, const std::vec
 
 // forward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, stream) -> out, or None (slow path).
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS  // at::empty may throw (out of memory): a Python exception, not std::terminate
   if (nargs != 8) {
     PyErr_SetString(PyExc_TypeError, "forward takes 8 arguments");
     return nullptr;
@@ -293,11 +309,13 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (!ok) return nullptr;
   }
   return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
 }
 
 // backward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, ws_ptr, ws_numel)
 // -> (grad_kv, grad_score, grad_ape), or None (slow path; also when the slabs ws are too small).
 PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
   if (nargs != 10) {
     PyErr_SetString(PyExc_TypeError, "backward takes 10 arguments");
     return nullptr;
@@ -339,6 +357,7 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyTuple_SET_ITEM(result, 1, THPVariable_Wrap(std::move(gsc)));
   PyTuple_SET_ITEM(result, 2, THPVariable_Wrap(std::move(gape)));
   return result;
+  END_HANDLE_TH_ERRORS
 }
 
 // check(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows) -> bool: the forward's input checks alone
