@@ -57,8 +57,9 @@ class _Op:
         self._module = None
         # Per-call fast path, bound by compile(): the backend's launch function and the scalars it takes.
         self._launch = None
-        # The backend's host fast path for the wrappers (launch.host_path), bound by compile(); None: Python path.
-        self._host = None
+        # The backend's host fast paths for the wrappers (launch.host_path), bound by compile(); None: Python path.
+        # _host_stats: the softmax-statistics variant (long windows).
+        self._host = self._host_stats = None
         self._ratio = self._coff = self._head_dim = 0
         # Long windows: the forward can save softmax statistics that the backward then uses (reference.py).
         self.uses_stats = reference.uses_softmax_stats(ratio, coff) if isinstance(ratio, int) else False
@@ -100,6 +101,10 @@ class _Op:
         host_path = getattr(self._module, "host_path", None)
         if host_path is not None and cfg.device.type == "cuda":
             self._host = host_path(self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
+            if self.uses_stats:
+                self._host_stats = host_path(
+                    f"{self.direction}_stats", cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device
+                )
 
     def _release_samples(self) -> None:
         self._samples = None
@@ -397,10 +402,11 @@ def _pool_forward(
         )
         if key is not None:
             _FWD_FAST[key] = op
-    if not return_stats and stream is None and op._host is not None:
-        out = op._host(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows)
-        if out is not None:
-            return out
+    host = op._host_stats if return_stats else op._host
+    if host is not None and stream is None:
+        result = host(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows)  # out, or (out, softmax_stats)
+        if result is not None:
+            return result
     # Allocated on the current stream; with an explicit `stream`, execute() records the use there.
     out = kv.new_empty((rows, op._head_dim))
     if not return_stats:
@@ -419,8 +425,9 @@ def _pool_backward(
     """The backward wrapper without the TupleDict: returns ``(grad_kv, grad_score, grad_ape)``."""
     key = _fast_key(kv, ratio, coff, head_dim, backend)
     op = _BWD_FAST.get(key) if key is not None else None
-    if op is not None and stats is None and stream is None and op._host is not None:
-        grads = op._host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
+    host = None if op is None else (op._host if stats is None else op._host_stats)
+    if host is not None and stream is None:
+        grads = host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stats)
         if grads is not None:
             return grads
     # The kernel writes every element: uninitialised buffers, one allocation each.

@@ -272,6 +272,33 @@ def test_wrapper_host_path_matches_python_path(case):
     for a, b in zip(fast, slow, strict=True):
         _assert_bitwise(a, b)
     assert_contract(pack, fast[0], fast[1:])
+    if not fop.uses_stats:
+        return
+    # Long windows as autograd runs them: the forward returns the softmax statistics, the backward reads them.
+    stats_hosts = (fop._host_stats, bop._host_stats)
+    assert all(h is not None for h in stats_hosts)
+
+    def both_stats():
+        res = api.csa_compressor_forward_wrapper(*pack.inputs, return_softmax_stats=True, **kw)
+        grads = api.csa_compressor_backward_wrapper(
+            *pack.inputs, pack.grad_out, softmax_stats=res["softmax_stats"], **kw
+        )
+        return (res["out"], res["softmax_stats"], *grads.values())
+
+    both_stats()  # the statistics backward's grid may need more slabs: the first call (Python path) grows them
+    taken.clear()
+    try:
+        fop._host_stats, bop._host_stats = counting(stats_hosts[0]), counting(stats_hosts[1])
+        fast = both_stats()
+        assert taken == [True, True]
+        fop._host_stats = bop._host_stats = None
+        slow = both_stats()
+    finally:
+        fop._host_stats, bop._host_stats = stats_hosts
+    torch.cuda.synchronize()
+    for a, b in zip(fast, slow, strict=True):
+        _assert_bitwise(a, b)
+    assert_contract(pack, fast[0], fast[2:])
 
 
 def test_wrapper_host_path_leaves_errors_to_python():

@@ -95,7 +95,7 @@ def _variants():
 def test_checks_accept_what_python_accepts(name, args, rows):
     ext = _ext()
     cfg = support.Config(RATIO, COFF, D, torch.bfloat16, torch.device("cpu"))
-    capsule = ext.make_config(RATIO, COFF, D, -1, None, None, 1 << 62, None, 0, 1, 1, 0)
+    capsule = ext.make_config(RATIO, COFF, D, -1, None, None, 1 << 62, None, 0, 1, 1, 0, 0)
     try:
         expected = support._inputs_ok(cfg, *args, rows, D)
     except support._PER_CALL_ERRORS:  # the Python recheck treats these as "not ok" too
@@ -106,14 +106,14 @@ def test_checks_accept_what_python_accepts(name, args, rows):
 def test_valid_variant_is_accepted():
     """The parity test above would pass with a check that rejects everything: the common case must be taken."""
     ext = _ext()
-    capsule = ext.make_config(RATIO, COFF, D, -1, None, None, 1 << 62, None, 0, 1, 1, 0)
+    capsule = ext.make_config(RATIO, COFF, D, -1, None, None, 1 << 62, None, 0, 1, 1, 0, 0)
     base = _pack()
     assert ext.check(capsule, *base, int(base[4][-1])) is True
 
 
 def test_forward_without_a_launch_record_takes_the_python_path():
     ext = _ext()
-    capsule = ext.make_config(RATIO, COFF, D, -1, None, None, 1 << 62, None, 0, 1, 1, 0)
+    capsule = ext.make_config(RATIO, COFF, D, -1, None, None, 1 << 62, None, 0, 1, 1, 0, 0)
     base = _pack()
     assert ext.forward(capsule, *base, int(base[4][-1]), 0) is None
-    assert ext.backward(capsule, *base, torch.zeros(2, D, dtype=torch.bfloat16), 0, 0, 0) is None
+    assert ext.backward(capsule, *base, torch.zeros(2, D, dtype=torch.bfloat16), None, 0, 0, 0) is None

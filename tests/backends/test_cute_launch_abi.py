@@ -18,7 +18,7 @@ if launch.unavailable_reason() is not None:
 
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import BFloat16, Float32, Int32  # noqa: E402
+from cutlass import Int32  # noqa: E402
 
 from csa_compressor.backends.cute import host_ext  # noqa: E402
 
@@ -46,14 +46,30 @@ def _host_bwd(a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, d: cute.Pointer
                 n_seg, n_rows, n_tok, rows_per_cta, num_ctas)  # fmt: skip
 
 
+@cute.jit
+def _host_fwd_st(a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, d: cute.Pointer, e: cute.Pointer,
+                 f: cute.Pointer, g: cute.Pointer, n_seg: Int32, n_rows: Int32, stream: cuda.CUstream):  # fmt: skip
+    cute.printf("ABI {} {} {} {} {} {} {} | {} {}", a.toint(), b.toint(), c.toint(), d.toint(), e.toint(), f.toint(),
+                g.toint(), n_seg, n_rows)  # fmt: skip
+
+
+@cute.jit
+def _host_bwd_st(a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, d: cute.Pointer, e: cute.Pointer, f: cute.Pointer,
+                 g: cute.Pointer, h: cute.Pointer, i: cute.Pointer, j: cute.Pointer, k: cute.Pointer,
+                 n_seg: Int32, n_rows: Int32, n_tok: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
+    cute.printf("ABI {} {} {} {} {} {} {} {} {} {} {} | {} {} {} {} {}", a.toint(), b.toint(), c.toint(), d.toint(),
+                e.toint(), f.toint(), g.toint(), h.toint(), i.toint(), j.toint(), k.toint(),
+                n_seg, n_rows, n_tok, rows_per_cta, num_ctas)  # fmt: skip
+
+
+_HOSTS = {"forward": _host_fwd, "backward": _host_bwd, "forward_stats": _host_fwd_st, "backward_stats": _host_bwd_st}
+
+
 def _compile(direction):
-    if direction == "forward":
-        dts, n_int, host = (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16), 2, _host_fwd
-    else:
-        dts = (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, BFloat16, BFloat16, Float32, Float32)
-        n_int, host = 5, _host_bwd
-    args = [launch._fake_ptr(t) for t in dts] + [Int32(1)] * n_int
-    return cute.compile(host, *args, cuda.CUstream(0))
+    """A host-only function with ``direction``'s host-function signature (launch._dtypes, launch._N_INT)."""
+    args = [launch._fake_ptr(t) for t in launch._dtypes(direction)] + [Int32(1)] * launch._N_INT[direction]
+    return cute.compile(_HOSTS[direction], *args, cuda.CUstream(0))
 
 
 def _received(capfd) -> list[str]:
@@ -114,25 +130,36 @@ def _ptrs(tensors):
     return " ".join(str(t.data_ptr()) for t in tensors)
 
 
-def test_host_forward_packs_what_the_python_path_packs(capfd):
+@pytest.mark.parametrize("direction", ["forward", "forward_stats"])
+def test_host_forward_packs_what_the_python_path_packs(direction, capfd):
     """The C++ wrapper path end to end on the CPU, through a host-only function that prints its arguments: the
-    inputs' and the freshly allocated output's pointers, B and the row count, in the Python path's slot order."""
+    inputs' and the freshly allocated outputs' pointers (out, then the softmax statistics), B and the row count, in
+    the Python path's slot order."""
+    import torch
+
     ext = host_ext.module()
     if ext is None:
         pytest.skip(f"host extension not built: {host_ext.error()}")
-    launcher = launch._Launcher(_compile("forward"), "forward", 0, _Sch(), 132, 0)
-    cfg = ext.make_config(4, 2, 64, -1, host_ext.make_launch(launcher, 0, "packed"), None, 1 << 62, None, 0, 1, 1, 0)
+    stats = direction == "forward_stats"
+    launcher = launch._Launcher(_compile(direction), direction, 0, _Sch(), 132, 0)
+    record = host_ext.make_launch(launcher, 0, "packed")
+    cfg = ext.make_config(4, 2, 64, -1, record, None, 1 << 62, None, 0, 1, 1, 0, int(stats))
     inputs = _cpu_pack()
     _received(capfd)
-    out = ext.forward(cfg, *inputs, 9, 0)
-    assert out is not None and out.shape == (9, 64) and out.dtype == inputs[0].dtype
-    assert _received(capfd) == [f"ABI {_ptrs((*inputs, out))} | 2 9"]
+    result = ext.forward(cfg, *inputs, 9, 0)
+    outs = result if stats else (result,)
+    assert outs[0].shape == (9, 64) and outs[0].dtype == inputs[0].dtype
+    if stats:
+        assert outs[1].shape == (9, 3, 64) and outs[1].dtype == torch.float32
+    assert _received(capfd) == [f"ABI {_ptrs((*inputs, *outs))} | 2 9"]
     assert ext.forward(cfg, *inputs[:4], inputs[4].long(), 9, 0) is None  # rejected: the Python path runs
 
 
-def test_host_backward_grid_matches_python(capfd):
+@pytest.mark.parametrize("direction", ["backward", "backward_stats"])
+def test_host_backward_grid_matches_python(direction, capfd):
     """The C++ backward path computes the persistent grid as ``launch.backward_grid`` does and packs the gradients
-    it allocates, the slabs pointer and the grid in the Python path's order; too small slabs send it back to Python."""
+    it allocates, the slabs pointer, the softmax statistics (statistics variant) and the grid in the Python path's
+    order; too small slabs, or statistics of the wrong shape, send it back to Python."""
     import types
 
     import torch
@@ -140,20 +167,28 @@ def test_host_backward_grid_matches_python(capfd):
     ext = host_ext.module()
     if ext is None:
         pytest.skip(f"host extension not built: {host_ext.error()}")
-    launcher = launch._Launcher(_compile("backward"), "backward", 0, _Sch(), 132, 0)
+    stats = direction == "backward_stats"
+    launcher = launch._Launcher(_compile(direction), direction, 0, _Sch(), 132, 0)
     record = host_ext.make_launch(launcher, 0, "packed")
     inputs = _cpu_pack()
     grad_out = torch.randn(9, 64).to(torch.bfloat16)
+    st = torch.randn(9, 3, 64) if stats else None
     ws = torch.empty(1 << 16)
     for num_sms, ctas, nchunk, rows_per_step in ((132, 4, 1, 2), (2, 1, 2, 4), (1, 1, 1, 1)):
         fake = types.SimpleNamespace(sch=types.SimpleNamespace(R=rows_per_step), num_sms=num_sms, ctas_per_sm=ctas,
                                      nchunk=nchunk)  # fmt: skip
         rows_per_cta, num_ctas = launch.backward_grid(fake, 9, inputs[2].numel())
         cfg = ext.make_config(4, 2, 64, -1, None, None, 1 << 62, record, num_sms * ctas, nchunk, rows_per_step,
-                              launch.WS_CAP_BYTES)  # fmt: skip
+                              launch.WS_CAP_BYTES, int(stats))  # fmt: skip
         _received(capfd)
-        grads = ext.backward(cfg, *inputs, grad_out, 0, ws.data_ptr(), ws.numel())
+        grads = ext.backward(cfg, *inputs, grad_out, st, 0, ws.data_ptr(), ws.numel())
         assert grads is not None and [g.shape for g in grads] == [t.shape for t in inputs[:3]]
-        ptrs = _ptrs((*inputs, grad_out, *grads)) + f" {ws.data_ptr()}"
+        ptrs = _ptrs((*inputs, grad_out, *grads)) + f" {ws.data_ptr()}" + (f" {st.data_ptr()}" if stats else "")
         assert _received(capfd) == [f"ABI {ptrs} | 2 9 37 {rows_per_cta} {num_ctas}"]
-        assert ext.backward(cfg, *inputs, grad_out, 0, ws.data_ptr(), num_ctas * inputs[2].numel() - 1) is None
+        assert ext.backward(cfg, *inputs, grad_out, st, 0, ws.data_ptr(), num_ctas * inputs[2].numel() - 1) is None
+    if stats:
+        assert ext.backward(cfg, *inputs, grad_out, None, 0, ws.data_ptr(), ws.numel()) is None
+        assert ext.backward(cfg, *inputs, grad_out, st[:, :2], 0, ws.data_ptr(), ws.numel()) is None
+        assert ext.backward(cfg, *inputs, grad_out, st.double(), 0, ws.data_ptr(), ws.numel()) is None
+    else:
+        assert ext.backward(cfg, *inputs, grad_out, torch.randn(9, 3, 64), 0, ws.data_ptr(), ws.numel()) is None

@@ -70,6 +70,7 @@ struct Config {
   int64_t wide_rows = INT64_MAX;
   Launch* bwd = nullptr;
   int64_t capacity = 0, nchunk = 1, rows_per_step = 1, ws_cap_bytes = 0;
+  bool stats = false;  // the softmax-statistics variants: the forward also returns them, the backward reads them
   PyObject* owned[3] = {nullptr, nullptr, nullptr};  // the launch capsules, kept alive by the configuration
 };
 
@@ -146,17 +147,19 @@ Launch* launch_of(PyObject* o) {
 }
 
 // make_config(ratio, coff, head_dim, device, fwd, fwd_wide, wide_rows, bwd, capacity, nchunk, rows_per_step,
-// ws_cap_bytes) -> capsule; fwd / fwd_wide / bwd: launch capsules or None.
+// ws_cap_bytes, stats) -> capsule; fwd / fwd_wide / bwd: launch capsules or None; stats: 0 or 1.
 PyObject* make_config(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 12) {
-    PyErr_SetString(PyExc_TypeError, "make_config takes 12 arguments");
+  if (nargs != 13) {
+    PyErr_SetString(PyExc_TypeError, "make_config takes 13 arguments");
     return nullptr;
   }
   auto* cfg = new Config();
+  int64_t stats = 0;
   bool ok = as_i64(args[0], &cfg->ratio) && as_i64(args[1], &cfg->coff) && as_i64(args[2], &cfg->head_dim) &&
             as_i64(args[3], &cfg->device) && as_i64(args[6], &cfg->wide_rows) && as_i64(args[8], &cfg->capacity) &&
             as_i64(args[9], &cfg->nchunk) && as_i64(args[10], &cfg->rows_per_step) &&
-            as_i64(args[11], &cfg->ws_cap_bytes);
+            as_i64(args[11], &cfg->ws_cap_bytes) && as_i64(args[12], &stats);
+  cfg->stats = stats != 0;
   if (ok) {
     cfg->fwd = launch_of(args[4]);
     cfg->fwd_wide = launch_of(args[5]);
@@ -285,7 +288,8 @@ bool raw_backward(Launch* rec, const std::vector<uint64_t>& ptrs, const std::vec
   return raw_launch(r, static_cast<unsigned>(rec->reduce_grid), 1, stream);
 }
 
-// forward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, stream) -> out, or None (slow path).
+// forward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, stream) -> out (statistics configurations:
+// (out, softmax_stats)), or None (slow path).
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS  // at::empty may throw (out of memory): a Python exception, not std::terminate
   if (nargs != 8) {
@@ -300,30 +304,42 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!kv || !score || !ape || !cu || !cuc || cfg->fwd == nullptr || rows < 0 ||
       !inputs_ok(*cfg, *kv, *score, *ape, *cu, *cuc, rows))
     Py_RETURN_NONE;
+  Launch* rec = (rows >= cfg->wide_rows && cfg->fwd_wide != nullptr) ? cfg->fwd_wide : cfg->fwd;
+  if (cfg->stats && rec->raw) Py_RETURN_NONE;  // raw records carry the plain kernels' parameter lists only
   at::Tensor out = at::empty({rows, cfg->head_dim}, kv->options());
+  at::Tensor st;
+  if (cfg->stats) st = at::empty({rows, 3, cfg->head_dim}, kv->options().dtype(at::kFloat));
   if (rows > 0) {
-    Launch* rec = (rows >= cfg->wide_rows && cfg->fwd_wide != nullptr) ? cfg->fwd_wide : cfg->fwd;
-    const std::vector<uint64_t> ptrs{ptr_of(*kv), ptr_of(*score), ptr_of(*ape), ptr_of(*cu), ptr_of(*cuc), ptr_of(out)};
+    std::vector<uint64_t> ptrs{ptr_of(*kv), ptr_of(*score), ptr_of(*ape), ptr_of(*cu), ptr_of(*cuc), ptr_of(out)};
+    if (cfg->stats) ptrs.push_back(ptr_of(st));
     const bool ok = rec->raw ? raw_forward(rec, ptrs, cu->size(0) - 1, rows, stream)
                              : call(rec, ptrs, {cu->size(0) - 1, rows}, stream);
     if (!ok) return nullptr;
   }
-  return THPVariable_Wrap(std::move(out));
+  if (!cfg->stats) return THPVariable_Wrap(std::move(out));
+  PyObject* result = PyTuple_New(2);
+  if (result == nullptr) return nullptr;
+  PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::move(out)));
+  PyTuple_SET_ITEM(result, 1, THPVariable_Wrap(std::move(st)));
+  return result;
   END_HANDLE_TH_ERRORS
 }
 
-// backward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, ws_ptr, ws_numel)
-// -> (grad_kv, grad_score, grad_ape), or None (slow path; also when the slabs ws are too small).
+// backward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats, stream, ws_ptr, ws_numel)
+// -> (grad_kv, grad_score, grad_ape), or None (slow path; also when the slabs ws are too small). softmax_stats: the
+// forward's statistics for statistics configurations, else None.
 PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 10) {
-    PyErr_SetString(PyExc_TypeError, "backward takes 10 arguments");
+  if (nargs != 11) {
+    PyErr_SetString(PyExc_TypeError, "backward takes 11 arguments");
     return nullptr;
   }
   auto* cfg = static_cast<Config*>(PyCapsule_GetPointer(args[0], "csa_config"));
   int64_t stream, ws_ptr, ws_numel;
-  if (cfg == nullptr || !as_i64(args[7], &stream) || !as_i64(args[8], &ws_ptr) || !as_i64(args[9], &ws_numel))
+  if (cfg == nullptr || !as_i64(args[8], &stream) || !as_i64(args[9], &ws_ptr) || !as_i64(args[10], &ws_numel))
     return nullptr;
+  const at::Tensor* st = tensor_of(args[7]);
+  if (cfg->stats != (st != nullptr) || (cfg->stats && cfg->bwd != nullptr && cfg->bwd->raw)) Py_RETURN_NONE;
   const at::Tensor *kv = tensor_of(args[1]), *score = tensor_of(args[2]), *ape = tensor_of(args[3]);
   const at::Tensor *cu = tensor_of(args[4]), *cuc = tensor_of(args[5]), *gout = tensor_of(args[6]);
   if (!kv || !score || !ape || !cu || !cuc || !gout || cfg->bwd == nullptr || gout->dim() != 2 ||
@@ -332,6 +348,11 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
   const int64_t n = gout->size(0);
   if (n == 0 || !inputs_ok(*cfg, *kv, *score, *ape, *cu, *cuc, n)) Py_RETURN_NONE;
+  // support.stats_ok: (rows, 3, head_dim) float32, contiguous, 16-byte aligned, on the device.
+  if (st != nullptr && (st->dim() != 3 || st->size(0) != n || st->size(1) != 3 || st->size(2) != cfg->head_dim ||
+                        st->scalar_type() != at::kFloat || !st->is_contiguous() || !aligned(*st, 16) ||
+                        !on_device(*st, *cfg)))
+    Py_RETURN_NONE;
   // launch.backward_grid: fill the resident CTA slots once, with at most ws_cap_bytes of slabs.
   const int64_t ape_numel = ape->numel();
   const int64_t row_blocks = (n + cfg->rows_per_step - 1) / cfg->rows_per_step;
@@ -345,9 +366,10 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   at::Tensor gkv = at::empty(kv->sizes(), kv->options());
   at::Tensor gsc = at::empty(score->sizes(), score->options());
   at::Tensor gape = at::empty(ape->sizes(), ape->options());
-  const std::vector<uint64_t> ptrs{ptr_of(*kv),  ptr_of(*score), ptr_of(*ape),  ptr_of(*cu),
-                                   ptr_of(*cuc), ptr_of(*gout),  ptr_of(gkv),   ptr_of(gsc),
-                                   ptr_of(gape), static_cast<uint64_t>(ws_ptr)};
+  std::vector<uint64_t> ptrs{ptr_of(*kv),  ptr_of(*score), ptr_of(*ape),  ptr_of(*cu),
+                             ptr_of(*cuc), ptr_of(*gout),  ptr_of(gkv),   ptr_of(gsc),
+                             ptr_of(gape), static_cast<uint64_t>(ws_ptr)};
+  if (st != nullptr) ptrs.push_back(ptr_of(*st));
   const std::vector<int64_t> ints{cu->size(0) - 1, n, kv->size(0), rows_per_cta, num_ctas};
   if (!(cfg->bwd->raw ? raw_backward(cfg->bwd, ptrs, ints, stream) : call(cfg->bwd, ptrs, ints, stream)))
     return nullptr;

@@ -57,7 +57,8 @@ def make_launch(launcher, device_index: int, mode: str | None = None):
     ext = module()
     if ext is None:
         return None
-    if (mode or LAUNCH_MODE) == "raw":
+    # Raw records know the plain kernels' parameter lists; the statistics variants always use the packed call.
+    if (mode or LAUNCH_MODE) == "raw" and not launcher.direction.endswith("_stats"):
         try:
             kernels = launcher._load_raw(device_index, launcher.smem_bytes)
         except Exception:  # pragma: no cover - artifacts missing: the packed call below

@@ -486,13 +486,14 @@ def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
 def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device, mode=None):
     """The C++ host fast path of the wrappers for one compiled configuration (``host_ext``), or None.
 
-    ``forward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows) -> out`` (allocated);
-    ``backward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out) -> (grad_kv, grad_score, grad_ape)``.
-    Either returns None where the Python path must run instead: other than the current device, an argument the
-    C++ checks do not accept, and for the backward CUDA-graph capture or a stream without (large enough) slabs yet.
-    Explicit streams and softmax statistics always take the Python path. ``mode``: ``host_ext.LAUNCH_MODE`` by default.
+    ``forward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows) -> out`` (allocated); ``forward_stats``:
+    the same, returning ``(out, softmax_stats)``; ``backward`` / ``backward_stats``:
+    ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None) -> (grad_kv, grad_score,
+    grad_ape)``. Each returns None where the Python path must run instead: other than the current device, an
+    argument the C++ checks do not accept, and for the backward CUDA-graph capture or a stream without (large
+    enough) slabs yet. Explicit streams always take the Python path. ``mode``: ``host_ext.LAUNCH_MODE`` by default.
     """
-    if direction not in ("forward", "backward") or device.type != "cuda" or _RAW_STREAM is None:
+    if direction not in _N_PTR or device.type != "cuda" or _RAW_STREAM is None:
         return None
     from . import host_ext
 
@@ -504,9 +505,10 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
     record = host_ext.make_launch(launcher, index, mode)
     if record is None:
         return None
-    if direction == "forward":
+    stats = int(direction.endswith("_stats"))
+    if direction.startswith("forward"):
         wide = host_ext.make_launch(launcher.wide, index, mode) if launcher.wide is not None else None
-        cfg = ext.make_config(ratio, coff, head_dim, index, record, wide, launcher.wide_rows, None, 0, 1, 1, 0)
+        cfg = ext.make_config(ratio, coff, head_dim, index, record, wide, launcher.wide_rows, None, 0, 1, 1, 0, stats)
         call = ext.forward
 
         def run_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows):
@@ -518,10 +520,10 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
         return run_forward
     capacity = launcher.num_sms * launcher.ctas_per_sm
     cfg = ext.make_config(ratio, coff, head_dim, index, None, None, 1 << 62, record, capacity, launcher.nchunk,
-                          launcher.sch.R, WS_CAP_BYTES)  # fmt: skip
+                          launcher.sch.R, WS_CAP_BYTES, stats)  # fmt: skip
     call = ext.backward
 
-    def run_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out):
+    def run_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None):
         if _GET_DEVICE() != index or _IS_CAPTURING():
             return None
         handle = _RAW_STREAM(index)
@@ -529,7 +531,8 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
         if scratch is None:
             return None  # the stream's first backward call (Python path) makes its slabs
         with scratch.lock:
-            return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, handle, scratch.ptr, scratch.numel)
+            return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats, handle,
+                        scratch.ptr, scratch.numel)  # fmt: skip
 
     run_backward.keep = (launcher, record)
     return run_backward
