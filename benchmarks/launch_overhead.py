@@ -23,9 +23,9 @@ Layers: ``bare`` (the backend's ``forward``/``backward`` on preallocated buffers
 grad), ``autograd fwd+bwd`` (the same plus ``torch.autograd.grad``).
 
 One switch of the cute wrappers on against off, alternated in one process (GPU): the backward's per-stream slab
-scratch (``launch.CACHE_SLABS``), the C++ host fast path (``host_ext``), or its cuLaunchKernel launch::
+scratch (``launch.CACHE_SLABS``) or the C++ host fast path (``host_ext``)::
 
-    python3 benchmarks/launch_overhead.py --ab slab-cache|host-ext|host-raw [--rounds 8] [--out FILE.json]
+    python3 benchmarks/launch_overhead.py --ab slab-cache|host-ext [--rounds 8] [--out FILE.json]
 
 CPU mock (no GPU needed; the backend launch is replaced by a no-op, so only the Python layers are
 timed, best of ``--repeat`` rounds of ``--number`` calls)::
@@ -241,8 +241,7 @@ def toggle_ab(opts) -> dict:
     """One switch of the cute wrappers on against off, alternated in one process (``--rounds`` rounds of ``--calls``
     calls per side), so that host drift hits both sides alike. ``--ab slab-cache``: the backward's per-stream slab
     scratch (``launch.CACHE_SLABS``; off also turns the C++ backward path off); ``--ab host-ext``: the C++ host fast
-    path of both wrappers (the ops' ``_host``); ``--ab host-raw``: that path launching with cuLaunchKernel ("on")
-    against the DSL host function ("off")."""
+    path of both wrappers (the ops' ``_host``)."""
     from csa_compressor import api
     from csa_compressor.backends.cute import launch as cute_launch
 
@@ -259,19 +258,9 @@ def toggle_ab(opts) -> dict:
             ops = [op for op in (*api._FWD_FAST.values(), *api._BWD_FAST.values()) if op.backend == "cute"]
             saved = [op._host for op in ops]
 
-            raw = []
-            if opts.ab == "host-raw":  # the same ops bound to raw-launch records
-                for op in ops:
-                    c = op.config
-                    raw.append(cute_launch.host_path(op.direction, c.ratio, c.coff, c.head_dim, c.dtype, c.device,
-                                                     "raw"))  # fmt: skip
-
-            def switch(on: bool, ops=ops, saved=saved, raw=raw) -> None:
+            def switch(on: bool, ops=ops, saved=saved) -> None:
                 if opts.ab == "slab-cache":
                     cute_launch.CACHE_SLABS = on
-                elif opts.ab == "host-raw":
-                    for op, packed, direct in zip(ops, saved, raw, strict=True):
-                        op._host = direct if on else packed
                 else:
                     for op, host in zip(ops, saved, strict=True):
                         op._host = host if on else None
@@ -356,9 +345,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=200, help="GPU: timed calls per layer and mode")
     parser.add_argument("--backends", help="GPU: comma-separated subset of the GPU backends")
     parser.add_argument("--budget-s", type=float, default=75.0, help="GPU: start no new case after this many seconds")
-    parser.add_argument(
-        "--ab", choices=("slab-cache", "host-ext", "host-raw"), help="GPU: one cute switch on vs off, alternated"
-    )
+    parser.add_argument("--ab", choices=("slab-cache", "host-ext"), help="GPU: one cute switch on vs off, alternated")
     parser.add_argument("--rounds", type=int, default=8, help="--ab: alternating rounds")
     parser.add_argument("--number", type=int, default=2000, help="CPU mock: calls per round")
     parser.add_argument("--repeat", type=int, default=7, help="CPU mock: rounds (the best is kept)")

@@ -243,7 +243,34 @@ def test_wrapper_host_path_matches_python_path(case):
     pack = make_pack(seqlens, d, ratio, coff, token_padding=tpad, comp_padding=cpad, device="cuda", seed=21)
     kw = dict(ratio=ratio, coff=coff, total_comp=pack.total_comp, backend="cute")
     fop, bop = _host_ops(pack, kw)
-    hosts = (fop._host, bop._host)
+
+    def both():
+        out = api.csa_compressor_forward_wrapper(*pack.inputs, **kw)["out"]
+        grads = api.csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+        return (out, *grads.values())
+
+    fast = _host_against_python(fop, bop, "_host", both)
+    assert_contract(pack, fast[0], fast[1:])
+    if not fop.uses_stats:
+        return
+
+    # Long windows as autograd runs them: the forward returns the softmax statistics, the backward reads them.
+    def both_stats():
+        res = api.csa_compressor_forward_wrapper(*pack.inputs, return_softmax_stats=True, **kw)
+        grads = api.csa_compressor_backward_wrapper(
+            *pack.inputs, pack.grad_out, softmax_stats=res["softmax_stats"], **kw
+        )
+        return (res["out"], res["softmax_stats"], *grads.values())
+
+    both_stats()  # the statistics backward's grid may need more slabs: the first call (Python path) grows them
+    fast = _host_against_python(fop, bop, "_host_stats", both_stats)
+    assert_contract(pack, fast[0], fast[2:])
+
+
+def _host_against_python(fop, bop, attr: str, both):
+    """``both()`` (a forward and a backward wrapper call) with the ops' C++ host paths ``attr``, which must take
+    both calls, and then with the Python path: bitwise the same results. Returns the host path's."""
+    hosts = (getattr(fop, attr), getattr(bop, attr))
     assert all(h is not None for h in hosts)
     taken = []
 
@@ -255,50 +282,21 @@ def test_wrapper_host_path_matches_python_path(case):
 
         return run
 
-    def both():
-        out = api.csa_compressor_forward_wrapper(*pack.inputs, **kw)["out"]
-        grads = api.csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
-        return (out, *grads.values())
-
     try:
-        fop._host, bop._host = counting(hosts[0]), counting(hosts[1])
+        setattr(fop, attr, counting(hosts[0]))
+        setattr(bop, attr, counting(hosts[1]))
         fast = both()
         assert taken == [True, True]
-        fop._host = bop._host = None
+        setattr(fop, attr, None)
+        setattr(bop, attr, None)
         slow = both()
     finally:
-        fop._host, bop._host = hosts
+        setattr(fop, attr, hosts[0])
+        setattr(bop, attr, hosts[1])
     torch.cuda.synchronize()
     for a, b in zip(fast, slow, strict=True):
         _assert_bitwise(a, b)
-    assert_contract(pack, fast[0], fast[1:])
-    if not fop.uses_stats:
-        return
-    # Long windows as autograd runs them: the forward returns the softmax statistics, the backward reads them.
-    stats_hosts = (fop._host_stats, bop._host_stats)
-    assert all(h is not None for h in stats_hosts)
-
-    def both_stats():
-        res = api.csa_compressor_forward_wrapper(*pack.inputs, return_softmax_stats=True, **kw)
-        grads = api.csa_compressor_backward_wrapper(
-            *pack.inputs, pack.grad_out, softmax_stats=res["softmax_stats"], **kw
-        )
-        return (res["out"], res["softmax_stats"], *grads.values())
-
-    both_stats()  # the statistics backward's grid may need more slabs: the first call (Python path) grows them
-    taken.clear()
-    try:
-        fop._host_stats, bop._host_stats = counting(stats_hosts[0]), counting(stats_hosts[1])
-        fast = both_stats()
-        assert taken == [True, True]
-        fop._host_stats = bop._host_stats = None
-        slow = both_stats()
-    finally:
-        fop._host_stats, bop._host_stats = stats_hosts
-    torch.cuda.synchronize()
-    for a, b in zip(fast, slow, strict=True):
-        _assert_bitwise(a, b)
-    assert_contract(pack, fast[0], fast[2:])
+    return fast
 
 
 def test_wrapper_host_path_leaves_errors_to_python():

@@ -90,7 +90,7 @@ def test_packed_call_slot_layout(direction, capfd):
     launcher.launch((*ptrs, *ints, 0))  # fast path
     launcher(ptrs, ints, 0)  # compatibility entry
     calls = 2
-    record = host_ext.make_launch(launcher, 0, "packed") if host_ext.module() is not None else None
+    record = host_ext.make_launch(launcher) if host_ext.module() is not None else None
     if record is not None:  # the C++ host fast path's own slots and packed array
         host_ext.module().call(record, ptrs, ints, 0)
         calls += 1
@@ -126,6 +126,16 @@ def _cpu_pack():
     return kv, score, ape, cu, cuc
 
 
+def _host_record(direction):
+    """(extension, launch record, launcher) over the printing host function of ``direction`` (the launcher owns
+    the compiled function the record calls into, so the caller keeps it)."""
+    ext = host_ext.module()
+    if ext is None:
+        pytest.skip(f"host extension not built: {host_ext.error()}")
+    launcher = launch._Launcher(_compile(direction), direction, 0, _Sch(), 132, 0)
+    return ext, host_ext.make_launch(launcher), launcher
+
+
 def _ptrs(tensors):
     return " ".join(str(t.data_ptr()) for t in tensors)
 
@@ -137,12 +147,8 @@ def test_host_forward_packs_what_the_python_path_packs(direction, capfd):
     the Python path's slot order."""
     import torch
 
-    ext = host_ext.module()
-    if ext is None:
-        pytest.skip(f"host extension not built: {host_ext.error()}")
+    ext, record, _keep = _host_record(direction)  # _keep: the launcher owning the function the record calls
     stats = direction == "forward_stats"
-    launcher = launch._Launcher(_compile(direction), direction, 0, _Sch(), 132, 0)
-    record = host_ext.make_launch(launcher, 0, "packed")
     cfg = ext.make_config(4, 2, 64, -1, record, None, 1 << 62, None, 0, 1, 1, 0, int(stats))
     inputs = _cpu_pack()
     _received(capfd)
@@ -164,12 +170,8 @@ def test_host_backward_grid_matches_python(direction, capfd):
 
     import torch
 
-    ext = host_ext.module()
-    if ext is None:
-        pytest.skip(f"host extension not built: {host_ext.error()}")
+    ext, record, _keep = _host_record(direction)  # _keep: the launcher owning the function the record calls
     stats = direction == "backward_stats"
-    launcher = launch._Launcher(_compile(direction), direction, 0, _Sch(), 132, 0)
-    record = host_ext.make_launch(launcher, 0, "packed")
     inputs = _cpu_pack()
     grad_out = torch.randn(9, 64).to(torch.bfloat16)
     st = torch.randn(9, 3, 64) if stats else None

@@ -6,10 +6,8 @@
 //
 // A Launch record owns its own argument slots, packed argument array and CUDA-result cell (the Python
 // _Launcher has its own): the DSL host function reads its arguments through `packed` (slot addresses, then
-// the result cell, then the kernel handles) and writes its launch status into the cell. A "raw" record
-// instead launches the same kernels (loaded from the same cubin) with cuLaunchKernel, skipping the CUDA
-// runtime that the DSL links into its host function. The GIL is held for the whole call, so two Python
-// threads never share a record's slots.
+// the result cell, then the kernel handles) and writes its launch status into the cell. The GIL is held for
+// the whole call, so two Python threads never share a record's slots.
 
 #include <Python.h>
 
@@ -17,8 +15,6 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -28,38 +24,14 @@
 namespace {
 
 using HostFn = void (*)(void**);
-// CUresult cuLaunchKernel(CUfunction, grid xyz, block xyz, shared bytes, CUstream, void** params, void** extra)
-using CuLaunch = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
-                         void**);
 constexpr int64_t kInt32Limit = int64_t(1) << 31;
 
-struct RawKernel {
-  void* fn = nullptr;  // CUfunction in the device's primary context
-  unsigned block = 0, smem = 0;
-  std::vector<uint64_t> slots;  // one 8-byte slot per kernel parameter (Int32: the low 4 bytes)
-  std::vector<void*> params;
-};
-
-// Either the DSL-compiled host function (packed call) or, "raw", the kernels themselves through cuLaunchKernel
-// with the grids the host function would compute.
 struct Launch {
   HostFn fn = nullptr;
   std::vector<uint64_t> slots;
   std::vector<void*> packed;
   int32_t result = 0;
-  bool raw = false;
-  RawKernel kernel[2];  // main; the backward's grad_ape reduction
-  int64_t rows_per_block = 1, nchunk = 1, reduce_grid = 0;
-  bool chunk_major = false;
 };
-
-CuLaunch cu_launch() {
-  static CuLaunch fn = [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    return lib ? reinterpret_cast<CuLaunch>(dlsym(lib, "cuLaunchKernel")) : nullptr;
-  }();
-  return fn;
-}
 
 // One compiled configuration on one device: the forward's default and register-capped ("wide") builds and the
 // backward, with what the backward's persistent grid needs (launch.backward_grid).
@@ -103,42 +75,6 @@ PyObject* make_launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   for (int64_t i = 0; i < n_slots; ++i) rec->packed[i] = &rec->slots[i];
   for (int64_t i = 0; i < n_extra; ++i) rec->packed[n_slots + i] = src[n_slots + i];
   if (has_result) rec->packed[n_slots] = &rec->result;
-  return PyCapsule_New(rec, "csa_launch", free_launch);
-}
-
-void init_kernel(RawKernel& k, int64_t fn, int64_t block, int64_t smem, size_t n_params) {
-  k.fn = reinterpret_cast<void*>(fn);
-  k.block = static_cast<unsigned>(block);
-  k.smem = static_cast<unsigned>(smem);
-  k.slots.assign(n_params, 0);
-  k.params.resize(n_params);
-  for (size_t i = 0; i < n_params; ++i) k.params[i] = &k.slots[i];
-}
-
-// make_raw_launch(backward, main_fn, main_block, main_smem, reduce_fn, reduce_block, reduce_smem, rows_per_block,
-// nchunk, chunk_major, reduce_grid) -> capsule. Forward kernel parameters: 6 pointers, B, N; backward main:
-// kv, score, ape, cu, cuc, grad_out, grad_kv, grad_score, ws, B, N, T, rows_per_cta; reduction: ws, grad_ape, num_ctas.
-PyObject* make_raw_launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[11];
-  if (nargs != 11) {
-    PyErr_SetString(PyExc_TypeError, "make_raw_launch takes 11 ints");
-    return nullptr;
-  }
-  for (int i = 0; i < 11; ++i)
-    if (!as_i64(args[i], &v[i])) return nullptr;
-  if (cu_launch() == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "cuLaunchKernel not found in libcuda.so.1");
-    return nullptr;
-  }
-  auto* rec = new Launch();
-  rec->raw = true;
-  const bool backward = v[0] != 0;
-  init_kernel(rec->kernel[0], v[1], v[2], v[3], backward ? 13 : 8);
-  if (backward) init_kernel(rec->kernel[1], v[4], v[5], v[6], 3);
-  rec->rows_per_block = v[7];
-  rec->nchunk = v[8];
-  rec->chunk_major = v[9] != 0;
-  rec->reduce_grid = v[10];
   return PyCapsule_New(rec, "csa_launch", free_launch);
 }
 
@@ -244,49 +180,6 @@ bool call(Launch* rec, const std::vector<uint64_t>& ptrs, const std::vector<int6
 
 uint64_t ptr_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
-void set_int(RawKernel& k, size_t i, int64_t v) {
-  const int32_t v32 = static_cast<int32_t>(v);
-  uint64_t slot = 0;
-  std::memcpy(&slot, &v32, sizeof(v32));
-  k.slots[i] = slot;
-}
-
-bool raw_launch(RawKernel& k, unsigned gx, unsigned gy, int64_t stream) {
-  const int err = cu_launch()(k.fn, gx, gy, 1, k.block, 1, 1, k.smem, reinterpret_cast<void*>(stream),
-                              k.params.data(), nullptr);
-  if (err != 0) {
-    PyErr_Format(PyExc_RuntimeError, "cute backend: cuLaunchKernel failed with CUDA error %d", err);
-    return false;
-  }
-  return true;
-}
-
-// The forward kernel on the raw path: grid as the host function computes it (launch.py: _Launcher.__call__).
-bool raw_forward(Launch* rec, const std::vector<uint64_t>& ptrs, int64_t segments, int64_t rows, int64_t stream) {
-  RawKernel& k = rec->kernel[0];
-  for (size_t i = 0; i < 6; ++i) k.slots[i] = ptrs[i];
-  set_int(k, 6, segments);
-  set_int(k, 7, rows);
-  const int64_t blocks = (rows + rec->rows_per_block - 1) / rec->rows_per_block;
-  if (rec->chunk_major) return raw_launch(k, static_cast<unsigned>(blocks * rec->nchunk), 1, stream);
-  return raw_launch(k, static_cast<unsigned>(blocks), static_cast<unsigned>(rec->nchunk), stream);
-}
-
-// The backward's two kernels on the raw path. ptrs: kv, score, ape, cu, cuc, grad_out, grad_kv, grad_score,
-// grad_ape, ws.
-bool raw_backward(Launch* rec, const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, int64_t stream) {
-  RawKernel& k = rec->kernel[0];
-  for (size_t i = 0; i < 8; ++i) k.slots[i] = ptrs[i];
-  k.slots[8] = ptrs[9];
-  for (size_t i = 0; i < 4; ++i) set_int(k, 9 + i, ints[i]);  // B, N, T, rows_per_cta
-  const int64_t num_ctas = ints[4];
-  if (!raw_launch(k, static_cast<unsigned>(num_ctas), static_cast<unsigned>(rec->nchunk), stream)) return false;
-  RawKernel& r = rec->kernel[1];
-  r.slots[0] = ptrs[9];
-  r.slots[1] = ptrs[8];
-  set_int(r, 2, num_ctas);
-  return raw_launch(r, static_cast<unsigned>(rec->reduce_grid), 1, stream);
-}
 
 // forward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, stream) -> out (statistics configurations:
 // (out, softmax_stats)), or None (slow path).
@@ -305,16 +198,13 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !inputs_ok(*cfg, *kv, *score, *ape, *cu, *cuc, rows))
     Py_RETURN_NONE;
   Launch* rec = (rows >= cfg->wide_rows && cfg->fwd_wide != nullptr) ? cfg->fwd_wide : cfg->fwd;
-  if (cfg->stats && rec->raw) Py_RETURN_NONE;  // raw records carry the plain kernels' parameter lists only
   at::Tensor out = at::empty({rows, cfg->head_dim}, kv->options());
   at::Tensor st;
   if (cfg->stats) st = at::empty({rows, 3, cfg->head_dim}, kv->options().dtype(at::kFloat));
   if (rows > 0) {
     std::vector<uint64_t> ptrs{ptr_of(*kv), ptr_of(*score), ptr_of(*ape), ptr_of(*cu), ptr_of(*cuc), ptr_of(out)};
     if (cfg->stats) ptrs.push_back(ptr_of(st));
-    const bool ok = rec->raw ? raw_forward(rec, ptrs, cu->size(0) - 1, rows, stream)
-                             : call(rec, ptrs, {cu->size(0) - 1, rows}, stream);
-    if (!ok) return nullptr;
+    if (!call(rec, ptrs, {cu->size(0) - 1, rows}, stream)) return nullptr;
   }
   if (!cfg->stats) return THPVariable_Wrap(std::move(out));
   PyObject* result = PyTuple_New(2);
@@ -339,7 +229,7 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (cfg == nullptr || !as_i64(args[8], &stream) || !as_i64(args[9], &ws_ptr) || !as_i64(args[10], &ws_numel))
     return nullptr;
   const at::Tensor* st = tensor_of(args[7]);
-  if (cfg->stats != (st != nullptr) || (cfg->stats && cfg->bwd != nullptr && cfg->bwd->raw)) Py_RETURN_NONE;
+  if (cfg->stats != (st != nullptr)) Py_RETURN_NONE;
   const at::Tensor *kv = tensor_of(args[1]), *score = tensor_of(args[2]), *ape = tensor_of(args[3]);
   const at::Tensor *cu = tensor_of(args[4]), *cuc = tensor_of(args[5]), *gout = tensor_of(args[6]);
   if (!kv || !score || !ape || !cu || !cuc || !gout || cfg->bwd == nullptr || gout->dim() != 2 ||
@@ -370,9 +260,7 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                              ptr_of(*cuc), ptr_of(*gout),  ptr_of(gkv),   ptr_of(gsc),
                              ptr_of(gape), static_cast<uint64_t>(ws_ptr)};
   if (st != nullptr) ptrs.push_back(ptr_of(*st));
-  const std::vector<int64_t> ints{cu->size(0) - 1, n, kv->size(0), rows_per_cta, num_ctas};
-  if (!(cfg->bwd->raw ? raw_backward(cfg->bwd, ptrs, ints, stream) : call(cfg->bwd, ptrs, ints, stream)))
-    return nullptr;
+  if (!call(cfg->bwd, ptrs, {cu->size(0) - 1, n, kv->size(0), rows_per_cta, num_ctas}, stream)) return nullptr;
   PyObject* result = PyTuple_New(3);
   if (result == nullptr) return nullptr;
   PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::move(gkv)));
@@ -407,10 +295,6 @@ PyObject* call_packed(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Launch* rec = launch_of(args[0]);
   int64_t stream;
   if (rec == nullptr || !as_i64(args[3], &stream)) return nullptr;
-  if (rec->raw) {
-    PyErr_SetString(PyExc_ValueError, "call: a raw launch record has no packed host function");
-    return nullptr;
-  }
   std::vector<uint64_t> ptrs;
   std::vector<int64_t> ints;
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args[1]); ++i) {
@@ -432,8 +316,6 @@ PyObject* call_packed(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 PyMethodDef kMethods[] = {
     {"make_launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(make_launch)), METH_FASTCALL, nullptr},
-    {"make_raw_launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(make_raw_launch)), METH_FASTCALL,
-     nullptr},
     {"make_config", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(make_config)), METH_FASTCALL, nullptr},
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(forward)), METH_FASTCALL, nullptr},
     {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(backward)), METH_FASTCALL, nullptr},

@@ -46,31 +46,10 @@ def error() -> str | None:
     return _STATE.get("error")  # type: ignore[return-value]
 
 
-# How a record launches: "packed" calls the DSL-compiled host function (as the Python fast path does); "raw" loads
-# the same cubin's kernels and calls cuLaunchKernel with the host function's grids, skipping the CUDA runtime that
-# the DSL links into its host function. Read when a configuration is bound (api: compile()).
-LAUNCH_MODE = os.environ.get("CSA_CUTE_HOST_LAUNCH", "packed")
-
-
-def make_launch(launcher, device_index: int, mode: str | None = None):
-    """A launch record for a ``launch._Launcher``, or None (the Python path then runs)."""
+def make_launch(launcher):
+    """A launch record for a ``launch._Launcher`` on the packed (fast) path, or None (the Python path then runs)."""
     ext = module()
-    if ext is None:
-        return None
-    # Raw records know the plain kernels' parameter lists; the statistics variants always use the packed call.
-    if (mode or LAUNCH_MODE) == "raw" and not launcher.direction.endswith("_stats"):
-        try:
-            kernels = launcher._load_raw(device_index, launcher.smem_bytes)
-        except Exception:  # pragma: no cover - artifacts missing: the packed call below
-            kernels = None
-        if kernels:
-            main, red = kernels[0], (kernels[1] if len(kernels) > 1 else None)
-            return ext.make_raw_launch(
-                int(launcher.direction == "backward"), main.fptr, main.block, main.smem,
-                red.fptr if red else 0, red.block if red else 0, red.smem if red else 0,
-                launcher.sch.R, launcher.nchunk, int(launcher.sch.CM), launcher.reduce_grid,
-            )  # fmt: skip
-    if not getattr(launcher, "fast", False):
+    if ext is None or not getattr(launcher, "fast", False):
         return None
     fn = ctypes.cast(launcher.capi, ctypes.c_void_p).value
     n_slots = len(launcher.slots)

@@ -364,7 +364,6 @@ class _Launcher:
             self.fast_error = f"{type(exc).__name__}: {exc}"
         self.raw = None
         self.raw_error: str | None = None
-        self.smem_bytes = smem_bytes
         self.reduce_grid = 0  # backward, raw path: CTAs of the grad_ape reduction (set with the configuration)
         if _MODE == "raw":
             try:
@@ -404,11 +403,6 @@ class _Launcher:
         self.launch = self._launch_fast if self._fast and self._raw is None else self._launch_slow
 
     def _init_raw(self, device_index: int, smem_bytes: int) -> None:
-        self.raw = self._load_raw(device_index, smem_bytes)
-
-    def _load_raw(self, device_index: int, smem_bytes: int) -> list[_RawKernel]:
-        """The main kernel (and the backward's grad_ape reduction) of the compiled cubin, loaded into the device's
-        primary context for ``cuLaunchKernel``."""
         global _CU_INIT
         art = self.compiled.artifacts
         ptx, cubin = art.PTX, art.CUBIN
@@ -436,7 +430,7 @@ class _Launcher:
             if self.direction == "backward":
                 red_smem = REDUCE_WARPS * 32 * 4 * 4 + 64  # the largest reduce_vector (the APE size is set later)
                 kernels.append(_RawKernel(module, red[0], "ppi", REDUCE_WARPS * 32, red_smem, device_index))
-        return kernels
+        self.raw = kernels
 
     def _launch_fast(self, args) -> None:
         """``args``: the host function's arguments in order (pointers, Int32 scalars, stream handle)."""
@@ -483,7 +477,7 @@ def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
         _get_launcher(f"{direction}_stats", ratio, coff, head_dim, dtype, device)
 
 
-def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device, mode=None):
+def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device):
     """The C++ host fast path of the wrappers for one compiled configuration (``host_ext``), or None.
 
     ``forward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows) -> out`` (allocated); ``forward_stats``:
@@ -491,7 +485,7 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
     ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None) -> (grad_kv, grad_score,
     grad_ape)``. Each returns None where the Python path must run instead: other than the current device, an
     argument the C++ checks do not accept, and for the backward CUDA-graph capture or a stream without (large
-    enough) slabs yet. Explicit streams always take the Python path. ``mode``: ``host_ext.LAUNCH_MODE`` by default.
+    enough) slabs yet. Explicit streams always take the Python path.
     """
     if direction not in _N_PTR or device.type != "cuda" or _RAW_STREAM is None:
         return None
@@ -502,12 +496,12 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     launcher = _get_launcher(direction, ratio, coff, head_dim, dtype, device)
-    record = host_ext.make_launch(launcher, index, mode)
+    record = host_ext.make_launch(launcher)
     if record is None:
         return None
     stats = int(direction.endswith("_stats"))
     if direction.startswith("forward"):
-        wide = host_ext.make_launch(launcher.wide, index, mode) if launcher.wide is not None else None
+        wide = host_ext.make_launch(launcher.wide) if launcher.wide is not None else None
         cfg = ext.make_config(ratio, coff, head_dim, index, record, wide, launcher.wide_rows, None, 0, 1, 1, 0, stats)
         call = ext.forward
 
@@ -677,14 +671,14 @@ def backward(
         grad_score.zero_()
         grad_ape.zero_()
         return
+    args = (launcher, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
+            stats, n)  # fmt: skip
     index = device.index
     if index is None or index == _GET_DEVICE():
-        _launch_backward(launcher, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-                         grad_ape, stream, stats, n)  # fmt: skip
+        _launch_backward(*args)
     else:
         with torch.cuda.device(index):
-            _launch_backward(launcher, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-                             grad_ape, stream, stats, n)  # fmt: skip
+            _launch_backward(*args)
 
 
 def _launch_backward(
@@ -706,6 +700,8 @@ def _launch_backward(
         grad_ape.data_ptr(),
     )
     tail = (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas, handle)
+    if stats is not None:
+        tail = (stats.data_ptr(), *tail)
     ws_numel = num_ctas * ape.numel()
     explicit = stream is not None and handle != _stream_handle(None, device)
     if not CACHE_SLABS or _capturing(stream, explicit):
@@ -713,14 +709,14 @@ def _launch_backward(
         ws = torch.empty(ws_numel, dtype=torch.float32, device=device)
         if explicit:
             ws.record_stream(stream)
-        launcher.launch((*ptrs, ws.data_ptr(), *((stats.data_ptr(),) if stats is not None else ()), *tail))
+        launcher.launch((*ptrs, ws.data_ptr(), *tail))
         return
     scratch = _SCRATCH.get((device.index, handle))
     if scratch is None or scratch.numel < ws_numel:
         scratch = _grow_scratch(device, stream, handle, ws_numel, explicit)
     # The lock keeps another thread's launches on this stream from landing between this call's two kernels.
     with scratch.lock:
-        launcher.launch((*ptrs, scratch.ptr, *((stats.data_ptr(),) if stats is not None else ()), *tail))
+        launcher.launch((*ptrs, scratch.ptr, *tail))
 
 
 class _Scratch:
