@@ -191,6 +191,8 @@ def test_threads_sharing_a_stream():
     ]
     expected = [_run(launch, p) for p in packs]
     torch.cuda.synchronize()
+    for p, (out, *grads) in zip(packs, expected, strict=True):
+        assert_contract(p, out, grads)  # single-threaded results against the references first
     results: list[list] = [[], []]
     errors: list[BaseException] = []
     barrier = threading.Barrier(2)
