@@ -7,7 +7,8 @@ for the backwards), set by ``--set KEY=VALUE`` before the package is imported; t
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
 long-window forward at a given column width (``--forward-long-stream-cols``); the backwards' prefetch ahead
-(``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``) and held ape (``--hold-ape``); or two package versions on ``PYTHONPATH``::
+(``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``) and held ape (``--hold-ape``); the
+statistics backward's cluster form (``--stats-cluster``); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -94,6 +95,8 @@ def apply_overrides(args, cases) -> None:
             return replace(new, MB=sch.MB, PF=sch.PF)
 
         _override(cases, ("backward",), tile)
+    if args.stats_cluster is not None:
+        _override(cases, ("backward_stats",), lambda d, c, sch: replace(sch, CL=bool(args.stats_cluster)))
     if args.hold_ape:
         _override(cases, ("backward",), lambda d, c, sch: None if sch.LONG or sch.SC else replace(sch, HA=True))
     # The two-pass long backward (LONG without SC) sizes its grid by shared memory and prefetches by its own rule.
@@ -161,6 +164,7 @@ def measure(args) -> dict:
         "prefetch_ahead": args.prefetch_ahead,
         "backward_tile": args.backward_tile,
         "hold_ape": args.hold_ape,
+        "stats_cluster": args.stats_cluster,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -174,8 +178,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}, stats_cluster={a_run.get('stats_cluster')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}, stats_cluster={b_run.get('stats_cluster')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -236,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--hold-ape", action="store_true", help="cute short-window backward: ape held in registers (Schedule.HA)"
+    )
+    ap.add_argument(
+        "--stats-cluster",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="cute statistics backward: 1 the cluster form (Schedule.CL), 0 slabs + reduction kernel",
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)

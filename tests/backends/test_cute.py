@@ -485,3 +485,35 @@ def test_backward_held_ape_changes_no_bit(case):
         rkv, rsc, _ = reference.backward(*pack.inputs, pack.grad_out, ratio=ratio, coff=coff, precision="fp32")
         assert torch.equal(got[1].view(torch.int16), rkv.view(torch.int16))
         assert torch.equal(got[2].view(torch.int16), rsc.view(torch.int16))
+
+
+@pytest.mark.parametrize("case", STATS_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_stats_backward_cluster_form_changes_no_bit(case):
+    """Schedule.CL (opt-in: grad_ape summed across a thread-block cluster of the row ranges) against the slabs and
+    the reduction kernel: grad_kv and grad_score bitwise; grad_ape bitwise where both split the rows alike (the same
+    fixed order), within fp32 summation-order error where the slab form has more row ranges than a cluster."""
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=43)
+    key = ("backward_stats", ratio, coff, d)
+    default = launch._default_schedule(*key)
+    assert not default.CL  # the slab form is the default
+    dev = torch.device("cuda")
+    ape_numel = pack.inputs[2].numel()
+    slab_grid = launch.backward_grid(launch._get_launcher(*key, torch.bfloat16, dev), pack.total_comp, ape_numel)
+    slabs = _run_stats(launch, pack)
+
+    def cluster_run(launch, pack):
+        grid = launch.backward_grid(launch._get_launcher(*key, torch.bfloat16, dev), pack.total_comp, ape_numel)
+        return (*_run_stats(launch, pack), grid)
+
+    *got, cluster_grid = _run_with_schedule(launch, cluster_run, pack, key, replace(default, CL=True))
+    assert cluster_grid[1] <= 8
+    _assert_bitwise(slabs[0], got[0])
+    for a, b in zip(slabs[2][:2], got[2][:2], strict=True):
+        _assert_bitwise(a, b)
+    if slab_grid == cluster_grid:
+        _assert_bitwise(slabs[2][2], got[2][2])
+    else:
+        torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
+    assert_contract(pack, got[0], got[2])

@@ -151,13 +151,16 @@ def make_backward_host(
     stats: bool = False,
     slab_lanes: int = 1,
     min_blocks: int = 0,
+    cluster: bool = False,
 ):
     """The @cute.jit host function of a backward: ``kernel`` over ``[num_ctas, nchunk]`` persistent CTAs,
     then the grad_ape reduction, on ``stream``.
 
     Signature: ``host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
     grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``; with ``stats`` the softmax statistics
-    pointer follows ``ws`` (also in the kernel's arguments).
+    pointer follows ``ws`` (also in the kernel's arguments). With ``cluster`` the grid's x dimension is one
+    cluster of ``num_ctas <= 8`` CTAs, the kernel gets ``grad_ape`` in place of ``ws`` and sums it itself (``ws``
+    is not used) and there is no second kernel.
     """
     reduce_kernel = make_reduce_kernel(ape_size, slab_lanes)
     # Registers capped at MAX_REGS, or for ``min_blocks`` resident CTAs per SM (a schedule's MB).
@@ -165,6 +168,17 @@ def make_backward_host(
 
     def launch_both(main, ws, gape, num_ctas, stream):
         # Plain Python, run while the host function is traced.
+        if cluster:
+            main.launch(
+                grid=[num_ctas, nchunk, 1],
+                block=[threads, 1, 1],
+                cluster=[num_ctas, 1, 1],
+                smem=smem_bytes,
+                stream=stream,
+                min_blocks_per_mp=min_blocks,
+                preferred_smem_carveout=carveout,
+            )
+            return
         main.launch(
             grid=[num_ctas, nchunk, 1],
             block=[threads, 1, 1],
@@ -202,7 +216,7 @@ def make_backward_host(
             num_ctas: Int32,
             stream: cuda.CUstream,
         ):
-            main = kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, st, B, N, T, rows_per_cta)
+            main = kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, gape if cluster else ws, st, B, N, T, rows_per_cta)
             launch_both(main, ws, gape, num_ctas, stream)
 
         return host_st

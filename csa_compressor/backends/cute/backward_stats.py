@@ -17,6 +17,10 @@ kernel):
   ``ws[row range]`` (disjoint slots and columns per CTA); the reduction kernel of ``backward_common`` sums the
   slabs in a fixed order (bitwise deterministic, no atomics). The slabs are extra DRAM traffic (written, then
   read): ``R`` rows side by side divide their number by ``R`` at the same CTA count.
+- ``CL`` (cluster form): the row ranges of one (column chunk, slot chunk) tile are one thread-block cluster
+  (``num_ctas <= CLUSTER_MAX`` CTAs on grid x, launched as one cluster). After a cluster barrier each CTA sums
+  a share of the tile's entries over the cluster's CTAs in rank order (distributed shared memory) and writes
+  grad_ape itself: no slabs and no reduction kernel, the same fixed order (rank = row range), so the same bits.
 
 Exact zeros as the other backwards: a segment's last row zeroes the tail tokens of the slots its threads
 own (and the first-half columns of its tokens, coff 2); the first slot chunk's CTAs zero the segments
@@ -28,10 +32,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .backward_common import ZeroStores, make_backward_host
 from .backward_long import prefetch_l1, prefetch_l2
-from .forward import LOG2E, Schedule, WindowOps, ex2, find_segment, vec_view, vector_width, window_store
+from .forward import LOG2E, Schedule, WindowOps, add_rn, ex2, find_segment, vec_view, vector_width, window_store
 
 # Window slots per CTA: at least 8, and few enough slot chunks (at most STATS_CHUNKS) that a row's statistics and
 # grad_out are not read by too many CTAs. H200 A/B (2026-11-30, cold backward, slots per CTA 32 / 16 / 8):
@@ -40,10 +46,40 @@ from .forward import LOG2E, Schedule, WindowOps, ex2, find_segment, vec_view, ve
 # the slabs they save).
 STATS_MIN_SLOTS = 8
 STATS_CHUNKS = 16
+# The cluster form (Schedule.CL) is opt-in: on the H200 it measured 28-52 % slower than the slabs and the reduction
+# kernel on all three ratio-128 cases, cold, clean and warm (benchmarks/results/stats_cluster_ab_h200_20261201.md).
+STATS_CLUSTER = False
+# Row ranges per cluster in the CL form: the portable cluster size (more needs a non-portable launch attribute).
+CLUSTER_MAX = 8
+
+
+@dsl_user_op
+def ld_cluster_f32(addr, rank, *, loc=None, ip=None) -> Float32:
+    """The fp32 at shared-memory address ``addr`` (this CTA's offset) of the cluster's CTA ``rank``.
+
+    Side-effecting so that it stays after the cluster barrier that publishes the peers' stores."""
+    operands = [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)]
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            operands,
+            "{\n.reg .u32 %ra;\nmapa.shared::cluster.u32 %ra, $1, $2;\nld.shared::cluster.f32 $0, [%ra];\n}",
+            "=f,r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 def stats_backward_schedule(
-    ratio: int, coff: int, head_dim: int, slots_cap: int | None = None, vcap: int = 4, slots: int = 4
+    ratio: int,
+    coff: int,
+    head_dim: int,
+    slots_cap: int | None = None,
+    vcap: int = 4,
+    slots: int = 4,
+    cluster: bool = STATS_CLUSTER,
 ) -> Schedule:
     """128 threads: 64 columns (8-byte vectors, ``TC`` threads) x ``G`` groups of 4 slots (``SC = G * SG <=
     slots_cap`` window slots per CTA) x ``R`` rows at a time. Every CTA writes one grad_ape slab per row range, so
@@ -68,12 +104,14 @@ def stats_backward_schedule(
     while G > 1 and W % (G * SG):
         G //= 2
     R = max(1, 128 // (TC * G))
-    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R, NB=1, LONG=True, ST=True, SC=G * SG)
+    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R, NB=1, LONG=True, ST=True, SC=G * SG, CL=cluster)
 
 
 def stats_backward_smem_bytes(sch: Schedule) -> int:
-    """The fixed-order combine of the ``R`` row lanes' grad_ape accumulators, fp32."""
-    return 128 + (sch.R * sch.SC * sch.TC * sch.V * 4 if sch.R > 1 else 0)
+    """The fixed-order combine of the ``R`` row lanes' grad_ape accumulators, fp32 (and, in the cluster form, the
+    CTA's sum that the cluster's CTAs read)."""
+    tile = sch.SC * sch.TC * sch.V * 4
+    return 128 + (sch.R * tile if sch.R > 1 else 0) + (tile + 16 if sch.CL else 0)
 
 
 def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
@@ -233,9 +271,9 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
         if col_ok & (bz == 0):
             zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, rl * G + gl, G * R, c)
 
+        smem = cutlass.memory.SmemAllocator()
         if cutlass.const_expr(R > 1):
             # The row lanes' accumulators, summed in lane order 0, 1, ..., R - 1 (fixed: bitwise reproducible).
-            smem = cutlass.memory.SmemAllocator()
             red = smem.allocate_tensor(Float32, cute.make_layout(R * SC * CW), byte_alignment=16)
             for k in cutlass.range_constexpr(SG):
                 vec_view(red.iterator, ((rl * G + gl) * SG + k) * CW + tc * V, V).store(dape[k].load())
@@ -246,13 +284,52 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                         dape[k].load() + vec_view(red.iterator, ((h * G + gl) * SG + k) * CW + tc * V, V).load()
                     )
 
-        # This CTA's part of its row range's grad_ape slab (row lane 0 holds the CTA's sum).
-        if col_ok & (rl == 0):
+        if cutlass.const_expr(sch.CL):
+            # ``ws`` is grad_ape itself. The CTA's sum (row lane 0) goes to shared memory; after the cluster barrier
+            # CTA ``rank`` sums its share of the tile's vectors over the cluster's CTAs in rank order (the slabs'
+            # order in the two-kernel form) and stores them; the second barrier keeps every CTA's shared memory
+            # alive until its peers have read it.
+            part = smem.allocate_tensor(Float32, cute.make_layout(SC * CW), byte_alignment=16)
+            if rl == 0:
+                for k in cutlass.range_constexpr(SG):
+                    vec_view(part.iterator, (gl * SG + k) * CW + tc * V, V).store(dape[k].load())
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            ncl = cute.arch.cluster_size()
+            rank = cute.arch.block_idx_in_cluster()
+            nvec = SC * TC
+            per = (nvec + ncl - 1) // ncl
+            base = part.iterator.toint()
+            tot = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+            for vi in cutlass.range(rank * per + tidx, cutlass.min((rank + 1) * per, nvec), NT):
+                sl = vi // TC
+                col = (by * TC + vi % TC) * V
+                if col < D:
+                    addr = base + (sl * CW + (vi % TC) * V) * 4
+                    for i in cutlass.range_constexpr(V):
+                        tot[i] = ld_cluster_f32(addr + i * 4, 0)
+                    for h in cutlass.range(1, ncl):
+                        for i in cutlass.range_constexpr(V):
+                            tot[i] = add_rn(tot[i], ld_cluster_f32(addr + i * 4, h))
+                    s = bz * SC + sl
+                    vec_view(ws, (s % ratio) * WIDTH + (s // ratio) * D + col, V).store(tot.load())
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        elif col_ok & (rl == 0):
+            # This CTA's part of its row range's grad_ape slab (row lane 0 holds the CTA's sum).
             for k in cutlass.range_constexpr(SG):
                 s = gg * SG + k
                 aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
                 vec_view(ws, bx * APE_SIZE + aoff, V).store(dape[k].load())
 
     return make_backward_host(
-        kernel, APE_SIZE, NCOL * NZ, NT, stats_backward_smem_bytes(sch), 100, stats=True, min_blocks=sch.MB
+        kernel,
+        APE_SIZE,
+        NCOL * NZ,
+        NT,
+        stats_backward_smem_bytes(sch),
+        100,
+        stats=True,
+        min_blocks=sch.MB,
+        cluster=sch.CL,
     )

@@ -196,6 +196,7 @@ class Schedule:
     ES: bool = False  # backward: evict-first (``st.global.cs``) stores of grad_kv and grad_score, zeros included
     MB: int = 0  # resident CTAs per SM that the registers are capped for (launch bounds); 0: the default
     HA: bool = False  # short-window backward: the thread's ape entries held in registers across rows
+    CL: bool = False  # statistics backward: a cluster of the row ranges sums grad_ape (no slabs, no second kernel)
 
     @property
     def threads(self) -> int:
@@ -220,6 +221,7 @@ class Schedule:
             self.ES,
             self.MB,
             self.HA,
+            self.CL,
         )
 
 

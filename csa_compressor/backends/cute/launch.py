@@ -52,7 +52,7 @@ try:
 
     from .backward import backward_schedule, backward_smem_bytes, build_backward
     from .backward_common import MAX_REGS, REDUCE_WARPS, reduce_grid_x, reduce_slab_lanes
-    from .backward_stats import stats_backward_schedule
+    from .backward_stats import CLUSTER_MAX, stats_backward_schedule
     from .forward import build_forward, forward_schedule, forward_smem_bytes, wide_forward_schedule
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
@@ -512,10 +512,22 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
 
         run_forward.keep = (launcher, record, wide)  # the records point into these launchers' compiled functions
         return run_forward
-    capacity = launcher.num_sms * launcher.ctas_per_sm
+    capacity = backward_capacity(launcher)
     cfg = ext.make_config(ratio, coff, head_dim, index, None, None, 1 << 62, record, capacity, launcher.nchunk,
                           launcher.sch.R, WS_CAP_BYTES, stats)  # fmt: skip
     call = ext.backward
+
+    if launcher.sch.CL:
+
+        def run_backward_cluster(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None):
+            # One kernel, no slabs: nothing to keep per stream, and capture needs nothing special either.
+            if _GET_DEVICE() != index:
+                return None
+            return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats,
+                        _RAW_STREAM(index), 0, 1 << 62)  # fmt: skip
+
+        run_backward_cluster.keep = (launcher, record)
+        return run_backward_cluster
 
     def run_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None):
         if _GET_DEVICE() != index or _IS_CAPTURING():
@@ -629,13 +641,23 @@ def _launch_on(device: torch.device, launcher: _Launcher, ptrs, ints, stream_han
 WS_CAP_BYTES = 20 << 20  # grad_ape partial slabs stay L2-resident between the two kernels
 
 
+def backward_capacity(launcher: _Launcher) -> int:
+    """The backward grid's CTA slots: one wave of resident CTAs; for the cluster form (``Schedule.CL``) at most
+    CLUSTER_MAX row ranges per tile (one cluster spans the grid's x dimension)."""
+    capacity = launcher.num_sms * launcher.ctas_per_sm
+    if getattr(launcher.sch, "CL", False):
+        capacity = min(capacity, CLUSTER_MAX * launcher.nchunk)
+    return capacity
+
+
 def backward_grid(launcher: _Launcher, n: int, ape_numel: int) -> tuple[int, int]:
     """(rows_per_cta, num_ctas): fill the resident CTA slots once, with at most WS_CAP_BYTES of slabs.
 
-    ``rows_per_cta`` is a multiple of R; every CTA of the x dimension writes one grad_ape slab.
+    ``rows_per_cta`` is a multiple of R; every CTA of the x dimension writes one grad_ape slab (the cluster form:
+    sums grad_ape with the others of its cluster).
     """
     sch = launcher.sch
-    capacity = launcher.num_sms * launcher.ctas_per_sm
+    capacity = backward_capacity(launcher)
     row_blocks = -(-n // sch.R)
     slabs_cap = max(1, WS_CAP_BYTES // (4 * ape_numel))
     target_x = max(1, min(row_blocks, capacity // launcher.nchunk, slabs_cap))
@@ -702,6 +724,10 @@ def _launch_backward(
     tail = (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas, handle)
     if stats is not None:
         tail = (stats.data_ptr(), *tail)
+    if launcher.sch.CL:
+        # Cluster form: one kernel that writes grad_ape itself, no slabs.
+        launcher.launch((*ptrs, 0, *tail))
+        return
     ws_numel = num_ctas * ape.numel()
     explicit = stream is not None and handle != _stream_handle(None, device)
     if not CACHE_SLABS or _capturing(stream, explicit):
