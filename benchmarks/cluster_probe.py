@@ -35,6 +35,8 @@ def probe(ratio: int, coff: int, head_dim: int) -> dict:
         launch.SCHEDULE_OVERRIDE.pop(key)
     sch = launcher.sch
     smem = launch.backward_smem_bytes(sch)
+    (err,) = cuda.cuInit(0)
+    torch.zeros(1, device=dev)  # the primary context is current from here on (cuModuleLoadData needs one)
     cubin = launcher.compiled.artifacts.CUBIN
     names = [n for n in launch._ptx_entries(launcher.compiled.artifacts.PTX) if "reduce_kernel" not in n]
     err, module = cuda.cuModuleLoadData(bytes(cubin))
