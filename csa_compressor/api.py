@@ -57,7 +57,8 @@ class _Op:
         self._module = None
         # Per-call fast path, bound by compile(): the backend's launch function and the scalars it takes.
         self._launch = None
-        # The backend's host fast paths for the wrappers (launch.host_path), bound by compile(); None: Python path.
+        # The backend's host fast paths for the wrappers and execute() (launch.host_path and its .into), bound by
+        # compile(); None: Python path.
         # _host_stats: the softmax-statistics variant (long windows).
         self._host = self._host_stats = None
         self._ratio = self._coff = self._head_dim = 0
@@ -149,11 +150,16 @@ class CSACompressorForward(_Op):
     def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None, softmax_stats=None):
         """Write ``out``; with ``softmax_stats`` (a ``(total_comp, 3, head_dim)`` float32 buffer, long windows
         only: ``uses_stats``) also the softmax statistics that ``CSACompressorBackward.execute`` can take."""
-        # Hot path: one attribute test, the attribute-only recheck, the backend call.
+        # Hot path: one attribute test, the backend's C++ path where it has one (checks and launch; it declines
+        # anything unusual), else the attribute-only recheck and the backend call.
         launch = self._launch
         if launch is None:
             self.compile()
             launch = self._launch
+        if stream is None:
+            host = self._host if softmax_stats is None else self._host_stats
+            if host is not None and host.into(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats):
+                return out
         rows = _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
         if softmax_stats is not None:
             self._check_stats(softmax_stats, rows)
@@ -229,6 +235,12 @@ class CSACompressorBackward(_Op):
         inputs (long windows); the kernel then skips its own pass over the window for the row statistics."""
         if self._launch is None:
             self.compile()
+        if stream is None:
+            host = self._host if softmax_stats is None else self._host_stats
+            if host is not None and host.into(
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, softmax_stats
+            ):
+                return grad_kv, grad_score, grad_ape
         return self._run(
             kv,
             score,

@@ -301,6 +301,67 @@ def _host_against_python(fop, bop, attr: str, both):
     return fast
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[12]], ids=["r4c2", "r128c1", "padding"])
+def test_execute_host_path_matches_python_path(case):
+    """The classes' execute() with caller-provided buffers takes the C++ path (``host.into``) for valid arguments
+    and writes what the Python path writes, bitwise: plain, and for long windows with the softmax statistics."""
+    from csa_compressor import api
+
+    _launch_module()
+    seqlens, d, ratio, coff, tpad, cpad = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tpad, comp_padding=cpad, device="cuda", seed=23)
+    n = pack.total_comp
+
+    def nan_like(*shape, dtype=torch.bfloat16):
+        return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+    kw = dict(ratio=ratio, coff=coff, backend="cute")
+    fop = api.CSACompressorForward(*pack.inputs, nan_like(n, d), **kw)
+    grads = (torch.empty_like(pack.kv), torch.empty_like(pack.score), torch.empty_like(pack.inputs[2]))
+    bop = api.CSACompressorBackward(*pack.inputs, pack.grad_out, *grads, **kw)
+    fop.compile()
+    bop.compile()
+
+    def run(with_stats):
+        out = nan_like(n, d)
+        stats = nan_like(n, 3, d, dtype=torch.float32) if with_stats else None
+        fop.execute(*pack.inputs, out, softmax_stats=stats)
+        g = (nan_like(*pack.kv.shape), nan_like(*pack.kv.shape), nan_like(*pack.inputs[2].shape, dtype=torch.float32))
+        bop.execute(*pack.inputs, pack.grad_out, *g, softmax_stats=stats)
+        return (out, *((stats,) if with_stats else ()), *g)
+
+    class Counting:
+        """A host path whose ``into`` records whether it took the call."""
+
+        def __init__(self, host, taken):
+            self.host, self.taken = host, taken
+
+        def into(self, *args):
+            self.taken.append(self.host.into(*args))
+            return self.taken[-1]
+
+    for with_stats in [False, True] if fop.uses_stats else [False]:
+        attr = "_host_stats" if with_stats else "_host"
+        hosts = (getattr(fop, attr), getattr(bop, attr))
+        assert all(h is not None for h in hosts)
+        taken = []
+        try:
+            setattr(fop, attr, None)
+            setattr(bop, attr, None)
+            slow = run(with_stats)  # the Python path (it also makes this stream's backward slabs)
+            setattr(fop, attr, Counting(hosts[0], taken))
+            setattr(bop, attr, Counting(hosts[1], taken))
+            fast = run(with_stats)
+        finally:
+            setattr(fop, attr, hosts[0])
+            setattr(bop, attr, hosts[1])
+        torch.cuda.synchronize()
+        assert taken == [True, True], attr
+        for a, b in zip(fast, slow, strict=True):
+            _assert_bitwise(a, b)
+        assert_contract(pack, fast[0], fast[-3:])
+
+
 def test_wrapper_host_path_leaves_errors_to_python():
     """Arguments the C++ checks reject take the Python path, which raises its own error."""
     from csa_compressor import api

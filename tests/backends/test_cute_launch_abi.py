@@ -194,3 +194,100 @@ def test_host_backward_grid_matches_python(direction, capfd):
         assert ext.backward(cfg, *inputs, grad_out, st.double(), 0, ws.data_ptr(), ws.numel()) is None
     else:
         assert ext.backward(cfg, *inputs, grad_out, torch.randn(9, 3, 64), 0, ws.data_ptr(), ws.numel()) is None
+
+
+def _misaligned(t):
+    """The same values one element further into a fresh buffer: contiguous, not 16-byte aligned."""
+    import torch
+
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+@pytest.mark.parametrize("direction", ["forward", "forward_stats"])
+def test_host_forward_into_packs_the_callers_buffers(direction, capfd):
+    """``forward_into`` (the classes' execute): the caller's out (and statistics buffer) are packed in the Python
+    path's order, the row count is out's, zero rows launch nothing; a buffer that ``support._buffer_ok`` /
+    ``stats_ok`` would reject, or statistics where the configuration has none (or none where it has), goes back to
+    the Python path, which raises."""
+    import torch
+
+    from csa_compressor import support
+
+    ext, record, _keep = _host_record(direction)
+    stats = direction == "forward_stats"
+    cfg = ext.make_config(4, 2, 64, -1, record, None, 1 << 62, None, 0, 1, 1, 0, int(stats))
+    inputs = _cpu_pack()
+    out = torch.empty(9, 64, dtype=torch.bfloat16)
+    st = torch.empty(9, 3, 64) if stats else None
+    _received(capfd)
+    assert ext.forward_into(cfg, *inputs, out, st, 0) is True
+    assert _received(capfd) == [f"ABI {_ptrs((*inputs, out, *((st,) if stats else ())))} | 2 9"]
+    empty = out[:0]
+    assert ext.forward_into(cfg, *inputs, empty, st[:0] if stats else None, 0) is True
+    assert _received(capfd) == []  # zero rows: nothing to launch
+    py_cfg = support.Config(4, 2, 64, torch.bfloat16, torch.device("cpu"))
+    bad_outs = {
+        "float16": out.half(),
+        "misaligned": _misaligned(out),
+        "not contiguous": torch.empty(9, 128, dtype=torch.bfloat16)[:, :64],
+        "head_dim": torch.empty(9, 32, dtype=torch.bfloat16),
+        "3-d": out.view(9, 1, 64),
+    }
+    for name, bad in bad_outs.items():
+        expected = bad.dim() == 2 and bad.shape[1] == 64 and support._buffer_ok(py_cfg, bad, torch.bfloat16)
+        assert not expected, name
+        assert ext.forward_into(cfg, *inputs, bad, st, 0) is None, name
+    assert ext.forward_into(cfg, *inputs[:4], inputs[4].long(), out, st, 0) is None
+    assert ext.forward_into(cfg, *inputs, out, "stats", 0) is None
+    if stats:
+        assert ext.forward_into(cfg, *inputs, out, None, 0) is None
+        for bad in (st[:, :2], st.double(), _misaligned(st), torch.empty(8, 3, 64)):
+            assert not support.stats_ok(py_cfg, bad, 9)
+            assert ext.forward_into(cfg, *inputs, out, bad, 0) is None
+    else:
+        assert ext.forward_into(cfg, *inputs, out, torch.empty(9, 3, 64), 0) is None
+    assert _received(capfd) == []
+
+
+@pytest.mark.parametrize("direction", ["backward", "backward_stats"])
+def test_host_backward_into_packs_the_callers_gradients(direction, capfd):
+    """``backward_into``: the caller's three gradients in the Python path's order with the same grid as
+    ``launch.backward_grid``; gradients of the wrong shape, dtype, layout or alignment, too small slabs and zero rows
+    go back to the Python path."""
+    import types
+
+    import torch
+
+    ext, record, _keep = _host_record(direction)
+    stats = direction == "backward_stats"
+    inputs = _cpu_pack()
+    grad_out = torch.randn(9, 64).to(torch.bfloat16)
+    st = torch.randn(9, 3, 64) if stats else None
+    ws = torch.empty(1 << 16)
+    grads = [torch.empty_like(t) for t in inputs[:3]]
+    fake = types.SimpleNamespace(sch=types.SimpleNamespace(R=2), num_sms=132, ctas_per_sm=4, nchunk=1)
+    rows_per_cta, num_ctas = launch.backward_grid(fake, 9, inputs[2].numel())
+    cfg = ext.make_config(4, 2, 64, -1, None, None, 1 << 62, record, 132 * 4, 1, 2, launch.WS_CAP_BYTES, int(stats))
+    _received(capfd)
+    assert ext.backward_into(cfg, *inputs, grad_out, *grads, st, 0, ws.data_ptr(), ws.numel()) is True
+    ptrs = _ptrs((*inputs, grad_out, *grads)) + f" {ws.data_ptr()}" + (f" {st.data_ptr()}" if stats else "")
+    assert _received(capfd) == [f"ABI {ptrs} | 2 9 37 {rows_per_cta} {num_ctas}"]
+    small = num_ctas * inputs[2].numel() - 1
+    assert ext.backward_into(cfg, *inputs, grad_out, *grads, st, 0, ws.data_ptr(), small) is None
+    empty_out = grad_out[:0]
+    assert ext.backward_into(cfg, *inputs, empty_out, *grads, st[:0] if stats else None, 0, ws.data_ptr(),
+                             ws.numel()) is None  # fmt: skip
+    bad = {
+        0: (grads[0][:-1], grads[0].half(), _misaligned(grads[0])),
+        1: (torch.empty(37, 256, dtype=torch.bfloat16)[:, :128], grads[1].float()),
+        2: (grads[2].double(), grads[2][:, :64], _misaligned(grads[2])),
+    }
+    for k, variants in bad.items():
+        for v in variants:
+            args = list(grads)
+            args[k] = v
+            assert ext.backward_into(cfg, *inputs, grad_out, *args, st, 0, ws.data_ptr(), ws.numel()) is None, (k, v)
+    other = None if stats else torch.randn(9, 3, 64)
+    assert ext.backward_into(cfg, *inputs, grad_out, *grads, other, 0, ws.data_ptr(), ws.numel()) is None
+    assert _received(capfd) == []

@@ -1,6 +1,7 @@
 // Host fast path of the cute backend's wrappers: the per-call work of csa_compressor_forward_wrapper /
 // csa_compressor_backward_wrapper (tensor checks, output allocation, argument packing, the call of the
-// DSL-compiled host function) in C++ instead of Python. Built on first use by host_ext.py
+// DSL-compiled host function) in C++ instead of Python; forward_into / backward_into do the same for the classes'
+// execute() with caller-provided buffers (no allocation). Built on first use by host_ext.py
 // (torch.utils.cpp_extension), optional: anything unusual returns None and the Python path takes over (and
 // raises the proper error), so the checks here only ever accept what support.recheck_* accepts.
 //
@@ -154,6 +155,23 @@ bool inputs_ok(const Config& cfg, const at::Tensor& kv, const at::Tensor& score,
          on_device(cuc, cfg);
 }
 
+// support._buffer_ok: one caller-provided buffer (output or gradient).
+bool buffer_ok(const at::Tensor& t, at::ScalarType dtype, const Config& cfg) {
+  return t.scalar_type() == dtype && t.is_contiguous() && aligned(t, 16) && on_device(t, cfg);
+}
+
+// support.stats_ok: (rows, 3, head_dim) float32, contiguous, 16-byte aligned, on the device.
+bool stats_ok(const at::Tensor& st, int64_t rows, const Config& cfg) {
+  return st.dim() == 3 && st.size(0) == rows && st.size(1) == 3 && st.size(2) == cfg.head_dim &&
+         buffer_ok(st, at::kFloat, cfg);
+}
+
+// An optional tensor argument: *out = the tensor or nullptr for None; false for anything else.
+bool optional_tensor(PyObject* o, const at::Tensor** out) {
+  *out = tensor_of(o);
+  return *out != nullptr || o == Py_None;
+}
+
 // Pack the arguments into the record's slots (8 bytes each; Int32 as int32 plus 4 pad bytes) and call.
 bool call(Launch* rec, const std::vector<uint64_t>& ptrs, const std::vector<int64_t>& ints, int64_t stream) {
   size_t k = 0;
@@ -215,6 +233,72 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// forward_into(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats, stream) -> True (launched,
+// or nothing to do for zero rows) or None (slow path): CSACompressorForward.execute with caller-provided buffers.
+// softmax_stats: a buffer for statistics configurations, else None.
+PyObject* forward_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 9) {
+    PyErr_SetString(PyExc_TypeError, "forward_into takes 9 arguments");
+    return nullptr;
+  }
+  auto* cfg = static_cast<Config*>(PyCapsule_GetPointer(args[0], "csa_config"));
+  int64_t stream;
+  if (cfg == nullptr || !as_i64(args[8], &stream)) return nullptr;
+  const at::Tensor *kv = tensor_of(args[1]), *score = tensor_of(args[2]), *ape = tensor_of(args[3]);
+  const at::Tensor *cu = tensor_of(args[4]), *cuc = tensor_of(args[5]), *out = tensor_of(args[6]);
+  const at::Tensor* st = nullptr;
+  if (!optional_tensor(args[7], &st) || cfg->stats != (st != nullptr)) Py_RETURN_NONE;
+  if (!kv || !score || !ape || !cu || !cuc || !out || cfg->fwd == nullptr || out->dim() != 2 ||
+      out->size(1) != cfg->head_dim || !buffer_ok(*out, at::kBFloat16, *cfg))
+    Py_RETURN_NONE;
+  const int64_t rows = out->size(0);
+  if (!inputs_ok(*cfg, *kv, *score, *ape, *cu, *cuc, rows) || (st != nullptr && !stats_ok(*st, rows, *cfg)))
+    Py_RETURN_NONE;
+  if (rows > 0) {
+    Launch* rec = (rows >= cfg->wide_rows && cfg->fwd_wide != nullptr) ? cfg->fwd_wide : cfg->fwd;
+    std::vector<uint64_t> ptrs{ptr_of(*kv), ptr_of(*score), ptr_of(*ape), ptr_of(*cu), ptr_of(*cuc), ptr_of(*out)};
+    if (st != nullptr) ptrs.push_back(ptr_of(*st));
+    if (!call(rec, ptrs, {cu->size(0) - 1, rows}, stream)) return nullptr;
+  }
+  Py_RETURN_TRUE;
+}
+
+// The backward's checks shared by backward and backward_into: grad_out and the inputs against the configuration
+// (zero rows go to the Python path, which zeroes the gradients), the statistics of statistics configurations.
+bool backward_inputs_ok(const Config& cfg, const at::Tensor* kv, const at::Tensor* score, const at::Tensor* ape,
+                        const at::Tensor* cu, const at::Tensor* cuc, const at::Tensor* gout, const at::Tensor* st) {
+  if (!kv || !score || !ape || !cu || !cuc || !gout || cfg.bwd == nullptr || cfg.stats != (st != nullptr) ||
+      gout->dim() != 2 || gout->size(1) != cfg.head_dim || !buffer_ok(*gout, at::kBFloat16, cfg))
+    return false;
+  const int64_t n = gout->size(0);
+  return n != 0 && inputs_ok(cfg, *kv, *score, *ape, *cu, *cuc, n) && (st == nullptr || stats_ok(*st, n, cfg));
+}
+
+// launch.backward_grid: fill the resident CTA slots once, with at most ws_cap_bytes of slabs; false when the
+// slabs (ws_numel fp32) are too small for it.
+bool backward_grid(const Config& cfg, int64_t n, int64_t ape_numel, int64_t ws_numel, int64_t* rows_per_cta,
+                   int64_t* num_ctas) {
+  const int64_t row_blocks = (n + cfg.rows_per_step - 1) / cfg.rows_per_step;
+  const int64_t slabs_cap = std::max<int64_t>(1, cfg.ws_cap_bytes / (4 * ape_numel));
+  const int64_t target_x = std::max<int64_t>(1, std::min({row_blocks, cfg.capacity / cfg.nchunk, slabs_cap}));
+  const int64_t iters = (row_blocks + target_x - 1) / target_x;
+  *rows_per_cta = iters * cfg.rows_per_step;
+  *num_ctas = (n + *rows_per_cta - 1) / *rows_per_cta;
+  return *num_ctas * ape_numel <= ws_numel;
+}
+
+// Pack and call the backward: the inputs, grad_out, the three gradients, the slabs, the statistics (if any).
+bool call_backward(const Config& cfg, const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape,
+                   const at::Tensor& cu, const at::Tensor& cuc, const at::Tensor& gout, const at::Tensor& gkv,
+                   const at::Tensor& gsc, const at::Tensor& gape, int64_t ws_ptr, const at::Tensor* st,
+                   int64_t rows_per_cta, int64_t num_ctas, int64_t stream) {
+  std::vector<uint64_t> ptrs{ptr_of(kv),  ptr_of(score), ptr_of(ape), ptr_of(cu),
+                             ptr_of(cuc), ptr_of(gout),  ptr_of(gkv), ptr_of(gsc),
+                             ptr_of(gape), static_cast<uint64_t>(ws_ptr)};
+  if (st != nullptr) ptrs.push_back(ptr_of(*st));
+  return call(cfg.bwd, ptrs, {cu.size(0) - 1, gout.size(0), kv.size(0), rows_per_cta, num_ctas}, stream);
+}
+
 // backward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats, stream, ws_ptr, ws_numel)
 // -> (grad_kv, grad_score, grad_ape), or None (slow path; also when the slabs ws are too small). softmax_stats: the
 // forward's statistics for statistics configurations, else None.
@@ -228,39 +312,18 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t stream, ws_ptr, ws_numel;
   if (cfg == nullptr || !as_i64(args[8], &stream) || !as_i64(args[9], &ws_ptr) || !as_i64(args[10], &ws_numel))
     return nullptr;
-  const at::Tensor* st = tensor_of(args[7]);
-  if (cfg->stats != (st != nullptr)) Py_RETURN_NONE;
   const at::Tensor *kv = tensor_of(args[1]), *score = tensor_of(args[2]), *ape = tensor_of(args[3]);
   const at::Tensor *cu = tensor_of(args[4]), *cuc = tensor_of(args[5]), *gout = tensor_of(args[6]);
-  if (!kv || !score || !ape || !cu || !cuc || !gout || cfg->bwd == nullptr || gout->dim() != 2 ||
-      gout->size(1) != cfg->head_dim || gout->scalar_type() != at::kBFloat16 || !gout->is_contiguous() ||
-      !aligned(*gout, 16) || !on_device(*gout, *cfg))
-    Py_RETURN_NONE;
-  const int64_t n = gout->size(0);
-  if (n == 0 || !inputs_ok(*cfg, *kv, *score, *ape, *cu, *cuc, n)) Py_RETURN_NONE;
-  // support.stats_ok: (rows, 3, head_dim) float32, contiguous, 16-byte aligned, on the device.
-  if (st != nullptr && (st->dim() != 3 || st->size(0) != n || st->size(1) != 3 || st->size(2) != cfg->head_dim ||
-                        st->scalar_type() != at::kFloat || !st->is_contiguous() || !aligned(*st, 16) ||
-                        !on_device(*st, *cfg)))
-    Py_RETURN_NONE;
-  // launch.backward_grid: fill the resident CTA slots once, with at most ws_cap_bytes of slabs.
-  const int64_t ape_numel = ape->numel();
-  const int64_t row_blocks = (n + cfg->rows_per_step - 1) / cfg->rows_per_step;
-  const int64_t slabs_cap = std::max<int64_t>(1, cfg->ws_cap_bytes / (4 * ape_numel));
-  const int64_t target_x =
-      std::max<int64_t>(1, std::min({row_blocks, cfg->capacity / cfg->nchunk, slabs_cap}));
-  const int64_t iters = (row_blocks + target_x - 1) / target_x;
-  const int64_t rows_per_cta = iters * cfg->rows_per_step;
-  const int64_t num_ctas = (n + rows_per_cta - 1) / rows_per_cta;
-  if (num_ctas * ape_numel > ws_numel) Py_RETURN_NONE;
+  const at::Tensor* st = nullptr;
+  if (!optional_tensor(args[7], &st) || !backward_inputs_ok(*cfg, kv, score, ape, cu, cuc, gout, st)) Py_RETURN_NONE;
+  int64_t rows_per_cta, num_ctas;
+  if (!backward_grid(*cfg, gout->size(0), ape->numel(), ws_numel, &rows_per_cta, &num_ctas)) Py_RETURN_NONE;
   at::Tensor gkv = at::empty(kv->sizes(), kv->options());
   at::Tensor gsc = at::empty(score->sizes(), score->options());
   at::Tensor gape = at::empty(ape->sizes(), ape->options());
-  std::vector<uint64_t> ptrs{ptr_of(*kv),  ptr_of(*score), ptr_of(*ape),  ptr_of(*cu),
-                             ptr_of(*cuc), ptr_of(*gout),  ptr_of(gkv),   ptr_of(gsc),
-                             ptr_of(gape), static_cast<uint64_t>(ws_ptr)};
-  if (st != nullptr) ptrs.push_back(ptr_of(*st));
-  if (!call(cfg->bwd, ptrs, {cu->size(0) - 1, n, kv->size(0), rows_per_cta, num_ctas}, stream)) return nullptr;
+  if (!call_backward(*cfg, *kv, *score, *ape, *cu, *cuc, *gout, gkv, gsc, gape, ws_ptr, st, rows_per_cta, num_ctas,
+                     stream))
+    return nullptr;
   PyObject* result = PyTuple_New(3);
   if (result == nullptr) return nullptr;
   PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::move(gkv)));
@@ -268,6 +331,35 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyTuple_SET_ITEM(result, 2, THPVariable_Wrap(std::move(gape)));
   return result;
   END_HANDLE_TH_ERRORS
+}
+
+// backward_into(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
+// softmax_stats, stream, ws_ptr, ws_numel) -> True or None (slow path): CSACompressorBackward.execute with
+// caller-provided gradients (support.recheck_backward's checks of them).
+PyObject* backward_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 14) {
+    PyErr_SetString(PyExc_TypeError, "backward_into takes 14 arguments");
+    return nullptr;
+  }
+  auto* cfg = static_cast<Config*>(PyCapsule_GetPointer(args[0], "csa_config"));
+  int64_t stream, ws_ptr, ws_numel;
+  if (cfg == nullptr || !as_i64(args[11], &stream) || !as_i64(args[12], &ws_ptr) || !as_i64(args[13], &ws_numel))
+    return nullptr;
+  const at::Tensor *kv = tensor_of(args[1]), *score = tensor_of(args[2]), *ape = tensor_of(args[3]);
+  const at::Tensor *cu = tensor_of(args[4]), *cuc = tensor_of(args[5]), *gout = tensor_of(args[6]);
+  const at::Tensor *gkv = tensor_of(args[7]), *gsc = tensor_of(args[8]), *gape = tensor_of(args[9]);
+  const at::Tensor* st = nullptr;
+  if (!optional_tensor(args[10], &st) || !backward_inputs_ok(*cfg, kv, score, ape, cu, cuc, gout, st) || !gkv ||
+      !gsc || !gape || gkv->sizes() != kv->sizes() || gsc->sizes() != kv->sizes() || gape->sizes() != ape->sizes() ||
+      !buffer_ok(*gkv, at::kBFloat16, *cfg) || !buffer_ok(*gsc, at::kBFloat16, *cfg) ||
+      !buffer_ok(*gape, at::kFloat, *cfg))
+    Py_RETURN_NONE;
+  int64_t rows_per_cta, num_ctas;
+  if (!backward_grid(*cfg, gout->size(0), ape->numel(), ws_numel, &rows_per_cta, &num_ctas)) Py_RETURN_NONE;
+  if (!call_backward(*cfg, *kv, *score, *ape, *cu, *cuc, *gout, *gkv, *gsc, *gape, ws_ptr, st, rows_per_cta,
+                     num_ctas, stream))
+    return nullptr;
+  Py_RETURN_TRUE;
 }
 
 // check(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows) -> bool: the forward's input checks alone
@@ -319,6 +411,9 @@ PyMethodDef kMethods[] = {
     {"make_config", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(make_config)), METH_FASTCALL, nullptr},
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(forward)), METH_FASTCALL, nullptr},
     {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(backward)), METH_FASTCALL, nullptr},
+    {"forward_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(forward_into)), METH_FASTCALL, nullptr},
+    {"backward_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(backward_into)), METH_FASTCALL,
+     nullptr},
     {"check", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(check)), METH_FASTCALL, nullptr},
     {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(call_packed)), METH_FASTCALL, nullptr},
     {nullptr, nullptr, 0, nullptr}};

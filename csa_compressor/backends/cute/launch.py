@@ -486,6 +486,10 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
     grad_ape)``. Each returns None where the Python path must run instead: other than the current device, an
     argument the C++ checks do not accept, and for the backward CUDA-graph capture or a stream without (large
     enough) slabs yet. Explicit streams always take the Python path.
+
+    ``run.into``: the classes' ``execute`` with caller-provided buffers, ``(kv, score, ape, cu_seqlens,
+    cu_seqlens_comp, out, softmax_stats=None)`` / ``(..., grad_out, grad_kv, grad_score, grad_ape,
+    softmax_stats=None)``; True when it ran (or had nothing to do), False where the Python path must run.
     """
     if direction not in _N_PTR or device.type != "cuda" or _RAW_STREAM is None:
         return None
@@ -510,36 +514,54 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
                 return None
             return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, _RAW_STREAM(index))
 
+        into = ext.forward_into
+
+        def run_forward_into(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats=None) -> bool:
+            if _GET_DEVICE() != index:
+                return False
+            stream = _RAW_STREAM(index)
+            return into(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats, stream) is True
+
+        run_forward.into = run_forward_into
         run_forward.keep = (launcher, record, wide)  # the records point into these launchers' compiled functions
         return run_forward
     capacity = backward_capacity(launcher)
     cfg = ext.make_config(ratio, coff, head_dim, index, None, None, 1 << 62, record, capacity, launcher.nchunk,
                           launcher.sch.R, WS_CAP_BYTES, stats)  # fmt: skip
-    call = ext.backward
+    cluster = launcher.sch.CL  # one kernel, no slabs: nothing kept per stream, and capture needs nothing special
 
-    if launcher.sch.CL:
-
-        def run_backward_cluster(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None):
-            # One kernel, no slabs: nothing to keep per stream, and capture needs nothing special either.
-            if _GET_DEVICE() != index:
-                return None
-            return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats,
-                        _RAW_STREAM(index), 0, 1 << 62)  # fmt: skip
-
-        run_backward_cluster.keep = (launcher, record)
-        return run_backward_cluster
-
-    def run_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None):
-        if _GET_DEVICE() != index or _IS_CAPTURING():
+    def with_slabs(fn, *args):
+        """``fn(cfg, *args, stream, ws_ptr, ws_numel)`` on the current stream with its slabs, or None."""
+        if _GET_DEVICE() != index:
             return None
         handle = _RAW_STREAM(index)
+        if cluster:
+            return fn(cfg, *args, handle, 0, 1 << 62)
+        if _IS_CAPTURING():
+            return None
         scratch = _SCRATCH.get((index, handle)) if CACHE_SLABS else None
         if scratch is None:
             return None  # the stream's first backward call (Python path) makes its slabs
         with scratch.lock:
-            return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats, handle,
-                        scratch.ptr, scratch.numel)  # fmt: skip
+            return fn(cfg, *args, handle, scratch.ptr, scratch.numel)
 
+    call, call_into = ext.backward, ext.backward_into
+
+    def run_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None):
+        return with_slabs(call, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats)
+
+    def run_backward_into(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, softmax_stats=None
+    ) -> bool:
+        return (
+            with_slabs(
+                call_into, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
+                softmax_stats,
+            )
+            is True
+        )  # fmt: skip
+
+    run_backward.into = run_backward_into
     run_backward.keep = (launcher, record)
     return run_backward
 
