@@ -8,7 +8,7 @@ import torch
 
 from .thd import compute_cu_seqlens_comp
 
-__all__ = ["Pack", "assert_contract", "bf16_ulp_distance", "contract_report", "make_pack", "rel_l2"]
+__all__ = ["Pack", "assert_contract", "bf16_ulp_distance", "contract_report", "make_pack", "misaligned_copy", "rel_l2"]
 
 
 @dataclass
@@ -68,6 +68,13 @@ def make_pack(
     grad_out = torch.randn(total_comp, head_dim, generator=gen).to(dtype)
     tensors = [t.to(device) for t in (kv, score, ape, cu, cu_comp, grad_out)]
     return Pack(*tensors, ratio=ratio, coff=coff, head_dim=head_dim, total_comp=total_comp, seqlens=seqlens)
+
+
+def misaligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values one element into a fresh buffer on its device: contiguous, not 16-byte aligned (the
+    alignment checks' negative case)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+    return flat.view(t.shape).copy_(t)
 
 
 def _ordered_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from csa_compressor import CSACompressorBackward, CSACompressorForward, dispatch
-from csa_compressor.testing import make_pack
+from csa_compressor.testing import make_pack, misaligned_copy
 
 
 def _fwd_args(ratio=4, coff=2, head_dim=8, seqlens=(12, 5), device="cpu"):
@@ -139,7 +139,7 @@ def test_rejects_non_contiguous():
     _check(args, "kv must be contiguous")
 
 
-def test_rejects_misaligned():
+def test_rejectsmisaligned_copy():
     args, _ = _fwd_args()
     storage = torch.empty(args[0].numel() + 1, dtype=torch.bfloat16)
     args[0] = storage[1:].view(args[0].shape)
@@ -265,11 +265,6 @@ def _warm(p):
     return kw
 
 
-def _misaligned(t):
-    storage = torch.empty(t.numel() + 1, dtype=t.dtype)
-    return storage[1:].view(t.shape)
-
-
 @pytest.mark.parametrize(
     "index,bad,match",
     [
@@ -277,7 +272,7 @@ def _misaligned(t):
         (1, lambda t: t.float(), "score dtype must be torch.bfloat16.*float32"),
         (1, lambda t: t[:-1], r"score shape must be \(17, 16\).*\(16, 16\)"),
         (1, lambda t: torch.empty(16, t.shape[0], dtype=t.dtype).t(), "score must be contiguous"),
-        (2, _misaligned, "ape must be 16-byte aligned"),
+        (2, misaligned_copy, "ape must be 16-byte aligned"),
         (2, lambda t: t.to("meta"), "all tensors must be on one device"),
         (3, lambda t: t.long(), "cu_seqlens dtype must be torch.int32"),
         (4, lambda t: torch.zeros(5, dtype=torch.int32), r"cu_seqlens_comp shape must equal cu_seqlens shape"),
@@ -370,7 +365,7 @@ def test_execute_after_compile_rechecks_out_and_grad_buffers():
     bad[5] = args[5].float()
     with pytest.raises(ValueError, match=r"out dtype must be torch\.bfloat16"):
         op.execute(*bad)
-    bad[5] = _misaligned(args[5])
+    bad[5] = misaligned_copy(args[5])
     with pytest.raises(ValueError, match="out must be 16-byte aligned"):
         op.execute(*bad)
     grads = [torch.empty_like(p.kv), torch.empty_like(p.score), torch.empty_like(p.ape)]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from csa_compressor import support
+from csa_compressor.testing import misaligned_copy
 
 host_ext = pytest.importorskip("csa_compressor.backends.cute.host_ext")
 
@@ -41,12 +42,6 @@ def _pack(tokens=37, segments=(20, 17), dtype=torch.bfloat16):
     return [kv, score, ape, cu, cuc]
 
 
-def _misaligned(t):
-    """The same values one element further into a fresh buffer: contiguous, not 16-byte aligned."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
-    return flat.view(t.shape).copy_(t)
-
-
 def _variants():
     base = _pack()
     rows = int(base[4][-1])
@@ -57,7 +52,7 @@ def _variants():
     yield "fewer tokens than ratio, no rows", _pack(tokens=3, segments=(3,)), 0
     for k, name in enumerate(("kv", "score", "ape")):
         args = list(base)
-        args[k] = _misaligned(base[k])
+        args[k] = misaligned_copy(base[k])
         yield f"{name} misaligned", args, rows
         args = list(base)
         args[k] = torch.cat([base[k], base[k]], dim=1)[:, : base[k].shape[1]]

@@ -21,6 +21,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
 from csa_compressor.backends.cute import host_ext  # noqa: E402
+from csa_compressor.testing import misaligned_copy  # noqa: E402
 
 _LIBC = ctypes.CDLL(None)
 
@@ -196,14 +197,6 @@ def test_host_backward_grid_matches_python(direction, capfd):
         assert ext.backward(cfg, *inputs, grad_out, torch.randn(9, 3, 64), 0, ws.data_ptr(), ws.numel()) is None
 
 
-def _misaligned(t):
-    """The same values one element further into a fresh buffer: contiguous, not 16-byte aligned."""
-    import torch
-
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
-    return flat.view(t.shape).copy_(t)
-
-
 @pytest.mark.parametrize("direction", ["forward", "forward_stats"])
 def test_host_forward_into_packs_the_callers_buffers(direction, capfd):
     """``forward_into`` (the classes' execute): the caller's out (and statistics buffer) are packed in the Python
@@ -229,7 +222,7 @@ def test_host_forward_into_packs_the_callers_buffers(direction, capfd):
     py_cfg = support.Config(4, 2, 64, torch.bfloat16, torch.device("cpu"))
     bad_outs = {
         "float16": out.half(),
-        "misaligned": _misaligned(out),
+        "misaligned": misaligned_copy(out),
         "not contiguous": torch.empty(9, 128, dtype=torch.bfloat16)[:, :64],
         "head_dim": torch.empty(9, 32, dtype=torch.bfloat16),
         "3-d": out.view(9, 1, 64),
@@ -242,7 +235,7 @@ def test_host_forward_into_packs_the_callers_buffers(direction, capfd):
     assert ext.forward_into(cfg, *inputs, out, "stats", 0) is None
     if stats:
         assert ext.forward_into(cfg, *inputs, out, None, 0) is None
-        for bad in (st[:, :2], st.double(), _misaligned(st), torch.empty(8, 3, 64)):
+        for bad in (st[:, :2], st.double(), misaligned_copy(st), torch.empty(8, 3, 64)):
             assert not support.stats_ok(py_cfg, bad, 9)
             assert ext.forward_into(cfg, *inputs, out, bad, 0) is None
     else:
@@ -279,9 +272,9 @@ def test_host_backward_into_packs_the_callers_gradients(direction, capfd):
     assert ext.backward_into(cfg, *inputs, empty_out, *grads, st[:0] if stats else None, 0, ws.data_ptr(),
                              ws.numel()) is None  # fmt: skip
     bad = {
-        0: (grads[0][:-1], grads[0].half(), _misaligned(grads[0])),
+        0: (grads[0][:-1], grads[0].half(), misaligned_copy(grads[0])),
         1: (torch.empty(37, 256, dtype=torch.bfloat16)[:, :128], grads[1].float()),
-        2: (grads[2].double(), grads[2][:, :64], _misaligned(grads[2])),
+        2: (grads[2].double(), grads[2][:, :64], misaligned_copy(grads[2])),
     }
     for k, variants in bad.items():
         for v in variants:
