@@ -8,7 +8,7 @@ window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
 long-window forward at a given column width (``--forward-long-stream-cols``); the backwards' prefetch ahead
 (``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``) and held ape (``--hold-ape``); the
-statistics backward's cluster form (``--stats-cluster``); or two package versions on ``PYTHONPATH``::
+statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -95,6 +95,11 @@ def apply_overrides(args, cases) -> None:
             return replace(new, MB=sch.MB, PF=sch.PF)
 
         _override(cases, ("backward",), tile)
+    if args.stats_cluster_rows:
+        from csa_compressor.backends.cute import launch as cute_launch
+
+        cute_launch.CLUSTER_MAX = args.stats_cluster_rows  # row ranges per tile, read by backward_capacity per call
+        args.stats_cluster = 1
     if args.stats_cluster is not None:
         _override(cases, ("backward_stats",), lambda d, c, sch: replace(sch, CL=bool(args.stats_cluster)))
     if args.hold_ape:
@@ -165,6 +170,7 @@ def measure(args) -> dict:
         "backward_tile": args.backward_tile,
         "hold_ape": args.hold_ape,
         "stats_cluster": args.stats_cluster,
+        "stats_cluster_rows": args.stats_cluster_rows,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
         "reps": args.reps,
@@ -247,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(0, 1),
         default=None,
         help="cute statistics backward: 1 the cluster form (Schedule.CL), 0 slabs + reduction kernel",
+    )
+    ap.add_argument(
+        "--stats-cluster-rows",
+        type=int,
+        choices=range(1, 9),
+        default=0,
+        help="cute statistics backward: the cluster form with at most this many row ranges per tile (cluster size)",
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)

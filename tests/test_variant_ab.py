@@ -94,3 +94,28 @@ def test_streaming_long_forward(overrides):
     assert fwd.NB > 1 and fwd.TC * fwd.V == 64 and fwd.ST
     assert not overrides[("forward", 128, 1, 512)].ST
     assert ("forward", 4, 2, 512) not in overrides  # short windows have no streaming form
+
+
+def test_stats_cluster_reaches_the_statistics_backward_only(overrides):
+    _apply(["--stats-cluster", "1"])
+    assert overrides[STATS].CL and overrides[STATS].SC
+    assert all(key[0] == "backward_stats" for key in overrides)
+    assert not cute_launch._default_schedule(*STATS).CL  # off by default
+
+
+def test_stats_cluster_rows_sets_the_grid(overrides):
+    """``--stats-cluster-rows 3``: the cluster form with 3 row ranges per tile (one wave of 128 clusters of 3 on an
+    H200 instead of two waves of clusters of 4) for 3x8192 d512 r128 c1 (192 rows, 128 tiles)."""
+    import types
+
+    saved = cute_launch.CLUSTER_MAX
+    try:
+        _apply(["--stats-cluster-rows", "3"])
+        sch = overrides[STATS]
+        assert sch.CL
+        fake = types.SimpleNamespace(sch=sch, num_sms=132, ctas_per_sm=4, nchunk=128)
+        assert cute_launch.backward_grid(fake, 192, 128 * 512) == (64, 3)
+        cute_launch.CLUSTER_MAX = saved
+        assert cute_launch.backward_grid(fake, 192, 128 * 512) == (48, 4)
+    finally:
+        cute_launch.CLUSTER_MAX = saved
