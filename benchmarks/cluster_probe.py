@@ -3,7 +3,7 @@
 The cluster form launches the same CTAs as the slab form (grid ``[num_ctas, nchunk]``), with grid x as one
 cluster. If fewer clusters than the grid holds can be resident at once, the single-wave design runs in more than
 one wave. This asks the driver, for the compiled kernel of each ratio-128 SPEC configuration: resident CTAs per SM
-without clusters (``cuOccupancyMaxActiveBlocksPerMultiprocessor``) and resident clusters of 1, 2, 4 and 8 CTAs
+without clusters (``cuOccupancyMaxActiveBlocksPerMultiprocessor``) and resident clusters of 1, 2, 3, 4 and 8 CTAs
 (``cuOccupancyMaxActiveClusters``), beside the clusters the grid needs::
 
     python3 benchmarks/cluster_probe.py [--out probe.json]
@@ -61,7 +61,7 @@ def probe(ratio: int, coff: int, head_dim: int) -> dict:
         nchunk=launcher.nchunk,
         grid_x=launch.backward_capacity(launcher) // launcher.nchunk,
     )
-    for size in (1, 2, 4, 8):
+    for size in (1, 2, 3, 4, 8):
         cfg = cuda.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = size, launcher.nchunk, 1
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = sch.threads, 1, 1
