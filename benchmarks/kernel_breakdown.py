@@ -22,26 +22,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def breakdown(timer, fn, calls: int, cold: bool) -> dict[str, float]:
-    """Kernel name -> mean microseconds per call (the flush's fill kernel excluded)."""
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    """Kernel name -> mean microseconds per call, from the benchmark timer's profile (annotation spans and the
+    flush's fill kernel excluded)."""
+    from csa_compressor.bench import _FLUSH_KERNEL_HINT
 
-    torch.cuda.synchronize(timer.device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            if cold:
-                timer.flush()
-            fn()
-        torch.cuda.synchronize(timer.device)
+    activities, _ = timer.device_activity(fn, calls, cold)
     totals: dict[str, float] = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+    for a in activities:
+        if a.is_user_annotation or (cold and _FLUSH_KERNEL_HINT in a.name):
             continue
-        name = e.name
-        if cold and "fill" in name.lower():
-            continue  # the flush
-        totals[name[:90]] += e.time_range.elapsed_us()
+        totals[a.name[:90]] += a.duration_us
     return {k: round(v / calls, 2) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 

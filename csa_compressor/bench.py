@@ -697,6 +697,14 @@ class _Timer:
         return copy_rate(nbytes, times)
 
     def kernel_us(self, fn: Callable[[], object], calls: int, cold: bool, clean: bool = False) -> float:
+        activities, flush_us = self.device_activity(fn, calls, cold, clean)
+        return kernel_us_per_call(activities, calls, flush_us)
+
+    def device_activity(
+        self, fn: Callable[[], object], calls: int, cold: bool, clean: bool = False
+    ) -> tuple[list[DeviceActivity], float]:
+        """The device activities of ``calls`` calls of ``fn`` (``cold``: each after the L2 flush) and the flushes'
+        total device time within them."""
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -735,7 +743,7 @@ class _Timer:
             if len(fills) != calls:
                 raise RuntimeError("could not find the L2 flush kernels in the profile; cold time would include them")
             flush_us = sum(a.duration_us for a in fills)
-        return kernel_us_per_call(activities, calls, flush_us)
+        return activities, flush_us
 
     def wall_us(self, fn: Callable[[], object], calls: int) -> float:
         """Median of CUDA-event time around one call, the device idle before it (host overhead shows)."""

@@ -168,17 +168,6 @@ def make_backward_host(
 
     def launch_both(main, ws, gape, num_ctas, stream):
         # Plain Python, run while the host function is traced.
-        if cluster:
-            main.launch(
-                grid=[num_ctas, nchunk, 1],
-                block=[threads, 1, 1],
-                cluster=[num_ctas, 1, 1],
-                smem=smem_bytes,
-                stream=stream,
-                min_blocks_per_mp=min_blocks,
-                preferred_smem_carveout=carveout,
-            )
-            return
         main.launch(
             grid=[num_ctas, nchunk, 1],
             block=[threads, 1, 1],
@@ -186,7 +175,10 @@ def make_backward_host(
             stream=stream,
             min_blocks_per_mp=min_blocks,
             preferred_smem_carveout=carveout,
+            **(dict(cluster=[num_ctas, 1, 1]) if cluster else {}),
         )
+        if cluster:
+            return  # the kernel summed grad_ape itself
         reduce_kernel(ws, gape, num_ctas).launch(
             grid=[reduce_grid_x(ape_size, slab_lanes), 1, 1],
             block=[REDUCE_WARPS * 32, 1, 1],

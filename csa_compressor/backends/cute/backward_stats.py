@@ -32,12 +32,22 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
-from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .backward_common import ZeroStores, make_backward_host
 from .backward_long import prefetch_l1, prefetch_l2
-from .forward import LOG2E, Schedule, WindowOps, add_rn, ex2, find_segment, vec_view, vector_width, window_store
+from .forward import (
+    LOG2E,
+    Schedule,
+    WindowOps,
+    add_rn,
+    ex2,
+    find_segment,
+    inline_ptx,
+    vec_view,
+    vector_width,
+    window_store,
+)
 
 # Window slots per CTA: at least 8, and few enough slot chunks (at most STATS_CHUNKS) that a row's statistics and
 # grad_out are not read by too many CTAs. H200 A/B (2026-11-30, cold backward, slots per CTA 32 / 16 / 8):
@@ -59,17 +69,8 @@ def ld_cluster_f32(addr, rank, *, loc=None, ip=None) -> Float32:
 
     Side-effecting so that it stays after the cluster barrier that publishes the peers' stores."""
     operands = [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)]
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            operands,
-            "{\n.reg .u32 %ra;\nmapa.shared::cluster.u32 %ra, $1, $2;\nld.shared::cluster.f32 $0, [%ra];\n}",
-            "=f,r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    text = "{\n.reg .u32 %ra;\nmapa.shared::cluster.u32 %ra, $1, $2;\nld.shared::cluster.f32 $0, [%ra];\n}"
+    return Float32(inline_ptx(text, operands, "=f,r,r", T.f32(), side_effects=True))
 
 
 def stats_backward_schedule(

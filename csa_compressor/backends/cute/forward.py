@@ -43,33 +43,28 @@ NEG_INF = float("-inf")
 LOG2E = math.log2(math.e)
 
 
-def ptx_effect(text: str, operands, constraints: str) -> None:
-    """Inline PTX run for its side effect (a prefetch, an asynchronous copy): no result, never removed."""
-    llvm.inline_asm(
-        None,
+def inline_ptx(text: str, operands, constraints: str, result=None, side_effects: bool = False):
+    """One inline PTX statement (AT&T operand order): ``result`` is the LLVM type of ``$0`` or None."""
+    return llvm.inline_asm(
+        result,
         operands,
         text,
         constraints,
-        has_side_effects=True,
+        has_side_effects=side_effects,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 
+def ptx_effect(text: str, operands, constraints: str) -> None:
+    """Inline PTX run for its side effect (a prefetch, an asynchronous copy): no result, never removed."""
+    inline_ptx(text, operands, constraints, side_effects=True)
+
+
 def ptx_f32(text: str, values, *, loc=None, ip=None) -> Float32:
     """The fp32 result ``$0`` of inline PTX over fp32 operands ``$1 ..`` (pure: free to move or remove)."""
     operands = [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            operands,
-            text,
-            "=f" + ",f" * len(operands),
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return Float32(inline_ptx(text, operands, "=f" + ",f" * len(operands), T.f32()))
 
 
 # fp32 arithmetic with the rounding pinned in PTX (``.rn``): neither NVVM nor ptxas may contract a

@@ -199,6 +199,18 @@ bool call(Launch* rec, const std::vector<uint64_t>& ptrs, const std::vector<int6
 uint64_t ptr_of(const at::Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 
 
+// Pack and call the forward (nothing to launch for zero rows; the register-capped build from wide_rows rows on): the
+// inputs, out, the statistics (if any).
+bool call_forward(const Config& cfg, const at::Tensor& kv, const at::Tensor& score, const at::Tensor& ape,
+                  const at::Tensor& cu, const at::Tensor& cuc, const at::Tensor& out, const at::Tensor* st,
+                  int64_t rows, int64_t stream) {
+  if (rows == 0) return true;
+  Launch* rec = (rows >= cfg.wide_rows && cfg.fwd_wide != nullptr) ? cfg.fwd_wide : cfg.fwd;
+  std::vector<uint64_t> ptrs{ptr_of(kv), ptr_of(score), ptr_of(ape), ptr_of(cu), ptr_of(cuc), ptr_of(out)};
+  if (st != nullptr) ptrs.push_back(ptr_of(*st));
+  return call(rec, ptrs, {cu.size(0) - 1, rows}, stream);
+}
+
 // forward(config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, stream) -> out (statistics configurations:
 // (out, softmax_stats)), or None (slow path).
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -215,15 +227,11 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!kv || !score || !ape || !cu || !cuc || cfg->fwd == nullptr || rows < 0 ||
       !inputs_ok(*cfg, *kv, *score, *ape, *cu, *cuc, rows))
     Py_RETURN_NONE;
-  Launch* rec = (rows >= cfg->wide_rows && cfg->fwd_wide != nullptr) ? cfg->fwd_wide : cfg->fwd;
   at::Tensor out = at::empty({rows, cfg->head_dim}, kv->options());
   at::Tensor st;
   if (cfg->stats) st = at::empty({rows, 3, cfg->head_dim}, kv->options().dtype(at::kFloat));
-  if (rows > 0) {
-    std::vector<uint64_t> ptrs{ptr_of(*kv), ptr_of(*score), ptr_of(*ape), ptr_of(*cu), ptr_of(*cuc), ptr_of(out)};
-    if (cfg->stats) ptrs.push_back(ptr_of(st));
-    if (!call(rec, ptrs, {cu->size(0) - 1, rows}, stream)) return nullptr;
-  }
+  if (!call_forward(*cfg, *kv, *score, *ape, *cu, *cuc, out, cfg->stats ? &st : nullptr, rows, stream))
+    return nullptr;
   if (!cfg->stats) return THPVariable_Wrap(std::move(out));
   PyObject* result = PyTuple_New(2);
   if (result == nullptr) return nullptr;
@@ -254,12 +262,7 @@ PyObject* forward_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int64_t rows = out->size(0);
   if (!inputs_ok(*cfg, *kv, *score, *ape, *cu, *cuc, rows) || (st != nullptr && !stats_ok(*st, rows, *cfg)))
     Py_RETURN_NONE;
-  if (rows > 0) {
-    Launch* rec = (rows >= cfg->wide_rows && cfg->fwd_wide != nullptr) ? cfg->fwd_wide : cfg->fwd;
-    std::vector<uint64_t> ptrs{ptr_of(*kv), ptr_of(*score), ptr_of(*ape), ptr_of(*cu), ptr_of(*cuc), ptr_of(*out)};
-    if (st != nullptr) ptrs.push_back(ptr_of(*st));
-    if (!call(rec, ptrs, {cu->size(0) - 1, rows}, stream)) return nullptr;
-  }
+  if (!call_forward(*cfg, *kv, *score, *ape, *cu, *cuc, *out, st, rows, stream)) return nullptr;
   Py_RETURN_TRUE;
 }
 

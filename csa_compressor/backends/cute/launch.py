@@ -667,7 +667,7 @@ def backward_capacity(launcher: _Launcher) -> int:
     """The backward grid's CTA slots: one wave of resident CTAs; for the cluster form (``Schedule.CL``) at most
     CLUSTER_MAX row ranges per tile (one cluster spans the grid's x dimension)."""
     capacity = launcher.num_sms * launcher.ctas_per_sm
-    if getattr(launcher.sch, "CL", False):
+    if launcher.sch.CL:
         capacity = min(capacity, CLUSTER_MAX * launcher.nchunk)
     return capacity
 
