@@ -7,8 +7,9 @@ for the backwards), set by ``--set KEY=VALUE`` before the package is imported; t
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
 long-window forward at a given column width (``--forward-long-stream-cols``); the backwards' prefetch ahead
-(``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``) and held ape (``--hold-ape``); the
-statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``); or two package versions on ``PYTHONPATH``::
+(``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``), CTA size (``--backward-threads``) and held ape (``--hold-ape``); the
+statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``) and whole-tile form
+(``--stats-whole-tile``); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -100,8 +101,27 @@ def apply_overrides(args, cases) -> None:
 
         cute_launch.CLUSTER_MAX = args.stats_cluster_rows  # row ranges per tile, read by backward_capacity per call
         args.stats_cluster = 1
+    if args.stats_whole_tile is not None:
+        from csa_compressor.backends.cute.backward_stats import with_whole_tile
+
+        _override(cases, ("backward_stats",), lambda d, c, sch: with_whole_tile(sch, bool(args.stats_whole_tile)))
     if args.stats_cluster is not None:
-        _override(cases, ("backward_stats",), lambda d, c, sch: replace(sch, CL=bool(args.stats_cluster)))
+        from csa_compressor.backends.cute.backward_stats import with_whole_tile
+
+        # The cluster form splits the rows over the cluster's CTAs: the slab form's 128-thread tile.
+        _override(
+            cases,
+            ("backward_stats",),
+            lambda d, c, sch: replace(with_whole_tile(sch, False), CL=bool(args.stats_cluster)),
+        )
+    if args.backward_threads:
+
+        def wider(d, c, sch):
+            if sch.LONG or sch.SC or sch.threads == args.backward_threads:
+                return None
+            return replace(sch, R=max(1, sch.R * args.backward_threads // sch.threads))
+
+        _override(cases, ("backward",), wider)
     if args.hold_ape:
         _override(cases, ("backward",), lambda d, c, sch: None if sch.LONG or sch.SC else replace(sch, HA=True))
     # The two-pass long backward (LONG without SC) sizes its grid by shared memory and prefetches by its own rule.
@@ -170,6 +190,8 @@ def measure(args) -> dict:
         "backward_tile": args.backward_tile,
         "hold_ape": args.hold_ape,
         "stats_cluster": args.stats_cluster,
+        "stats_whole_tile": args.stats_whole_tile,
+        "backward_threads": args.backward_threads,
         "stats_cluster_rows": args.stats_cluster_rows,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
@@ -184,8 +206,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}, stats_cluster={a_run.get('stats_cluster')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}, stats_cluster={b_run.get('stats_cluster')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}, stats_cluster={a_run.get('stats_cluster')}, stats_whole_tile={a_run.get('stats_whole_tile')}, backward_threads={a_run.get('backward_threads')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}, stats_cluster={b_run.get('stats_cluster')}, stats_whole_tile={b_run.get('stats_whole_tile')}, backward_threads={b_run.get('backward_threads')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -260,6 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=range(1, 9),
         default=0,
         help="cute statistics backward: the cluster form with at most this many row ranges per tile (cluster size)",
+    )
+    ap.add_argument(
+        "--stats-whole-tile",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="cute statistics backward: 1 the whole-tile form (Schedule.WT, 512-thread CTAs, no slabs), 0 the slab form",
+    )
+    ap.add_argument(
+        "--backward-threads",
+        type=int,
+        choices=(128, 256, 512, 1024),
+        default=0,
+        help="cute short-window backward: CTA size by more row lanes at the same thread tile (fewer grad_ape slabs)",
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)

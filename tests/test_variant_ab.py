@@ -119,3 +119,36 @@ def test_stats_cluster_rows_sets_the_grid(overrides):
         assert cute_launch.backward_grid(fake, 192, 128 * 512) == (48, 4)
     finally:
         cute_launch.CLUSTER_MAX = saved
+
+
+def test_stats_whole_tile_switch(overrides):
+    """``--stats-whole-tile 0`` / ``1``: the slab form (128 threads, 4 row ranges) or the whole-tile form (512 threads,
+    grid x 1) of the same thread tile; the cluster switch always takes the slab form's tile."""
+    import types
+
+    default = cute_launch._default_schedule(*STATS)
+    assert default.WT  # 3x8192 d512 r128 c1 has 128 tiles
+    _apply(["--stats-whole-tile", "0"])
+    slab = overrides[STATS]
+    assert not slab.WT and slab.threads == 128 and (slab.V, slab.TC, slab.G, slab.SG) == (
+        default.V, default.TC, default.G, default.SG)  # fmt: skip
+    fake = types.SimpleNamespace(sch=slab, num_sms=132, ctas_per_sm=4, nchunk=128)
+    assert cute_launch.backward_grid(fake, 192, 128 * 512) == (48, 4)
+    _apply(["--stats-whole-tile", "1"])
+    whole = overrides[STATS]
+    assert whole == default and whole.threads == 512
+    fake = types.SimpleNamespace(sch=whole, num_sms=132, ctas_per_sm=1, nchunk=128)
+    assert cute_launch.backward_grid(fake, 192, 128 * 512) == (192, 1)
+    assert cute_launch.backward_grid(fake, 5, 128 * 512) == (16, 1)
+    _apply(["--stats-cluster", "1"])
+    assert overrides[STATS].CL and not overrides[STATS].WT and overrides[STATS].threads == 128
+
+
+def test_backward_threads_widens_only_the_short_window_backward(overrides):
+    """``--backward-threads 512``: 4x the row lanes of the ratio-4 backward (one CTA per SM by registers, a quarter of
+    the grad_ape slabs), the thread tile unchanged."""
+    _apply(["--backward-threads", "512"])
+    sch, default = overrides[R4], cute_launch._default_schedule(*R4)
+    assert sch.threads == 512 and sch.R == 4 * default.R and (sch.V, sch.TC, sch.G, sch.HA) == (
+        default.V, default.TC, default.G, default.HA)  # fmt: skip
+    assert STATS not in overrides

@@ -549,6 +549,43 @@ def test_backward_held_ape_changes_no_bit(case):
 
 
 @pytest.mark.parametrize("case", STATS_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_stats_backward_whole_tile_form(case):
+    """Schedule.WT (the default where a configuration has WHOLE_TILE_MIN_TILES tiles; forced here on every case):
+    one 512-thread CTA per tile over all rows, grad_ape written by the main kernel. Against the slab form: grad_kv and
+    grad_score bitwise (same element math), grad_ape within fp32 summation-order error (R = 4x the row lanes); every
+    element written over NaN-filled buffers, the contract against the reference, bitwise run to run."""
+    from csa_compressor.backends.cute.backward_stats import with_whole_tile
+
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=47)
+    key = ("backward_stats", ratio, coff, d)
+    default = launch._default_schedule(*key)
+    dev = torch.device("cuda")
+    ape_numel = pack.inputs[2].numel()
+
+    def grid_run(launch, pack):
+        launcher = launch._get_launcher(*key, torch.bfloat16, dev)
+        first = _run_stats(launch, pack)
+        again = _run_stats(launch, pack)
+        return (*first, again, launch.backward_grid(launcher, pack.total_comp, ape_numel))
+
+    *slabs, _, slab_grid = _run_with_schedule(launch, grid_run, pack, key, with_whole_tile(default, False))
+    *got, again, whole_grid = _run_with_schedule(launch, grid_run, pack, key, with_whole_tile(default, True))
+    assert whole_grid[1] == 1 and whole_grid[0] >= pack.total_comp
+    assert slab_grid[1] >= 1
+    _assert_bitwise(slabs[0], got[0])
+    for t in got[2]:
+        assert not torch.isnan(t).any()
+    for a, b in zip(slabs[2][:2], got[2][:2], strict=True):
+        _assert_bitwise(a, b)
+    torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got[2], again[2], strict=True):
+        _assert_bitwise(a, b)
+    assert_contract(pack, got[0], got[2])
+
+
+@pytest.mark.parametrize("case", STATS_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
 def test_stats_backward_cluster_form_changes_no_bit(case):
     """Schedule.CL (opt-in: grad_ape summed across a thread-block cluster of the row ranges) against the slabs and
     the reduction kernel: grad_kv and grad_score bitwise; grad_ape bitwise where both split the rows alike (the same
@@ -556,19 +593,21 @@ def test_stats_backward_cluster_form_changes_no_bit(case):
     launch = _launch_module()
     seqlens, d, ratio, coff, tp, cp = case
     pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=43)
+    from csa_compressor.backends.cute.backward_stats import with_whole_tile
+
     key = ("backward_stats", ratio, coff, d)
     default = launch._default_schedule(*key)
-    assert not default.CL  # the slab form is the default
+    assert not default.CL  # opt-in
+    slab = with_whole_tile(default, False)
     dev = torch.device("cuda")
     ape_numel = pack.inputs[2].numel()
-    slab_grid = launch.backward_grid(launch._get_launcher(*key, torch.bfloat16, dev), pack.total_comp, ape_numel)
-    slabs = _run_stats(launch, pack)
 
-    def cluster_run(launch, pack):
+    def grid_run(launch, pack):
         grid = launch.backward_grid(launch._get_launcher(*key, torch.bfloat16, dev), pack.total_comp, ape_numel)
         return (*_run_stats(launch, pack), grid)
 
-    *got, cluster_grid = _run_with_schedule(launch, cluster_run, pack, key, replace(default, CL=True))
+    *slabs, slab_grid = _run_with_schedule(launch, grid_run, pack, key, slab)
+    *got, cluster_grid = _run_with_schedule(launch, grid_run, pack, key, replace(slab, CL=True))
     assert cluster_grid[1] <= 8
     _assert_bitwise(slabs[0], got[0])
     for a, b in zip(slabs[2][:2], got[2][:2], strict=True):

@@ -94,6 +94,24 @@ def test_softmax_stats_variants_compile(direction, ratio, coff, head_dim):
         assert "cp.async" not in ptx
 
 
+@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 512), (128, 2, 512), (128, 1, 65)])
+def test_stats_backward_whole_tile_builds_one_kernel(ratio, coff, head_dim):
+    """Schedule.WT: one 512-thread kernel (one CTA per SM by the register cap) that writes grad_ape itself, no
+    reduction kernel, no local memory; the slab form of the same configuration keeps its reduction kernel."""
+    from dataclasses import replace
+
+    _, sch = cute_launch._key("backward_stats", ratio, coff, head_dim, torch.bfloat16, "sm_90a")
+    wt = sch if sch.WT else replace(sch, WT=True, R=sch.R * 4)
+    ptx = cute_launch._build("backward_stats", ratio, coff, head_dim, "sm_90a", wt).artifacts.PTX
+    entries = cute_launch._ptx_entries(ptx)
+    assert list(entries.values()) == ["p" * 10 + "iiii"] and not any("reduce_kernel" in n for n in entries)
+    assert ".reqntid 512, 1, 1" in ptx and ".minnctapersm 1" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    slab = replace(wt, WT=False, R=wt.R // 4)
+    slab_ptx = cute_launch._build("backward_stats", ratio, coff, head_dim, "sm_90a", slab).artifacts.PTX
+    assert sum("reduce_kernel" in n for n in cute_launch._ptx_entries(slab_ptx)) == 1
+
+
 def test_softmax_stats_only_for_long_windows():
     assert not cute_launch.supports_stats(8, 2, 128)
     with pytest.raises(ValueError, match="direction must be"):
@@ -101,20 +119,36 @@ def test_softmax_stats_only_for_long_windows():
 
 
 @pytest.mark.parametrize(
-    "ratio,coff,head_dim", [(128, 1, 128), (128, 2, 512), (16, 2, 130), (17, 1, 128), (128, 1, 65)]
+    "ratio,coff,head_dim", [(128, 1, 128), (128, 2, 512), (16, 2, 130), (17, 1, 128), (128, 1, 65), (128, 1, 512)]
 )
 def test_stats_backward_rows_side_by_side(ratio, coff, head_dim):
-    """128-thread CTAs whatever the window: slot chunks of at most ``max(8, W / 16)`` slots, and the threads left over
-    take rows side by side (``R``), so that a CTA's grad_ape slab covers ``R`` rows at a time."""
-    from csa_compressor.backends.cute.backward_stats import STATS_CHUNKS, STATS_MIN_SLOTS, stats_backward_schedule
+    """128-thread CTAs whatever the window (the slab form): slot chunks of at most ``max(8, W / 16)`` slots, and the
+    threads left over take rows side by side (``R``), so that a CTA's grad_ape slab covers ``R`` rows at a time. Where
+    there are at least WHOLE_TILE_MIN_TILES tiles, the same thread tile in CTAs of WHOLE_TILE_THREADS (whole-tile form,
+    4x the row lanes)."""
+    from csa_compressor.backends.cute.backward_stats import (
+        STATS_CHUNKS,
+        STATS_MIN_SLOTS,
+        WHOLE_TILE_MIN_TILES,
+        WHOLE_TILE_THREADS,
+        stats_backward_schedule,
+    )
 
     W = coff * ratio
     sch = stats_backward_schedule(ratio, coff, head_dim)
-    assert sch.threads == 128 and W % sch.SC == 0
-    assert sch.SC <= max(STATS_MIN_SLOTS, W // STATS_CHUNKS)
-    assert sch.R == 128 // (sch.TC * sch.G)
+    slab = stats_backward_schedule(ratio, coff, head_dim, whole_tile=False)
+    tiles = -(-head_dim // (sch.TC * sch.V)) * (W // sch.SC)
+    assert sch.WT == (tiles >= WHOLE_TILE_MIN_TILES)
+    assert sch.WT == ((ratio, coff, head_dim) in ((128, 2, 512), (128, 1, 512)))  # the large SPEC cases
+    assert slab.threads == 128 and not slab.WT and W % slab.SC == 0
+    assert slab.SC <= max(STATS_MIN_SLOTS, W // STATS_CHUNKS)
+    assert slab.R == 128 // (slab.TC * slab.G)
+    assert (sch.V, sch.TC, sch.G, sch.SG, sch.SC) == (slab.V, slab.TC, slab.G, slab.SG, slab.SC)
+    assert sch.threads == (WHOLE_TILE_THREADS if sch.WT else 128)
     if (ratio, coff, head_dim) == (128, 1, 128):
         assert (sch.SC, sch.R) == (8, 4)
+    if (ratio, coff, head_dim) == (128, 1, 512):
+        assert (sch.SC, sch.R, tiles) == (8, 16, 128)
 
 
 @pytest.mark.parametrize(

@@ -178,7 +178,7 @@ def test_host_backward_grid_matches_python(direction, capfd):
     st = torch.randn(9, 3, 64) if stats else None
     ws = torch.empty(1 << 16)
     for num_sms, ctas, nchunk, rows_per_step in ((132, 4, 1, 2), (2, 1, 2, 4), (1, 1, 1, 1)):
-        fake = types.SimpleNamespace(sch=types.SimpleNamespace(R=rows_per_step, CL=False), num_sms=num_sms, ctas_per_sm=ctas,
+        fake = types.SimpleNamespace(sch=types.SimpleNamespace(R=rows_per_step, CL=False, WT=False), num_sms=num_sms, ctas_per_sm=ctas,
                                      nchunk=nchunk)  # fmt: skip
         rows_per_cta, num_ctas = launch.backward_grid(fake, 9, inputs[2].numel())
         cfg = ext.make_config(4, 2, 64, -1, None, None, 1 << 62, record, num_sms * ctas, nchunk, rows_per_step,
@@ -259,7 +259,9 @@ def test_host_backward_into_packs_the_callers_gradients(direction, capfd):
     st = torch.randn(9, 3, 64) if stats else None
     ws = torch.empty(1 << 16)
     grads = [torch.empty_like(t) for t in inputs[:3]]
-    fake = types.SimpleNamespace(sch=types.SimpleNamespace(R=2, CL=False), num_sms=132, ctas_per_sm=4, nchunk=1)
+    fake = types.SimpleNamespace(
+        sch=types.SimpleNamespace(R=2, CL=False, WT=False), num_sms=132, ctas_per_sm=4, nchunk=1
+    )
     rows_per_cta, num_ctas = launch.backward_grid(fake, 9, inputs[2].numel())
     cfg = ext.make_config(4, 2, 64, -1, None, None, 1 << 62, record, 132 * 4, 1, 2, launch.WS_CAP_BYTES, int(stats))
     _received(capfd)

@@ -152,6 +152,7 @@ def make_backward_host(
     slab_lanes: int = 1,
     min_blocks: int = 0,
     cluster: bool = False,
+    direct: bool = False,
 ):
     """The @cute.jit host function of a backward: ``kernel`` over ``[num_ctas, nchunk]`` persistent CTAs,
     then the grad_ape reduction, on ``stream``.
@@ -160,8 +161,10 @@ def make_backward_host(
     grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``; with ``stats`` the softmax statistics
     pointer follows ``ws`` (also in the kernel's arguments). With ``cluster`` the grid's x dimension is one
     cluster of ``num_ctas <= 8`` CTAs, the kernel gets ``grad_ape`` in place of ``ws`` and sums it itself (``ws``
-    is not used) and there is no second kernel.
+    is not used) and there is no second kernel. With ``direct`` (the whole-tile form) the grid's x dimension is 1
+    and the kernel gets ``grad_ape`` in place of ``ws`` (its one slab is grad_ape): no second kernel either.
     """
+    single = cluster or direct  # grad_ape written by the main kernel
     reduce_kernel = make_reduce_kernel(ape_size, slab_lanes)
     # Registers capped at MAX_REGS, or for ``min_blocks`` resident CTAs per SM (a schedule's MB).
     min_blocks = min_blocks or max(1, 65536 // (threads * MAX_REGS))
@@ -177,8 +180,8 @@ def make_backward_host(
             preferred_smem_carveout=carveout,
             **(dict(cluster=[num_ctas, 1, 1]) if cluster else {}),
         )
-        if cluster:
-            return  # the kernel summed grad_ape itself
+        if single:
+            return  # the kernel wrote grad_ape itself
         reduce_kernel(ws, gape, num_ctas).launch(
             grid=[reduce_grid_x(ape_size, slab_lanes), 1, 1],
             block=[REDUCE_WARPS * 32, 1, 1],
@@ -208,7 +211,7 @@ def make_backward_host(
             num_ctas: Int32,
             stream: cuda.CUstream,
         ):
-            main = kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, gape if cluster else ws, st, B, N, T, rows_per_cta)
+            main = kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, gape if single else ws, st, B, N, T, rows_per_cta)
             launch_both(main, ws, gape, num_ctas, stream)
 
         return host_st

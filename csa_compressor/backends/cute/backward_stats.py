@@ -17,6 +17,9 @@ kernel):
   ``ws[row range]`` (disjoint slots and columns per CTA); the reduction kernel of ``backward_common`` sums the
   slabs in a fixed order (bitwise deterministic, no atomics). The slabs are extra DRAM traffic (written, then
   read): ``R`` rows side by side divide their number by ``R`` at the same CTA count.
+- ``WT`` (whole-tile form): grid x is 1; a CTA of ``WHOLE_TILE_THREADS`` threads takes all rows of its tile in
+  ``R`` row lanes, sums them in lane order through shared memory and writes grad_ape itself (``ws`` is grad_ape:
+  slab 0 has grad_ape's layout). No slabs and no reduction kernel, where one CTA per tile fills the GPU.
 - ``CL`` (cluster form): the row ranges of one (column chunk, slot chunk) tile are one thread-block cluster
   (``num_ctas <= CLUSTER_MAX`` CTAs on grid x, launched as one cluster). After a cluster barrier each CTA sums
   a share of the tile's entries over the cluster's CTAs in rank order (distributed shared memory) and writes
@@ -28,6 +31,8 @@ without rows and the token-capacity padding.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import cutlass
 import cutlass.cute as cute
@@ -61,6 +66,10 @@ STATS_CHUNKS = 16
 STATS_CLUSTER = False
 # Row ranges per cluster in the CL form: the portable cluster size (more needs a non-portable launch attribute).
 CLUSTER_MAX = 8
+# The whole-tile form (Schedule.WT) where one CTA per tile nearly fills the GPU (132 SMs on the H200, 148 on the B200):
+# both large ratio-128 cases of SPEC section 6 have 128 tiles, 1x8192 d128 r128 c1 has 32 (slab form).
+WHOLE_TILE_MIN_TILES = 96
+WHOLE_TILE_THREADS = 512
 
 
 @dsl_user_op
@@ -81,6 +90,7 @@ def stats_backward_schedule(
     vcap: int = 4,
     slots: int = 4,
     cluster: bool = STATS_CLUSTER,
+    whole_tile: bool | None = None,
 ) -> Schedule:
     """128 threads: 64 columns (8-byte vectors, ``TC`` threads) x ``G`` groups of 4 slots (``SC = G * SG <=
     slots_cap`` window slots per CTA) x ``R`` rows at a time. Every CTA writes one grad_ape slab per row range, so
@@ -91,7 +101,12 @@ def stats_backward_schedule(
     statistics and grad_out once per 4 slots. H200 A/B (2026-12-01, cold backward, against 16-byte vectors x 2 slots):
     1x8192 d128 r128 c1 -6 / -7 %, 3x8192 d512 r128 c1 -1 / -2 %, 1x65536 d512 r128 c2 -0.3 / -0.9 % (both GPUs;
     benchmarks/results/stats_tile_ab_h200_20261201.md); 4 columns x 2 slots (79 registers, 6 CTAs per SM): +16-18 %
-    on the large cases."""
+    on the large cases.
+
+    ``whole_tile`` (``WT``; by default where the configuration has at least ``WHOLE_TILE_MIN_TILES`` tiles): the
+    same thread tile in CTAs of ``WHOLE_TILE_THREADS`` (4x the row lanes, one CTA per SM by registers, so the same
+    warps per SM), one CTA per tile over all rows: it writes grad_ape itself, with no slabs and no second kernel.
+    """
     W = coff * ratio
     if slots_cap is None:
         slots_cap = max(STATS_MIN_SLOTS, W // STATS_CHUNKS)
@@ -104,8 +119,20 @@ def stats_backward_schedule(
     G = max(1, min(128 // TC, slots_cap // SG))
     while G > 1 and W % (G * SG):
         G //= 2
-    R = max(1, 128 // (TC * G))
-    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R, NB=1, LONG=True, ST=True, SC=G * SG, CL=cluster)
+    tiles = -(-head_dim // (TC * V)) * (W // (G * SG))
+    if whole_tile is None:
+        whole_tile = tiles >= WHOLE_TILE_MIN_TILES and not cluster
+    R = max(1, (WHOLE_TILE_THREADS if whole_tile else 128) // (TC * G))
+    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R, NB=1, LONG=True, ST=True, SC=G * SG, CL=cluster, WT=bool(whole_tile))
+
+
+def with_whole_tile(sch: Schedule, on: bool) -> Schedule:
+    """``sch`` in the whole-tile form (``on``: CTAs of WHOLE_TILE_THREADS) or the slab form (128 threads), the thread
+    tile unchanged: only the row lanes ``R`` change."""
+    if sch.WT == on:
+        return sch
+    threads = WHOLE_TILE_THREADS if on else 128
+    return replace(sch, WT=on, R=max(1, sch.R * threads // sch.threads))
 
 
 def stats_backward_smem_bytes(sch: Schedule) -> int:
@@ -120,7 +147,7 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
     rows_per_cta, num_ctas, stream)`` (the ``backward_stats`` signature of launch.py)."""
     V, TC, G, SG, SC, R = sch.V, sch.TC, sch.G, sch.SG, sch.SC, sch.R
     W = coff * ratio
-    assert sch.ST and SC == G * SG and W % SC == 0 and sch.NB == 1
+    assert sch.ST and SC == G * SG and W % SC == 0 and sch.NB == 1 and not (sch.CL and sch.WT)
     D = head_dim
     WIDTH = coff * head_dim
     NT = sch.threads
@@ -333,4 +360,5 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
         stats=True,
         min_blocks=sch.MB,
         cluster=sch.CL,
+        direct=sch.WT,
     )

@@ -192,6 +192,9 @@ class Schedule:
     MB: int = 0  # resident CTAs per SM that the registers are capped for (launch bounds); 0: the default
     HA: bool = False  # short-window backward: the thread's ape entries held in registers across rows
     CL: bool = False  # statistics backward: a cluster of the row ranges sums grad_ape (no slabs, no second kernel)
+    WT: bool = (
+        False  # statistics backward: one CTA per tile sums all rows and writes grad_ape (no slabs, no 2nd kernel)
+    )
 
     @property
     def threads(self) -> int:
@@ -217,6 +220,7 @@ class Schedule:
             self.MB,
             self.HA,
             self.CL,
+            self.WT,
         )
 
 

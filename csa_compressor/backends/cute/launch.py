@@ -528,14 +528,15 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
     capacity = backward_capacity(launcher)
     cfg = ext.make_config(ratio, coff, head_dim, index, None, None, 1 << 62, record, capacity, launcher.nchunk,
                           launcher.sch.R, WS_CAP_BYTES, stats)  # fmt: skip
-    cluster = launcher.sch.CL  # one kernel, no slabs: nothing kept per stream, and capture needs nothing special
+    # Cluster and whole-tile forms: one kernel, no slabs: nothing kept per stream, and capture needs nothing special.
+    single = launcher.sch.CL or launcher.sch.WT
 
     def with_slabs(fn, *args):
         """``fn(cfg, *args, stream, ws_ptr, ws_numel)`` on the current stream with its slabs, or None."""
         if _GET_DEVICE() != index:
             return None
         handle = _RAW_STREAM(index)
-        if cluster:
+        if single:
             return fn(cfg, *args, handle, 0, 1 << 62)
         if _IS_CAPTURING():
             return None
@@ -665,7 +666,10 @@ WS_CAP_BYTES = 20 << 20  # grad_ape partial slabs stay L2-resident between the t
 
 def backward_capacity(launcher: _Launcher) -> int:
     """The backward grid's CTA slots: one wave of resident CTAs; for the cluster form (``Schedule.CL``) at most
-    CLUSTER_MAX row ranges per tile (one cluster spans the grid's x dimension)."""
+    CLUSTER_MAX row ranges per tile (one cluster spans the grid's x dimension); for the whole-tile form
+    (``Schedule.WT``) one row range per tile."""
+    if launcher.sch.WT:
+        return launcher.nchunk  # whole-tile form: one CTA per tile, grid x is 1
     capacity = launcher.num_sms * launcher.ctas_per_sm
     if launcher.sch.CL:
         capacity = min(capacity, CLUSTER_MAX * launcher.nchunk)
@@ -746,8 +750,8 @@ def _launch_backward(
     tail = (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas, handle)
     if stats is not None:
         tail = (stats.data_ptr(), *tail)
-    if launcher.sch.CL:
-        # Cluster form: one kernel that writes grad_ape itself, no slabs.
+    if launcher.sch.CL or launcher.sch.WT:
+        # Cluster and whole-tile forms: one kernel that writes grad_ape itself, no slabs.
         launcher.launch((*ptrs, 0, *tail))
         return
     ws_numel = num_ctas * ape.numel()
