@@ -9,7 +9,7 @@ window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the
 long-window forward at a given column width (``--forward-long-stream-cols``); the backwards' prefetch ahead
 (``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``), CTA size (``--backward-threads``) and held ape (``--hold-ape``); the
 statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``) and whole-tile form
-(``--stats-whole-tile``); or two package versions on ``PYTHONPATH``::
+(``--stats-whole-tile``) and the slab form's CTA size (``--stats-threads``); or two package versions on ``PYTHONPATH``::
 
     python3 benchmarks/variant_ab.py --out $OUT/ab_on.json
     python3 benchmarks/variant_ab.py --set CSA_COMPRESSOR_STREAM_LOADS=0 --out $OUT/ab_off.json
@@ -105,6 +105,14 @@ def apply_overrides(args, cases) -> None:
         from csa_compressor.backends.cute.backward_stats import with_whole_tile
 
         _override(cases, ("backward_stats",), lambda d, c, sch: with_whole_tile(sch, bool(args.stats_whole_tile)))
+    if args.stats_threads:
+
+        def stats_wider(d, c, sch):
+            if sch.WT or sch.CL or sch.threads == args.stats_threads:
+                return None
+            return replace(sch, R=max(1, sch.R * args.stats_threads // sch.threads))
+
+        _override(cases, ("backward_stats",), stats_wider)
     if args.stats_cluster is not None:
         from csa_compressor.backends.cute.backward_stats import with_whole_tile
 
@@ -192,6 +200,7 @@ def measure(args) -> dict:
         "stats_cluster": args.stats_cluster,
         "stats_whole_tile": args.stats_whole_tile,
         "backward_threads": args.backward_threads,
+        "stats_threads": args.stats_threads,
         "stats_cluster_rows": args.stats_cluster_rows,
         "device": torch.cuda.get_device_name(dev),
         "triton_stats": args.triton_stats,
@@ -206,8 +215,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}, stats_cluster={a_run.get('stats_cluster')}, stats_whole_tile={a_run.get('stats_whole_tile')}, backward_threads={a_run.get('backward_threads')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}, stats_cluster={b_run.get('stats_cluster')}, stats_whole_tile={b_run.get('stats_whole_tile')}, backward_threads={b_run.get('backward_threads')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}, stats_cluster={a_run.get('stats_cluster')}, stats_whole_tile={a_run.get('stats_whole_tile')}, backward_threads={a_run.get('backward_threads')}, stats_threads={a_run.get('stats_threads')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}, stats_cluster={b_run.get('stats_cluster')}, stats_whole_tile={b_run.get('stats_whole_tile')}, backward_threads={b_run.get('backward_threads')}, stats_threads={b_run.get('stats_threads')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -296,6 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(128, 256, 512, 1024),
         default=0,
         help="cute short-window backward: CTA size by more row lanes at the same thread tile (fewer grad_ape slabs)",
+    )
+    ap.add_argument(
+        "--stats-threads",
+        type=int,
+        choices=(128, 256, 512, 1024),
+        default=0,
+        help="cute statistics backward, slab form: CTA size by more row lanes at the same thread tile (fewer slabs)",
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)

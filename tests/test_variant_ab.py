@@ -67,7 +67,7 @@ def test_switches_compose(overrides):
 def test_backward_tile_and_hold_ape_touch_only_the_short_window_backward(overrides):
     _apply(["--backward-tile", "1,128", "--hold-ape"])
     sch = overrides[R4]
-    assert (sch.V, sch.TC, sch.R) == (1, 128, 1) and sch.HA
+    assert (sch.V, sch.TC, sch.R) == (1, 128, sch.threads // 128) and sch.HA
     assert sch.threads == cute_launch._default_schedule(*R4).threads
     assert STATS not in overrides and TWO_PASS not in overrides
 
@@ -144,11 +144,28 @@ def test_stats_whole_tile_switch(overrides):
     assert overrides[STATS].CL and not overrides[STATS].WT and overrides[STATS].threads == 128
 
 
-def test_backward_threads_widens_only_the_short_window_backward(overrides):
-    """``--backward-threads 512``: 4x the row lanes of the ratio-4 backward (one CTA per SM by registers, a quarter of
-    the grad_ape slabs), the thread tile unchanged."""
+def test_backward_threads_sets_only_the_short_window_backward(overrides):
+    """``--backward-threads 128``: a quarter of the row lanes of the ratio-4 backward's default (512 threads, one CTA
+    per SM by registers), the thread tile unchanged; the default's CTA size leaves nothing to override."""
+    from csa_compressor.backends.cute.backward import SHORT_BACKWARD_THREADS
+
+    default = cute_launch._default_schedule(*R4)
+    assert default.threads == SHORT_BACKWARD_THREADS == 512
     _apply(["--backward-threads", "512"])
-    sch, default = overrides[R4], cute_launch._default_schedule(*R4)
-    assert sch.threads == 512 and sch.R == 4 * default.R and (sch.V, sch.TC, sch.G, sch.HA) == (
+    assert overrides == {}
+    _apply(["--backward-threads", "128"])
+    sch = overrides[R4]
+    assert sch.threads == 128 and 4 * sch.R == default.R and (sch.V, sch.TC, sch.G, sch.HA) == (
         default.V, default.TC, default.G, default.HA)  # fmt: skip
+    assert STATS not in overrides
+
+
+def test_stats_threads_widens_only_the_slab_form(overrides):
+    """``--stats-threads 512``: 4x the row lanes of a slab-form statistics backward (1x8192 d128 r128 c1, 32 tiles);
+    the whole-tile default of 3x8192 d512 r128 c1 is left alone."""
+    _apply(["--stats-threads", "512"], cases=("1x8192-d128-r128-c1", "3x8192-d512-r128-c1"))
+    small = ("backward_stats", 128, 1, 128)
+    default = cute_launch._default_schedule(*small)
+    assert not default.WT and default.threads == 128
+    assert overrides[small].threads == 512 and overrides[small].R == 4 * default.R and not overrides[small].WT
     assert STATS not in overrides

@@ -57,6 +57,11 @@ from .forward import (
 )
 
 SMEM_CARVEOUT = 50  # percent of the unified L1/shared memory offered to shared memory
+# Threads per CTA of the short-window backward: the 128-thread tile's row lanes x 4, the same warps per SM (one CTA
+# instead of four) and a quarter of the grad_ape slabs (one per CTA). H200, one GPU, A B / B A (2026-12-01,
+# benchmarks/results/backward_threads_ab_h200_20261201.md): 3x8192 d512 r4 c2 backward 64.4-64.9 -> 60.4-60.8 us
+# cold (-6 %), clean and warm -4 to -5 %; 3x8192 d128 r4 c2 level (-1.4 / +0.3 %).
+SHORT_BACKWARD_THREADS = 512
 
 
 def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
@@ -70,7 +75,8 @@ def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
         # with a reload per row). H200, one GPU, two runs per side (2026-12-01): 3x8192 d512 r4 c2 backward -1 to
         # -2 % cold, the other ratio-4 cases level to -2 % (benchmarks/results/backward_occupancy_ab_h200_20261201.md).
         sch = make_schedule(ratio, coff, head_dim, vcap=2, threads=128, cols_cap=128, md=True)
-        return replace(sch, HA=True)
+        # SHORT_BACKWARD_THREADS: the same thread tile, 4x the row lanes per CTA (one CTA per SM by registers).
+        return replace(sch, HA=True, R=sch.R * SHORT_BACKWARD_THREADS // sch.threads)
     return long_backward_schedule(ratio, coff, head_dim)
 
 
