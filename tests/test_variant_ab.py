@@ -169,3 +169,15 @@ def test_stats_threads_widens_only_the_slab_form(overrides):
     assert not default.WT and default.threads == 128
     assert overrides[small].threads == 512 and overrides[small].R == 4 * default.R and not overrides[small].WT
     assert STATS not in overrides
+
+
+def test_forward_long_tile_reaches_only_the_64_column_forwards(overrides):
+    """``--forward-long-tile 8,128``: 16-byte vectors in 128-thread CTAs for the ratio-128 coff-1 forwards (plain and
+    statistics); short windows and the streaming schedule of longer windows keep theirs."""
+    _apply(["--forward-long-tile", "8,128"], cases=("3x8192-d512-r128-c1", "1x65536-d512-r128-c2", "3x8192-d512-r4-c2"))
+    for direction in ("forward", "forward_stats"):
+        sch = overrides[(direction, 128, 1, 512)]
+        assert (
+            (sch.V, sch.threads, sch.TC * sch.V) == (8, 128, 64) and sch.CM and sch.ST == (direction == "forward_stats")
+        )
+    assert ("forward", 4, 2, 512) not in overrides and ("forward_stats", 128, 2, 512) not in overrides
