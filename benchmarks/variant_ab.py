@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backward-tile",
         default="",
-        help="cute short-window backward: 'VCAP,COLS' (vector cap, columns per CTA) of its 128-thread tile",
+        help="cute short-window backward: 'VCAP,COLS' (vector cap, columns per CTA) of its tile, same CTA size",
     )
     ap.add_argument(
         "--hold-ape", action="store_true", help="cute short-window backward: ape held in registers (Schedule.HA)"
@@ -321,14 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backward-threads",
         type=int,
-        choices=(128, 256, 512, 1024),
+        choices=(128, 256, 512),  # 1024 threads would not fit 128 registers each
         default=0,
         help="cute short-window backward: CTA size by more row lanes at the same thread tile (fewer grad_ape slabs)",
     )
     ap.add_argument(
         "--stats-threads",
         type=int,
-        choices=(128, 256, 512, 1024),
+        choices=(128, 256, 512),  # 1024 threads would not fit 128 registers each
         default=0,
         help="cute statistics backward, slab form: CTA size by more row lanes at the same thread tile (fewer slabs)",
     )
