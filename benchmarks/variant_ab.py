@@ -122,7 +122,7 @@ def apply_overrides(args, cases) -> None:
         def stats_wider(d, c, sch):
             if sch.WT or sch.CL or sch.threads == args.stats_threads:
                 return None
-            return replace(sch, R=max(1, sch.R * args.stats_threads // sch.threads))
+            return sch.with_threads(args.stats_threads)
 
         _override(cases, ("backward_stats",), stats_wider)
     if args.stats_cluster is not None:
@@ -139,7 +139,7 @@ def apply_overrides(args, cases) -> None:
         def wider(d, c, sch):
             if sch.LONG or sch.SC or sch.threads == args.backward_threads:
                 return None
-            return replace(sch, R=max(1, sch.R * args.backward_threads // sch.threads))
+            return sch.with_threads(args.backward_threads)
 
         _override(cases, ("backward",), wider)
     if args.hold_ape:

@@ -76,7 +76,7 @@ def backward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
         # -2 % cold, the other ratio-4 cases level to -2 % (benchmarks/results/backward_occupancy_ab_h200_20261201.md).
         sch = make_schedule(ratio, coff, head_dim, vcap=2, threads=128, cols_cap=128, md=True)
         # SHORT_BACKWARD_THREADS: the same thread tile, 4x the row lanes per CTA (one CTA per SM by registers).
-        return replace(sch, HA=True, R=sch.R * SHORT_BACKWARD_THREADS // sch.threads)
+        return replace(sch, HA=True).with_threads(SHORT_BACKWARD_THREADS)
     return long_backward_schedule(ratio, coff, head_dim)
 
 

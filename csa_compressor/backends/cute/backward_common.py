@@ -152,7 +152,7 @@ def make_backward_host(
     slab_lanes: int = 1,
     min_blocks: int = 0,
     cluster: bool = False,
-    direct: bool = False,
+    single: bool = False,
 ):
     """The @cute.jit host function of a backward: ``kernel`` over ``[num_ctas, nchunk]`` persistent CTAs,
     then the grad_ape reduction, on ``stream``.
@@ -161,11 +161,12 @@ def make_backward_host(
     grad_ape, ws, B, N, T, rows_per_cta, num_ctas, stream)``; with ``stats`` the softmax statistics
     pointer follows ``ws`` (also in the kernel's arguments). With ``cluster`` the grid's x dimension is one
     cluster of ``num_ctas <= 8`` CTAs, the kernel gets ``grad_ape`` in place of ``ws`` and sums it itself (``ws``
-    is not used) and there is no second kernel. With ``direct`` (the whole-tile form) the grid's x dimension is 1
-    and the kernel gets ``grad_ape`` in place of ``ws`` (its one slab is grad_ape): no second kernel either.
+    is not used) and there is no second kernel. ``single`` (``Schedule.single_kernel``: the cluster form, or the
+    whole-tile form with grid x 1, whose one slab is grad_ape) passes ``grad_ape`` in place of ``ws`` and launches no
+    second kernel.
     """
-    single = cluster or direct  # grad_ape written by the main kernel
-    reduce_kernel = make_reduce_kernel(ape_size, slab_lanes)
+    single = single or cluster
+    reduce_kernel = None if single else make_reduce_kernel(ape_size, slab_lanes)
     # Registers capped at MAX_REGS, or for ``min_blocks`` resident CTAs per SM (a schedule's MB).
     min_blocks = min_blocks or max(1, 65536 // (threads * MAX_REGS))
 

@@ -131,8 +131,7 @@ def with_whole_tile(sch: Schedule, on: bool) -> Schedule:
     tile unchanged: only the row lanes ``R`` change."""
     if sch.WT == on:
         return sch
-    threads = WHOLE_TILE_THREADS if on else 128
-    return replace(sch, WT=on, R=max(1, sch.R * threads // sch.threads))
+    return replace(sch, WT=on).with_threads(WHOLE_TILE_THREADS if on else 128)
 
 
 def stats_backward_smem_bytes(sch: Schedule) -> int:
@@ -360,5 +359,5 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
         stats=True,
         min_blocks=sch.MB,
         cluster=sch.CL,
-        direct=sch.WT,
+        single=sch.single_kernel,
     )

@@ -200,6 +200,15 @@ class Schedule:
     def threads(self) -> int:
         return self.TC * self.G * self.R
 
+    @property
+    def single_kernel(self) -> bool:
+        """Backward: the main kernel writes grad_ape itself (cluster or whole-tile form): no slabs, no reduction."""
+        return self.CL or self.WT
+
+    def with_threads(self, threads: int) -> Schedule:
+        """The same thread tile in CTAs of ``threads``: only the row lanes ``R`` change."""
+        return replace(self, R=max(1, self.R * threads // self.threads))
+
     def key(self) -> tuple:
         return (
             self.V,

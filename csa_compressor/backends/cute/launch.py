@@ -529,7 +529,7 @@ def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, devic
     cfg = ext.make_config(ratio, coff, head_dim, index, None, None, 1 << 62, record, capacity, launcher.nchunk,
                           launcher.sch.R, WS_CAP_BYTES, stats)  # fmt: skip
     # Cluster and whole-tile forms: one kernel, no slabs: nothing kept per stream, and capture needs nothing special.
-    single = launcher.sch.CL or launcher.sch.WT
+    single = launcher.sch.single_kernel
 
     def with_slabs(fn, *args):
         """``fn(cfg, *args, stream, ws_ptr, ws_numel)`` on the current stream with its slabs, or None."""
@@ -750,7 +750,7 @@ def _launch_backward(
     tail = (cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas, handle)
     if stats is not None:
         tail = (stats.data_ptr(), *tail)
-    if launcher.sch.CL or launcher.sch.WT:
+    if launcher.sch.single_kernel:
         # Cluster and whole-tile forms: one kernel that writes grad_ape itself, no slabs.
         launcher.launch((*ptrs, 0, *tail))
         return
