@@ -617,3 +617,63 @@ def test_stats_backward_cluster_form_changes_no_bit(case):
     else:
         torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
     assert_contract(pack, got[0], got[2])
+
+
+# The bulk-copy streamed persistent forward (Schedule.BS / PS) on long windows with 16-byte row pieces; few CTAs
+# (every CTA walks many tiles, every stage refilled many times) and one per tile. Head_dim 72 leaves a 8-column
+# second chunk.
+BULK_CASES = [c for c in STATS_CASES if c[1] % 8 == 0] + [((300, 17, 129, 40), 72, 16, 2, 3, 2)]
+
+
+@pytest.mark.parametrize("ctas", [3, 10_000])
+@pytest.mark.parametrize("case", BULK_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_bulk_forward(case, ctas):
+    """Output and softmax statistics of the bulk form: bitwise those of the register forward where that one takes
+    one batch of 8-slot groups (windows <= 128; same groups, same arithmetic), else within the contract of the fp32
+    reference; every element written over NaN; bitwise run to run."""
+    from csa_compressor.backends.cute.forward_bulk import bulk_forward_schedule
+
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=43)
+    kv, score, ape, cu, cuc = pack.inputs
+    n = pack.total_comp
+
+    def run_forward(launch, pack):
+        out = torch.full((n, d), float("nan"), dtype=kv.dtype, device=kv.device)
+        stats = torch.full((n, 3, d), float("nan"), dtype=torch.float32, device=kv.device)
+        plain = torch.full_like(out, float("nan"))
+        launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None, stats)
+        launch.forward(kv, score, ape, cu, cuc, plain, ratio, coff, None)
+        return out, stats, plain
+
+    base = run_forward(launch, pack)
+    got = None
+    for stages in (2, 3):
+        sch = bulk_forward_schedule(ratio, coff, d, stages, ctas)
+        if sch is None:
+            continue
+        runs = []
+        for direction in ("forward_stats", "forward"):
+            key = (direction, ratio, coff, d)
+            sch_d = replace(sch, ST=direction == "forward_stats", EF=launch._schedule(*key).EF)
+            launch.SCHEDULE_OVERRIDE[key] = sch_d
+        try:
+            for _ in range(2):
+                runs.append(run_forward(launch, pack))
+        finally:
+            for direction in ("forward_stats", "forward"):
+                launch.SCHEDULE_OVERRIDE.pop((direction, ratio, coff, d))
+                launch._get_launcher(direction, ratio, coff, d, torch.bfloat16, torch.device("cuda"))
+        got = runs[0]
+        for a, b in zip(runs[0], runs[1], strict=True):
+            _assert_bitwise(a, b)  # run to run
+        _assert_bitwise(got[0], got[2])  # with and without statistics
+        if ratio * coff <= 128:
+            for a, b in zip(base, got, strict=True):
+                _assert_bitwise(a, b)
+        assert_contract(pack, out=got[0])
+        ref_stats = reference.softmax_stats(*pack.inputs, ratio=ratio, coff=coff, total_comp=n)
+        assert torch.equal(got[1][:, 0], ref_stats[:, 0])
+        torch.testing.assert_close(got[1][:, 1:], ref_stats[:, 1:], rtol=2e-5, atol=1e-6)
+    assert got is not None, "no bulk schedule fits this configuration"
