@@ -649,8 +649,9 @@ def test_bulk_forward(case, ctas):
 
     base = run_forward(launch, pack)
     got = None
-    for stages in (2, 3):
-        sch = bulk_forward_schedule(ratio, coff, d, stages, ctas)
+    # Two stages, two combine buffers; three stages of 128 columns, one combine buffer (two do not fit).
+    for stages, cols in ((2, 64), (3, 128)):
+        sch = bulk_forward_schedule(ratio, coff, d, stages, ctas, cols=cols)
         if sch is None:
             continue
         runs = []
