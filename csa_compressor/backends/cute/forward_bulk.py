@@ -9,7 +9,7 @@ once with their bytes, so the stage holds ``BS`` tiles in flight per CTA whateve
 
 A thread (slot group ``g``, column thread ``tc``) reads its ``SG`` slots x ``V`` columns from the stage and folds
 them as the register forward does (``WindowOps.online_batch``, log2 domain), writes its (max, sum e, sum e*v) to one
-of two combine buffers (one, and a second barrier, where two do not fit), and after one CTA barrier (which also frees the stage: the copies for tile ``k + BS`` are
+of two combine buffers, and after one CTA barrier (which also frees the stage: the copies for tile ``k + BS`` are
 issued right after it) the threads of the tile's columns combine the groups in a fixed order and store the output
 (and, with ``ST``, the softmax statistics). Results are bitwise those of the register forward of the same ``V``,
 ``SG`` and ``G``: the same operations on the same values in the same order.
@@ -53,21 +53,11 @@ def bulk_copy_g2s(smem_dst: cute.Pointer, gmem_src: cute.Pointer, nbytes, mbar: 
     )
 
 
-def combine_buffers(sch: Schedule) -> int:
-    """Two combine buffers (no barrier between a tile's combine and the next tile's partials) where they fit next to
-    the stages, else one (and a second CTA barrier per tile)."""
-    return 2 if _smem_bytes(sch, 2) <= SMEM_LIMIT else 1
-
-
-def _smem_bytes(sch: Schedule, buffers: int) -> int:
+def bulk_forward_smem_bytes(sch: Schedule) -> int:
+    """Stages (``BS`` x ``2W`` x ``CW`` bf16), two combine buffers (3 x G x CW fp32 each), the mbarriers."""
     W = sch.G * sch.SG * sch.NB
     CW = sch.TC * sch.V
-    return sch.BS * 2 * W * CW * 2 + buffers * 3 * sch.G * CW * 4 + sch.BS * 8 + 256
-
-
-def bulk_forward_smem_bytes(sch: Schedule) -> int:
-    """Stages (``BS`` x ``2W`` x ``CW`` bf16), the combine buffers (3 x G x CW fp32 each), the mbarriers."""
-    return _smem_bytes(sch, combine_buffers(sch))
+    return sch.BS * 2 * W * CW * 2 + 2 * 3 * sch.G * CW * 4 + sch.BS * 8 + 256
 
 
 def bulk_forward_schedule(
@@ -86,9 +76,6 @@ def bulk_forward_schedule(
     TC = max(1, cols // V)
     while TC * G < min_threads and TC * V < head_dim:
         TC *= 2
-    nchunk = -(-head_dim // (TC * V))
-    if ctas >= nchunk:
-        ctas -= ctas % nchunk  # a multiple of the column chunks: every CTA keeps one chunk (its ape in registers)
     sch = Schedule(V=V, TC=TC, G=G, SG=SG, R=1, CM=True, BS=stages, PS=ctas)
     if (TC * V) % 8 or sch.threads > 1024 or bulk_forward_smem_bytes(sch) > SMEM_LIMIT:
         return None
@@ -111,10 +98,6 @@ def build_forward_bulk(ratio: int, coff: int, head_dim: int, sch: Schedule):
     QROW = G * CW  # floats per combine quantity
     assert sch.R == 1 and sch.NB == 1 and G * SG == W and G > 1 and BS >= 2 and PS >= 1
     assert D % 8 == 0 and CW % 8 == 0, "bulk copies move 16-byte multiples"
-    # The grid (min(tiles, PS), tiles a multiple of NCHUNK) is then a multiple of NCHUNK: a CTA's tiles share one
-    # column chunk, and its ape entries are loaded once, before the loop.
-    HOLD_APE = PS % NCHUNK == 0
-    NCOMB = combine_buffers(sch)
     ST = sch.ST
     ops = WindowOps(ratio, coff, head_dim, V, SG, SG)
     smem_bytes = bulk_forward_smem_bytes(sch)
@@ -181,7 +164,7 @@ def build_forward_bulk(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
         smem = cutlass.memory.SmemAllocator()
         sbuf = smem.allocate_tensor(BFloat16, cute.make_layout(BS * STAGE), byte_alignment=128)
-        comb = smem.allocate_tensor(Float32, cute.make_layout(NCOMB * 3 * QROW), byte_alignment=16)
+        comb = smem.allocate_tensor(Float32, cute.make_layout(2 * 3 * QROW), byte_alignment=16)
         bars = smem.allocate_array(cutlass.Int64, BS, byte_alignment=8)
         if tidx == 0:
             for st in cutlass.range_constexpr(BS):
@@ -199,9 +182,6 @@ def build_forward_bulk(ratio: int, coff: int, head_dim: int, sch: Schedule):
         vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
         va = cute.make_rmem_tensor(cute.make_layout(V), Float32)
         out_t = cute.make_tensor(out, cute.make_layout(N * D))
-        if cutlass.const_expr(HOLD_APE):
-            c0 = (bx % NCHUNK) * CW + tc * V
-            ops.load_ape(ape, apf, 0, g, c0, c0 < D)
         for k in cutlass.range(n_it):
             st = k % BS
             tile = bx + k * grid
@@ -226,10 +206,9 @@ def build_forward_bulk(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 if ok:
                     kvf[kk].store(vec_view(sbuf.iterator, base + s * CW, V).load())
                     scf[kk].store(vec_view(sbuf.iterator, base + (W + s) * CW, V).load())
-            if cutlass.const_expr(not HOLD_APE):
-                ops.load_ape(ape, apf, 0, g, c, col_ok)
+            ops.load_ape(ape, apf, 0, g, c, col_ok)
             ops.online_batch(kvf, scf, apf, vm, vl, va, 0)
-            cb = (k % NCOMB) * 3 * QROW + g * CW + tc * V
+            cb = (k % 2) * 3 * QROW + g * CW + tc * V
             vec_view(comb.iterator, cb, V).store(vm.load())
             vec_view(comb.iterator, cb + QROW, V).store(vl.load())
             vec_view(comb.iterator, cb + 2 * QROW, V).store(va.load())
@@ -244,7 +223,7 @@ def build_forward_bulk(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 if cutlass.const_expr(not COLS_EXACT):
                     ok = col < D
                 if ok:
-                    qb = (k % NCOMB) * 3 * QROW + q
+                    qb = (k % 2) * 3 * QROW + q
                     mx = comb[qb]
                     for h in cutlass.range_constexpr(1, G):
                         mx = cute.arch.fmax(mx, comb[qb + h * CW], nan=True)
@@ -261,8 +240,6 @@ def build_forward_bulk(ratio: int, coff: int, head_dim: int, sch: Schedule):
                         st_t[r * 3 * D + col] = mx
                         st_t[r * 3 * D + D + col] = Float32(1.0) / total
                         st_t[r * 3 * D + 2 * D + col] = res_q
-            if cutlass.const_expr(NCOMB == 1):
-                cute.arch.sync_threads()  # the one combine buffer is read before the next tile's partials
 
     def grid_of(N):
         return [cutlass.min(N * NCHUNK, PS), 1, 1]
