@@ -181,19 +181,3 @@ def test_forward_long_tile_reaches_only_the_64_column_forwards(overrides):
             (sch.V, sch.threads, sch.TC * sch.V) == (8, 128, 64) and sch.CM and sch.ST == (direction == "forward_stats")
         )
     assert ("forward", 4, 2, 512) not in overrides and ("forward_stats", 128, 2, 512) not in overrides
-
-
-def test_forward_bulk_reaches_only_long_window_forwards(overrides):
-    """``--forward-bulk 3,1``: the bulk-copy streamed persistent form (3 stages, one CTA per SM) for the long-window
-    forwards, plain and statistics; short windows keep theirs."""
-    _apply(["--forward-bulk", "3,1"], cases=("3x8192-d512-r128-c1", "1x65536-d512-r128-c2", "3x8192-d512-r4-c2"))
-    for direction in ("forward", "forward_stats"):
-        sch = overrides[(direction, 128, 1, 512)]
-        assert sch.BS == 3 and sch.PS >= 1 and sch.R == 1 and sch.CM and sch.ST == (direction == "forward_stats")
-        assert sch.TC * sch.V == 64 and sch.threads == 256
-    assert ("forward", 4, 2, 512) not in overrides
-    # 256 slots x 64 columns (512 threads): three stages of 64 KB do not fit in shared memory, two do.
-    assert ("forward_stats", 128, 2, 512) not in overrides
-    _apply(["--forward-bulk", "2,1"], cases=("1x65536-d512-r128-c2",))
-    sch = overrides[("forward_stats", 128, 2, 512)]
-    assert sch.BS == 2 and sch.threads == 512 and sch.TC * sch.V == 64
