@@ -617,3 +617,44 @@ def test_stats_backward_cluster_form_changes_no_bit(case):
     else:
         torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
     assert_contract(pack, got[0], got[2])
+
+
+PARALLEL_COMBINE_CASES = [c for c in STATS_CASES if c[2] * c[3] <= 128] + [((1000, 7, 300), 256, 64, 2, 4, 2)]
+
+
+@pytest.mark.parametrize("case", PARALLEL_COMBINE_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_forward_parallel_combine(case):
+    """Schedule.PC (the cross-group combine over all threads, parts merged by warp butterflies): the same max
+    bitwise, the other statistics and the output within fp32 combine-order error of the one-thread combine, the
+    contract against the reference (output and the gradients computed from these statistics), every element written
+    over NaN, the output equal with and without statistics, bitwise run to run."""
+    from csa_compressor.backends.cute.forward import parallel_combine
+
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    keys = [(direction, ratio, coff, d) for direction in ("forward", "forward_stats")]
+    schedules = [parallel_combine(launch._schedule(*key)) for key in keys]
+    assert schedules[0].PC > 1 and schedules[1].PC > 1, "the cases are chosen to have a parallel combine"
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=47)
+    base_out, base_stats, _ = _run_stats(launch, pack)
+    for key, sch in zip(keys, schedules, strict=True):
+        launch.SCHEDULE_OVERRIDE[key] = sch
+    try:
+        runs = [_run_stats(launch, pack) for _ in range(2)]
+        plain, *_ = _run(launch, pack)
+        built = [launch._get_launcher(*key, torch.bfloat16, torch.device("cuda")).sch.PC for key in keys]
+    finally:
+        for key in keys:
+            launch.SCHEDULE_OVERRIDE.pop(key)
+            launch._get_launcher(*key, torch.bfloat16, torch.device("cuda"))
+    assert built == [s.PC for s in schedules] and built[0] > 1
+    out, stats, grads = runs[0]
+    for t in (out, stats, *grads):
+        assert not torch.isnan(t).any()
+    for a, b in zip((out, stats, *grads), (runs[1][0], runs[1][1], *runs[1][2]), strict=True):
+        _assert_bitwise(a, b)
+    _assert_bitwise(out, plain)
+    assert torch.equal(stats[:, 0], base_stats[:, 0])
+    torch.testing.assert_close(stats[:, 1:], base_stats[:, 1:], rtol=1e-5, atol=1e-7)
+    assert (out.float() - base_out.float()).abs().max() <= 2 * base_out.float().abs().max() * 2**-8
+    assert_contract(pack, out, grads)
