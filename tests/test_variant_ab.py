@@ -181,12 +181,3 @@ def test_forward_long_tile_reaches_only_the_64_column_forwards(overrides):
             (sch.V, sch.threads, sch.TC * sch.V) == (8, 128, 64) and sch.CM and sch.ST == (direction == "forward_stats")
         )
     assert ("forward", 4, 2, 512) not in overrides and ("forward_stats", 128, 2, 512) not in overrides
-
-
-def test_forward_parallel_combine_reaches_the_one_batch_long_forwards(overrides):
-    """``--forward-parallel-combine``: PC = 4 on the ratio-128 coff-1 forwards (256 threads, 64 columns), plain and
-    statistics; the streaming schedule of r128 c2 (one thread per column already) and short windows keep theirs."""
-    _apply(["--forward-parallel-combine"], cases=("3x8192-d512-r128-c1", "1x65536-d512-r128-c2", "3x8192-d512-r4-c2"))
-    for direction in ("forward", "forward_stats"):
-        assert overrides[(direction, 128, 1, 512)].PC == 4
-    assert ("forward_stats", 128, 2, 512) not in overrides and ("forward", 4, 2, 512) not in overrides

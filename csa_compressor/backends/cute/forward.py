@@ -195,7 +195,6 @@ class Schedule:
     WT: bool = (
         False  # statistics backward: one CTA per tile sums all rows and writes grad_ape (no slabs, no 2nd kernel)
     )
-    PC: int = 0  # long-window forward: threads per column in the cross-group combine (0: one; see parallel_combine)
 
     @property
     def threads(self) -> int:
@@ -231,7 +230,6 @@ class Schedule:
             self.HA,
             self.CL,
             self.WT,
-            self.PC,
         )
 
 
@@ -360,30 +358,9 @@ def window_store(ptr: cute.Pointer, off, V: int, value, evict_first: bool) -> No
     cute.arch.store(ptr + cute.assume(off, divby=V), value, cop="cs")
 
 
-def combine_group_stride(sch: Schedule) -> int:
-    """Floats between two slot groups' partials in the combine buffers: the CTA's columns, padded under a parallel
-    combine by the columns one warp combines, so that its PC parts (groups part, part + PC, ...) hit distinct banks."""
-    cw = sch.TC * sch.V
-    return cw + 32 // sch.PC if sch.PC > 1 else cw
-
-
 def forward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
-    return 0 if sch.G == 1 else 3 * sch.R * sch.G * combine_group_stride(sch) * 4 + 64
-
-
-def parallel_combine(sch: Schedule) -> Schedule:
-    """``sch`` with the cross-group combine spread over all threads (``PC`` per column: each folds the groups
-    ``part, part + PC, ...`` in order, then the parts merge by warp butterflies), where the CTA has a whole number
-    (2 to 8) of threads per column and the column parts fit in one warp; else ``sch`` unchanged. Changes the order
-    of the combine (so its last bits), not its determinism."""
-    cols = sch.R * sch.TC * sch.V
-    if sch.G == 1 or sch.threads % cols:
-        return sch
-    pc = sch.threads // cols
-    if pc not in (2, 4, 8) or sch.G % pc or cols % (32 // pc):
-        return sch
-    return replace(sch, PC=pc)
+    return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
 
 
 def exact_probabilities(scf, apf, pq, first, V: int, SG: int, ratio: int, coff: int, md: bool) -> None:
@@ -492,72 +469,10 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     COLS_EXACT = D % CW == 0
     SPG = SG * NB  # slots per group
     assert G * SPG == W and (G > 1 or NB == 1)
-    PC = sch.PC
-    GS = combine_group_stride(sch)
-    SMEM_ROW = G * GS  # floats per (quantity, row lane)
-    assert PC <= 1 or (NT == PC * R * CW and G % PC == 0), "parallel combine: PC threads per column, PC | G"
+    SMEM_ROW = G * CW  # floats per (quantity, row lane)
     ST = sch.ST
     assert not ST or G > 1, "softmax statistics come from the cross-group combine (long windows)"
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG, sch.EF)
-
-    CPW = 32 // max(PC, 1)  # columns per warp in the parallel combine
-
-    @cute.jit
-    def combine_parts(sm_m, sm_l, sm_a, out, stats, rblk, chunk, tidx, N):
-        """Parallel combine: lane ``part * CPW + i`` of warp ``w`` folds the groups ``part, part + PC, ...`` of column
-        ``w * CPW + i`` in order, the PC parts merge by butterflies (commutative steps: every lane ends with the same
-        values), and the parts share the stores (part k writes quantity k, k + PC, ... of out, max, 1/sum, fp32 out)."""
-        lane = tidx % 32
-        part = lane // CPW
-        qi = (tidx // 32) * CPW + lane % CPW
-        rq = qi // CW
-        cq = qi % CW
-        row = rblk * R + rq
-        col = chunk * CW + cq
-        qb = rq * SMEM_ROW + cq
-        mx = sm_m[qb + part * GS]
-        for j in cutlass.range_constexpr(1, G // PC):
-            mx = cute.arch.fmax(mx, sm_m[qb + (part + PC * j) * GS], nan=True)
-        msafe = mx
-        if mx == Float32(NEG_INF):  # every slot of these groups masked (a first row's previous half)
-            msafe = Float32(0.0)
-        total = Float32(0.0)
-        acc = Float32(0.0)
-        for j in cutlass.range_constexpr(G // PC):
-            h = part + PC * j
-            scale = ex2(sm_m[qb + h * GS] - msafe)
-            total = total + sm_l[qb + h * GS] * scale
-            acc = acc + sm_a[qb + h * GS] * scale
-        for step in cutlass.range_constexpr(PC.bit_length() - 1):
-            off = CPW << step
-            mo = cute.arch.shuffle_sync_bfly(mx, offset=off)
-            lo = cute.arch.shuffle_sync_bfly(total, offset=off)
-            ao = cute.arch.shuffle_sync_bfly(acc, offset=off)
-            mn = cute.arch.fmax(mx, mo, nan=True)
-            mns = mn
-            if mn == Float32(NEG_INF):
-                mns = Float32(0.0)
-            sa = ex2(mx - mns)
-            sb = ex2(mo - mns)
-            total = total * sa + lo * sb
-            acc = acc * sa + ao * sb
-            mx = mn
-        ok = row < N
-        if cutlass.const_expr(not COLS_EXACT):
-            ok = ok & (col < D)
-        if ok:
-            res_q = acc / total
-            if part == 0:
-                out_t = cute.make_tensor(out, cute.make_layout(N * D))
-                out_t[row * D + col] = BFloat16(res_q)
-            if cutlass.const_expr(ST):
-                st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * D))
-                if part == 1 % PC:
-                    st_t[row * 3 * D + col] = mx
-                if part == 2 % PC:
-                    st_t[row * 3 * D + D + col] = Float32(1.0) / total
-                if part == 3 % PC:
-                    st_t[row * 3 * D + 2 * D + col] = res_q
 
     @cute.jit
     def body(kv, score, ape, cu, cuc, out, stats, B: Int32, N: Int32):
@@ -624,42 +539,39 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     ops.issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
                 ops.load_ape(ape, apf, bi, g, c, col_ok)
                 ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, res, bi)
-            base = rl * SMEM_ROW + g * GS + tc * V
+            base = rl * SMEM_ROW + g * CW + tc * V
             vec_view(sm_m.iterator, base, V).store(vm.load())
             vec_view(sm_l.iterator, base, V).store(vl.load())
             vec_view(sm_a.iterator, base, V).store(res.load())
             cute.arch.sync_threads()
-            if cutlass.const_expr(PC > 1):
-                combine_parts(sm_m, sm_l, sm_a, out, stats, rblk, chunk, tidx, N)
-            else:
-                # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
-                for q in cutlass.range(tidx, R * CW, NT):
-                    rq = q // CW
-                    cq = q % CW
-                    row = rblk * R + rq
-                    col = chunk * CW + cq
-                    ok = row < N
-                    if cutlass.const_expr(not COLS_EXACT):
-                        ok = ok & (col < D)
-                    if ok:
-                        qb = rq * SMEM_ROW + cq
-                        mx = sm_m[qb]
-                        for h in cutlass.range_constexpr(1, G):
-                            mx = cute.arch.fmax(mx, sm_m[qb + h * GS], nan=True)
-                        total = Float32(0.0)
-                        acc = Float32(0.0)
-                        for h in cutlass.range_constexpr(G):
-                            scale = ex2(sm_m[qb + h * GS] - mx)
-                            total = total + sm_l[qb + h * GS] * scale
-                            acc = acc + sm_a[qb + h * GS] * scale
-                        out_t = cute.make_tensor(out, cute.make_layout(N * D))
-                        res_q = acc / total
-                        out_t[row * D + col] = BFloat16(res_q)
-                        if cutlass.const_expr(ST):
-                            st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * D))
-                            st_t[row * 3 * D + col] = mx
-                            st_t[row * 3 * D + D + col] = Float32(1.0) / total
-                            st_t[row * 3 * D + 2 * D + col] = res_q
+            # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
+            for q in cutlass.range(tidx, R * CW, NT):
+                rq = q // CW
+                cq = q % CW
+                row = rblk * R + rq
+                col = chunk * CW + cq
+                ok = row < N
+                if cutlass.const_expr(not COLS_EXACT):
+                    ok = ok & (col < D)
+                if ok:
+                    qb = rq * SMEM_ROW + cq
+                    mx = sm_m[qb]
+                    for h in cutlass.range_constexpr(1, G):
+                        mx = cute.arch.fmax(mx, sm_m[qb + h * CW], nan=True)
+                    total = Float32(0.0)
+                    acc = Float32(0.0)
+                    for h in cutlass.range_constexpr(G):
+                        scale = ex2(sm_m[qb + h * CW] - mx)
+                        total = total + sm_l[qb + h * CW] * scale
+                        acc = acc + sm_a[qb + h * CW] * scale
+                    out_t = cute.make_tensor(out, cute.make_layout(N * D))
+                    res_q = acc / total
+                    out_t[row * D + col] = BFloat16(res_q)
+                    if cutlass.const_expr(ST):
+                        st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * D))
+                        st_t[row * 3 * D + col] = mx
+                        st_t[row * 3 * D + D + col] = Float32(1.0) / total
+                        st_t[row * 3 * D + 2 * D + col] = res_q
 
     smem_bytes = forward_smem_bytes(sch)
     # Long windows: at most 128 registers per thread (two 256-thread CTAs per SM); G == 1 is unbounded.
