@@ -6,8 +6,7 @@ Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for
 for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
-long-window forward at a given column width (``--forward-long-stream-cols``), its 64-column tile (``--forward-long-tile``)
-and its L2 prefetch of the tile of a CTA ahead (``--forward-prefetch-ctas``); the backwards' prefetch ahead
+long-window forward at a given column width (``--forward-long-stream-cols``) and its 64-column tile (``--forward-long-tile``); the backwards' prefetch ahead
 (``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``), CTA size (``--backward-threads``) and held ape (``--hold-ape``); the
 statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``) and whole-tile form
 (``--stats-whole-tile``) and the slab form's CTA size (``--stats-threads``); or two package versions on ``PYTHONPATH``::
@@ -97,12 +96,6 @@ def apply_overrides(args, cases) -> None:
             return replace(new, CM=True, ST=d == "forward_stats")
 
         _override(cases, ("forward", "forward_stats"), long_tile)
-    if args.forward_prefetch_ctas:
-        import torch
-
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-        ahead = round(args.forward_prefetch_ctas * sms)
-        _override(cases, ("forward", "forward_stats"), lambda d, c, sch: replace(sch, PD=ahead))
     if args.backward_tile:
         from csa_compressor.backends.cute.forward import make_schedule
 
@@ -220,7 +213,6 @@ def measure(args) -> dict:
         "stats_whole_tile": args.stats_whole_tile,
         "backward_threads": args.backward_threads,
         "forward_long_tile": args.forward_long_tile,
-        "forward_prefetch_ctas": args.forward_prefetch_ctas,
         "stats_threads": args.stats_threads,
         "stats_cluster_rows": args.stats_cluster_rows,
         "device": torch.cuda.get_device_name(dev),
@@ -236,8 +228,8 @@ def compare(a_path: str, b_path: str) -> str:
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}, stats_cluster={a_run.get('stats_cluster')}, stats_whole_tile={a_run.get('stats_whole_tile')}, backward_threads={a_run.get('backward_threads')}, stats_threads={a_run.get('stats_threads')}, forward_long_tile={a_run.get('forward_long_tile')}, forward_prefetch_ctas={a_run.get('forward_prefetch_ctas')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}, stats_cluster={b_run.get('stats_cluster')}, stats_whole_tile={b_run.get('stats_whole_tile')}, backward_threads={b_run.get('backward_threads')}, stats_threads={b_run.get('stats_threads')}, forward_long_tile={b_run.get('forward_long_tile')}, forward_prefetch_ctas={b_run.get('forward_prefetch_ctas')}); "
+        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}, stats_cluster={a_run.get('stats_cluster')}, stats_whole_tile={a_run.get('stats_whole_tile')}, backward_threads={a_run.get('backward_threads')}, stats_threads={a_run.get('stats_threads')}, forward_long_tile={a_run.get('forward_long_tile')}), "
+        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}, stats_cluster={b_run.get('stats_cluster')}, stats_whole_tile={b_run.get('stats_whole_tile')}, backward_threads={b_run.get('backward_threads')}, stats_threads={b_run.get('stats_threads')}, forward_long_tile={b_run.get('forward_long_tile')}); "
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",
@@ -325,14 +317,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="VCAP,THREADS",
         help="cute forwards of 9-128 slots: 64-column chunks at this vector cap and CTA size (default 4,256)",
-    )
-    ap.add_argument(
-        "--forward-prefetch-ctas",
-        type=float,
-        default=0,
-        metavar="K",
-        help="cute forwards: each CTA prefetches into L2 the window tile of the CTA K x SMs places ahead in dispatch "
-        "order (Schedule.PD)",
     )
     ap.add_argument(
         "--backward-threads",

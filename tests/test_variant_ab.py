@@ -181,13 +181,3 @@ def test_forward_long_tile_reaches_only_the_64_column_forwards(overrides):
             (sch.V, sch.threads, sch.TC * sch.V) == (8, 128, 64) and sch.CM and sch.ST == (direction == "forward_stats")
         )
     assert ("forward", 4, 2, 512) not in overrides and ("forward_stats", 128, 2, 512) not in overrides
-
-
-def test_forward_prefetch_ctas_reaches_every_forward(overrides):
-    """``--forward-prefetch-ctas 3``: PD = 3 x SMs on every forward, plain and statistics."""
-    _apply(["--forward-prefetch-ctas", "3"], cases=("3x8192-d512-r128-c1", "1x65536-d512-r128-c2", "3x8192-d512-r4-c2"))
-    pds = {sch.PD for sch in overrides.values()}
-    assert len(pds) == 1 and pds.pop() % 3 == 0
-    for key in (("forward", 128, 1, 512), ("forward_stats", 128, 1, 512), ("forward_stats", 128, 2, 512)):
-        assert key in overrides
-    assert ("forward", 4, 2, 512) in overrides and ("forward_stats", 4, 2, 512) not in overrides

@@ -617,31 +617,3 @@ def test_stats_backward_cluster_form_changes_no_bit(case):
     else:
         torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
     assert_contract(pack, got[0], got[2])
-
-
-@pytest.mark.parametrize("ahead", [1, 7])
-@pytest.mark.parametrize(
-    "case", CASES + [c for c in STATS_CASES if c not in CASES], ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}"
-)
-def test_forward_prefetch_ahead_changes_no_bit(case, ahead):
-    """Schedule.PD on the forwards: L2 prefetches of a later CTA's tile only, so the output (and the softmax
-    statistics of long windows) are bitwise those of the default build (small PD: most CTAs prefetch, padding rows
-    and a first row's masked half included; row-major grids and chunk-major ones)."""
-    launch = _launch_module()
-    seqlens, d, ratio, coff, tp, cp = case
-    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=53)
-    long = launch.supports_stats(ratio, coff, d)
-    keys = [(direction, ratio, coff, d) for direction in (("forward", "forward_stats") if long else ("forward",))]
-    base = (_run_stats(launch, pack)[:2] if long else ()) + _run(launch, pack)[:1]
-    dev = torch.device("cuda")
-    for key in keys:
-        launch.SCHEDULE_OVERRIDE[key] = replace(launch._default_schedule(*key), PD=ahead)
-    try:
-        assert [launch._get_launcher(*key, torch.bfloat16, dev).sch.PD for key in keys] == [ahead] * len(keys)
-        got = (_run_stats(launch, pack)[:2] if long else ()) + _run(launch, pack)[:1]
-    finally:
-        for key in keys:
-            launch.SCHEDULE_OVERRIDE.pop(key)
-            launch._get_launcher(*key, torch.bfloat16, dev)
-    for a, b in zip(base, got, strict=True):
-        _assert_bitwise(a, b)

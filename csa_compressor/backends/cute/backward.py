@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .backward_common import ZeroStores, make_backward_host, reduce_slab_lanes
-from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes
+from .backward_long import build_backward_long, long_backward_schedule, long_backward_smem_bytes, prefetch_l2
 from .backward_stats import build_backward_stats, stats_backward_smem_bytes
 from .forward import (
     LOG2E,
@@ -49,7 +49,6 @@ from .forward import (
     find_segment,
     make_schedule,
     mul_rn,
-    prefetch_l2,
     sub_rn,
     torch_order_sum,
     vec_view,

@@ -43,7 +43,6 @@ from .forward import (
     WindowOps,
     ex2,
     find_segment,
-    prefetch_l2,
     ptx_effect,
     slots_per_group,
     vec_view,
@@ -62,6 +61,20 @@ def cp_async_16(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, *, loc=None, ip=
         [p.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip) for p in (smem_ptr, gmem_ptr)],
         "r,l",
     )
+
+
+def _prefetch(level: str):
+    """``prefetch.global.<level>`` of the 128-byte line holding ``ptr`` (no register, no wait)."""
+
+    @dsl_user_op
+    def fn(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+        ptx_effect(f"prefetch.global.{level} [$0];", [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)], "l")
+
+    return fn
+
+
+prefetch_l2 = _prefetch("L2")
+prefetch_l1 = _prefetch("L1")  # into L1 (and L2)
 
 
 def long_backward_schedule(ratio: int, coff: int, head_dim: int, threads: int = 256, cols_cap: int = 64) -> Schedule:

@@ -40,6 +40,7 @@ from cutlass import BFloat16, Boolean, Float32, Int32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .backward_common import ZeroStores, make_backward_host
+from .backward_long import prefetch_l1, prefetch_l2
 from .forward import (
     LOG2E,
     Schedule,
@@ -48,8 +49,6 @@ from .forward import (
     ex2,
     find_segment,
     inline_ptx,
-    prefetch_l1,
-    prefetch_l2,
     vec_view,
     vector_width,
     window_store,

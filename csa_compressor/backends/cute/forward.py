@@ -61,20 +61,6 @@ def ptx_effect(text: str, operands, constraints: str) -> None:
     inline_ptx(text, operands, constraints, side_effects=True)
 
 
-def _prefetch(level: str):
-    """``prefetch.global.<level>`` of the 128-byte line holding ``ptr`` (no register, no wait)."""
-
-    @dsl_user_op
-    def fn(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-        ptx_effect(f"prefetch.global.{level} [$0];", [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)], "l")
-
-    return fn
-
-
-prefetch_l2 = _prefetch("L2")
-prefetch_l1 = _prefetch("L1")  # into L1 (and L2)
-
-
 def ptx_f32(text: str, values, *, loc=None, ip=None) -> Float32:
     """The fp32 result ``$0`` of inline PTX over fp32 operands ``$1 ..`` (pure: free to move or remove)."""
     operands = [Float32(v).ir_value(loc=loc, ip=ip) for v in values]
@@ -209,7 +195,6 @@ class Schedule:
     WT: bool = (
         False  # statistics backward: one CTA per tile sums all rows and writes grad_ape (no slabs, no 2nd kernel)
     )
-    PD: int = 0  # forward: prefetch into L2 the window tile of the CTA PD places ahead in dispatch order (0: none)
 
     @property
     def threads(self) -> int:
@@ -245,7 +230,6 @@ class Schedule:
             self.HA,
             self.CL,
             self.WT,
-            self.PD,
         )
 
 
@@ -489,50 +473,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     ST = sch.ST
     assert not ST or G > 1, "softmax statistics come from the cross-group combine (long windows)"
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG, sch.EF)
-    PD = sch.PD
-    WIDTH = coff * head_dim
-    LINE = 64  # bf16 elements per 128-byte line
-    LP = -(-CW // LINE)  # lines per row piece
-    NLINES = R * 2 * W * LP  # lines of one CTA's window tile
-
-    @cute.jit
-    def prefetch_ahead(kv, score, cu_t, cuc_t, B, N, nreal, bx, by, tidx):
-        """Into L2, the window tile of the CTA ``PD`` places later in dispatch order (block ids, x fastest): about
-        the CTA that takes this one's place on the SM (with ``PD`` = resident CTAs), so that its loads hit L2
-        while this CTA's loads and these keep DRAM busy; no registers held, no wait. Padding rows and masked slots
-        are skipped."""
-        nrblk = (N + R - 1) // R
-        blk = bx + PD
-        if cutlass.const_expr(not CM):
-            blk = by * nrblk + bx + PD
-        if blk < nrblk * NCHUNK:
-            chunk = blk % NCHUNK
-            rblk = blk // NCHUNK
-            if cutlass.const_expr(not CM):
-                chunk = blk // nrblk
-                rblk = blk % nrblk
-            for q in cutlass.range(tidx, NLINES, NT):
-                piece = q % LP
-                s = (q // LP) % W
-                tensor = (q // (LP * W)) % 2
-                r = rblk * R + q // (LP * W * 2)
-                col = chunk * CW + piece * LINE
-                ok = r < nreal
-                if cutlass.const_expr(not COLS_EXACT):
-                    ok = ok & (col < D)
-                if ok:
-                    b = find_segment(cuc_t, B, r)
-                    j = r - cuc_t[b]
-                    half = s // ratio
-                    valid = Boolean(True)
-                    if cutlass.const_expr(coff == 2):
-                        valid = (half == 1) | (j != 0)
-                    if valid:
-                        off = (cu_t[b] + j * ratio - (coff - 1) * ratio + s) * WIDTH + half * D + col
-                        if tensor == 0:
-                            prefetch_l2(kv + off)
-                        else:
-                            prefetch_l2(score + off)
 
     @cute.jit
     def body(kv, score, ape, cu, cuc, out, stats, B: Int32, N: Int32):
@@ -573,10 +513,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
 
         res = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-        if cutlass.const_expr(PD):
-            # Before this CTA's own loads: their destination registers are not live yet (after them: 110
-            # registers instead of 78 at ratio 128 coff 1, a CTA less per SM).
-            prefetch_ahead(kv, score, cu_t, cuc_t, B, N, nreal, bx, by, tidx)
         ops.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
         if cutlass.const_expr(G == 1):
             ops.load_ape(ape, apf, 0, g, c, col_ok)
