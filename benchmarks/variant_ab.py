@@ -146,11 +146,17 @@ def apply_overrides(args, cases) -> None:
         _override(cases, ("backward",), lambda d, c, sch: None if sch.LONG or sch.SC else replace(sch, HA=True))
     # The two-pass long backward (LONG without SC) sizes its grid by shared memory and prefetches by its own rule.
     if args.backward_min_blocks:
-        _override(
-            cases,
-            ("backward", "backward_stats"),
-            lambda d, c, sch: None if sch.LONG and not sch.SC else replace(sch, MB=args.backward_min_blocks),
-        )
+
+        def capped_backward(d, c, sch):
+            if sch.LONG and not sch.SC:
+                return None
+            if args.backward_min_blocks * sch.threads > 2048:  # more threads than an SM holds: no such launch bound
+                print(f"--backward-min-blocks {args.backward_min_blocks}: {d} of {c.name} has {sch.threads}-thread "
+                      "CTAs, left at its default", file=sys.stderr)  # fmt: skip
+                return None
+            return replace(sch, MB=args.backward_min_blocks)
+
+        _override(cases, ("backward", "backward_stats"), capped_backward)
     if args.prefetch_ahead:
         _override(
             cases,

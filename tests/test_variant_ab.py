@@ -51,17 +51,24 @@ def test_no_switch_no_override(overrides):
 
 
 def test_backward_min_blocks_reaches_both_backwards(overrides):
-    _apply(["--backward-min-blocks", "5"])
-    assert overrides[R4].MB == 5
-    assert overrides[STATS].MB == 5 and overrides[STATS].SC  # the statistics backward, not skipped
+    _apply(["--backward-min-blocks", "4"])  # both default to 512-thread CTAs: 4 x 512 threads fill an SM
+    assert overrides[R4].MB == 4
+    assert overrides[STATS].MB == 4 and overrides[STATS].SC  # the statistics backward, not skipped
     assert TWO_PASS not in overrides  # sizes its grid by shared memory: left alone
     assert not any(key[0].startswith("forward") for key in overrides)
 
 
+def test_backward_min_blocks_beyond_an_sm_is_refused(overrides, capsys):
+    """5 CTAs of 512 threads cannot be resident on one SM (2048 threads): no launch bound is asked for."""
+    _apply(["--backward-min-blocks", "5"])
+    assert overrides == {}
+    assert "512-thread CTAs, left at its default" in capsys.readouterr().err
+
+
 def test_switches_compose(overrides):
-    _apply(["--prefetch-ahead", "--backward-min-blocks", "5"])
+    _apply(["--prefetch-ahead", "--backward-min-blocks", "4"])
     for key in (R4, STATS):
-        assert overrides[key].PF and overrides[key].MB == 5
+        assert overrides[key].PF and overrides[key].MB == 4
 
 
 def test_backward_tile_and_hold_ape_touch_only_the_short_window_backward(overrides):
