@@ -229,13 +229,28 @@ def measure(args) -> dict:
     }
 
 
+# Keys of a run record that are not switches; a switch left at its default (0, "", None, False, [0, 0]) is not shown.
+_NOT_SWITCHES = ("rows", "device", "reps", "seconds")
+_ALWAYS_SHOWN = ("stream_loads", "stream_backward")
+
+
+def _switches(run: dict) -> str:
+    """``key=value`` of the run's cache policies and of every switch it set."""
+    shown = [
+        f"{k}={v}"
+        for k, v in run.items()
+        if k not in _NOT_SWITCHES and (k in _ALWAYS_SHOWN or v not in (0, "", None, False, [0, 0]))
+    ]
+    return ", ".join(shown)
+
+
 def compare(a_path: str, b_path: str) -> str:
     """Table of run A against run B (any two runs of this script: evict-first on / off, or two kernel versions)."""
     a_run, b_run = (json.load(open(p)) for p in (a_path, b_path))
     index = {(r["case"], r["backend"], r["direction"]): r for r in b_run["rows"]}
     lines = [
-        f"A = {a_path} (stream_loads={a_run.get('stream_loads')}, stream_backward={a_run.get('stream_backward')}, stats_slots={a_run.get('stats_slots')}, stats_tile={a_run.get('stats_tile')}, forward_min_blocks={a_run.get('forward_min_blocks')}, backward_min_blocks={a_run.get('backward_min_blocks')}, forward_long_stream_cols={a_run.get('forward_long_stream_cols')}, prefetch_ahead={a_run.get('prefetch_ahead')}, backward_tile={a_run.get('backward_tile')}, hold_ape={a_run.get('hold_ape')}, stats_cluster={a_run.get('stats_cluster')}, stats_whole_tile={a_run.get('stats_whole_tile')}, backward_threads={a_run.get('backward_threads')}, stats_threads={a_run.get('stats_threads')}, forward_long_tile={a_run.get('forward_long_tile')}), "
-        f"B = {b_path} (stream_loads={b_run.get('stream_loads')}, stream_backward={b_run.get('stream_backward')}, stats_slots={b_run.get('stats_slots')}, stats_tile={b_run.get('stats_tile')}, forward_min_blocks={b_run.get('forward_min_blocks')}, backward_min_blocks={b_run.get('backward_min_blocks')}, forward_long_stream_cols={b_run.get('forward_long_stream_cols')}, prefetch_ahead={b_run.get('prefetch_ahead')}, backward_tile={b_run.get('backward_tile')}, hold_ape={b_run.get('hold_ape')}, stats_cluster={b_run.get('stats_cluster')}, stats_whole_tile={b_run.get('stats_whole_tile')}, backward_threads={b_run.get('backward_threads')}, stats_threads={b_run.get('stats_threads')}, forward_long_tile={b_run.get('forward_long_tile')}); "
+        f"A = {a_path} ({_switches(a_run)}), ",
+        f"B = {b_path} ({_switches(b_run)}); ",
         f"{a_run.get('device')}; kernel us per call",
         "",
         "| case | backend | dir | cold A / B | clean A / B | warm A / B | cold A/B |",

@@ -7,6 +7,7 @@ statistics backward that way), so each switch is checked here against the schedu
 """
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -188,3 +189,19 @@ def test_forward_long_tile_reaches_only_the_64_column_forwards(overrides):
             (sch.V, sch.threads, sch.TC * sch.V) == (8, 128, 64) and sch.CM and sch.ST == (direction == "forward_stats")
         )
     assert ("forward", 4, 2, 512) not in overrides and ("forward_stats", 128, 2, 512) not in overrides
+
+
+def test_compare_names_the_switches_each_run_set(tmp_path):
+    """The comparison's header shows the cache policies and the switches a run set, not those left at defaults."""
+    rows = [dict(case="c", backend="cute", direction="fwd", cold=2.0, clean=1.5, warm=1.0)]
+    base = dict(stream_loads=True, stream_backward="none", stats_slots=0, forward_min_blocks=[0, 0], hold_ape=False)
+    a = dict(base, forward_long_tile="8,128", device="H200", rows=[dict(rows[0], cold=3.0)])
+    b = dict(base, device="H200", rows=rows)
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    text = variant_ab.compare(str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    head_a, head_b = text.splitlines()[:2]
+    assert "stream_loads=True, stream_backward=none, forward_long_tile=8,128)" in head_a
+    assert head_b.endswith("(stream_loads=True, stream_backward=none); ")
+    assert "stats_slots" not in text and "hold_ape" not in text
+    assert "| c | cute | fwd | 3.0 / 2.0 | 1.5 / 1.5 | 1.0 / 1.0 | 1.500 |" in text
