@@ -617,3 +617,80 @@ def test_stats_backward_cluster_form_changes_no_bit(case):
     else:
         torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
     assert_contract(pack, got[0], got[2])
+
+
+# The warp-specialised forward of 128-slot windows (forward_ws.py): few persistent CTAs (each walks many tiles,
+# every stage refilled many times) and one per tile; odd column chunk (72), masked first-row halves (r64 c2),
+# padding rows.
+WS_CASES = [
+    ((515, 1, 1030, 127, 260), 512, 128, 1, 3, 2),
+    ((515, 1, 1030, 127, 260), 128, 128, 1, 0, 3),
+    ((700, 300, 2000, 64), 256, 64, 2, 9, 1),
+    ((300, 17, 1290, 40), 72, 128, 1, 3, 2),
+]
+
+
+@pytest.mark.parametrize("ctas", [3, 10_000])
+@pytest.mark.parametrize("case", WS_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_ws_forward(case, ctas):
+    """Output and softmax statistics of the warp-specialised form against the register forward and the reference:
+    the max bitwise, the rest within fp32 order error, the output within the contract (and with the backward's
+    gradients from these statistics); every element written over NaN; the output equal with and without
+    statistics; bitwise run to run."""
+    from csa_compressor.backends.cute.forward_ws import ws_forward_schedule
+
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=59)
+    base_out, base_stats, _ = _run_stats(launch, pack)
+    keys = [(direction, ratio, coff, d) for direction in ("forward", "forward_stats")]
+    ws = ws_forward_schedule(ratio, coff, d, 3, ctas)
+    assert ws is not None and ws.BS == 3
+    dev = torch.device("cuda")
+    for key in keys:
+        launch.SCHEDULE_OVERRIDE[key] = replace(ws, ST=key[0] == "forward_stats")
+    try:
+        assert all(launch._get_launcher(*key, torch.bfloat16, dev).sch.BS == 3 for key in keys)
+        runs = [_run_stats(launch, pack) for _ in range(2)]
+        plain, *_ = _run(launch, pack)
+    finally:
+        for key in keys:
+            launch.SCHEDULE_OVERRIDE.pop(key)
+            launch._get_launcher(*key, torch.bfloat16, dev)
+    out, stats, grads = runs[0]
+    for t in (out, stats, *grads):
+        assert not torch.isnan(t).any()
+    for a, b in zip((out, stats, *grads), (runs[1][0], runs[1][1], *runs[1][2]), strict=True):
+        _assert_bitwise(a, b)
+    _assert_bitwise(out, plain)
+    assert torch.equal(stats[:, 0], base_stats[:, 0])
+    torch.testing.assert_close(stats[:, 1:], base_stats[:, 1:], rtol=1e-5, atol=1e-7)
+    ref_stats = reference.softmax_stats(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp)
+    torch.testing.assert_close(stats[:, 1:], ref_stats[:, 1:], rtol=2e-5, atol=1e-6)
+    assert (out.float() - base_out.float()).abs().max() <= base_out.float().abs().max() * 2**-7
+    assert_contract(pack, out, grads)
+
+
+def test_ws_forward_for_large_launches():
+    """A 128-slot forward of at least WS_MIN_WAVES tiles per SM takes the warp-specialised build (plain and
+    statistics), fewer rows the register build."""
+    launch = _launch_module()
+    dev = torch.device("cuda")
+    d, ratio, coff = 512, 128, 1
+    launcher = launch._get_launcher("forward_stats", ratio, coff, d, torch.bfloat16, dev)
+    if not launch.WS_FORWARD:
+        pytest.skip("CSA_COMPRESSOR_WS_FORWARD=0")
+    assert launcher.wide is not None and launcher.wide.sch.BS == launch.WS_STAGES
+    rows = launcher.wide_rows + 5
+    pack = make_pack((ratio * rows + 17, 3), d, ratio, coff, token_padding=2, comp_padding=1, device=dev, seed=61)
+    calls = []
+    wide_launch = launcher.wide.launch
+    launcher.wide.launch = lambda args: (calls.append(args[-2]), wide_launch(args))
+    try:
+        out, stats, grads = _run_stats(launch, pack)
+    finally:
+        launcher.wide.launch = wide_launch
+    assert calls == [pack.total_comp]
+    assert_contract(pack, out, grads)
+    ref_stats = reference.softmax_stats(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp)
+    assert torch.equal(stats[:, 0], ref_stats[:, 0])
