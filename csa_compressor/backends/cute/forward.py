@@ -195,8 +195,6 @@ class Schedule:
     WT: bool = (
         False  # statistics backward: one CTA per tile sums all rows and writes grad_ape (no slabs, no 2nd kernel)
     )
-    BS: int = 0  # forward of 128-slot windows: shared-memory stages of the warp-specialised form (forward_ws.py)
-    PS: int = 0  # persistent CTAs of that form (the grid is min(tiles, PS))
 
     @property
     def threads(self) -> int:
@@ -232,8 +230,6 @@ class Schedule:
             self.HA,
             self.CL,
             self.WT,
-            self.BS,
-            self.PS,
         )
 
 
@@ -363,11 +359,7 @@ def window_store(ptr: cute.Pointer, off, V: int, value, evict_first: bool) -> No
 
 
 def forward_smem_bytes(sch: Schedule) -> int:
-    """Dynamic shared memory of the forward kernel (cross-group combine buffers; the warp-specialised form's stages)."""
-    if sch.BS:
-        from .forward_ws import ws_forward_smem_bytes  # imports this module
-
-        return ws_forward_smem_bytes(sch)
+    """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
     return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
 
 

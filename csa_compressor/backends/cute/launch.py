@@ -54,7 +54,6 @@ try:
     from .backward_common import MAX_REGS, REDUCE_WARPS, reduce_grid_x, reduce_slab_lanes
     from .backward_stats import CLUSTER_MAX, stats_backward_schedule
     from .forward import build_forward, forward_schedule, forward_smem_bytes, wide_forward_schedule
-    from .forward_ws import build_forward_ws, ws_forward_schedule
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
 
@@ -164,21 +163,6 @@ def _schedule(direction: str, ratio: int, coff: int, head_dim: int):
     return replace(sch, EF=STREAM_BACKWARD == "all", ES=STREAM_BACKWARD != "none")
 
 
-# 128-slot windows: launches of at least WS_MIN_WAVES tiles per SM take the warp-specialised, bulk-copy streamed
-# forward (forward_ws.py) with WS_STAGES stages; "0" in CSA_COMPRESSOR_WS_FORWARD turns it off (read at import).
-WS_FORWARD = os.environ.get("CSA_COMPRESSOR_WS_FORWARD", "1") != "0"
-WS_STAGES = 3
-WS_MIN_WAVES = 2
-
-
-def _ws_schedule(direction: str, ratio: int, coff: int, head_dim: int, num_sms: int, sch):
-    """The warp-specialised build that large launches of a forward take, or None."""
-    if not WS_FORWARD or not direction.startswith("forward") or sch.BS or sch.MB:
-        return None
-    ws = ws_forward_schedule(ratio, coff, head_dim, WS_STAGES, num_sms)
-    return None if ws is None else replace(ws, ST=sch.ST, EF=sch.EF)
-
-
 def _key(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, arch: str) -> tuple:
     sch = _schedule(direction, ratio, coff, head_dim)
     return _cache_key(direction, ratio, coff, head_dim, dtype, arch, sch), sch
@@ -218,8 +202,6 @@ def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch)
     # PTX (kernel names and parameter lists) and cubin are kept for the raw driver launch path.
     options = f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={_dump_dir()}"
     build = build_forward if direction.startswith("forward") else build_backward
-    if getattr(sch, "BS", 0):
-        build = build_forward_ws
     host = build(ratio, coff, head_dim, sch)
     args = [_fake_ptr(t) for t in _dtypes(direction)] + [Int32(1)] * _N_INT[direction]
     return cute.compile(host, *args, cuda.CUstream(0), options=options)
@@ -472,8 +454,6 @@ class _Launcher:
                 blocks = (ints[1] + self.sch.R - 1) // self.sch.R
                 # Chunk-major schedules (CM) put the column chunks on grid x, as the host function does.
                 grid = (blocks * self.nchunk, 1) if self.sch.CM else (blocks, self.nchunk)
-                if self.sch.PS:  # persistent form: at most PS CTAs walk the tiles
-                    grid = (min(grid[0], self.sch.PS), 1)
                 raw[0]((*ptrs, *ints), grid, stream_handle)
             else:
                 b, n, t, rows_per_cta, num_ctas = ints
@@ -621,13 +601,6 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
                 launcher.wide.nchunk = launcher.nchunk
                 # More row blocks than one wave of the default build: the capped one holds a CTA more per SM.
                 launcher.wide_rows = num_sms * (wide.MB - 1) * sch.R + 1
-            ws = _ws_schedule(direction, ratio, coff, head_dim, num_sms, sch)
-            if ws is not None:
-                compiled_w = _compiled_for(direction, ratio, coff, head_dim, dtype, arch, ws)
-                launcher.wide = _Launcher(compiled_w, direction, index, ws, num_sms, forward_smem_bytes(ws))
-                launcher.wide.nchunk = -(-head_dim // (ws.TC * ws.V))
-                # At least WS_MIN_WAVES tiles per SM: enough for the persistent CTAs' pipelines to run full.
-                launcher.wide_rows = -(-WS_MIN_WAVES * num_sms // launcher.wide.nchunk)
             _LAUNCHERS[lk] = launcher
             _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher
     return launcher
