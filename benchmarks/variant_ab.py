@@ -54,6 +54,16 @@ def _override(cases, directions, make) -> None:
                 cute_launch.SCHEDULE_OVERRIDE[key] = new
 
 
+def _resized(threads: int, skip):
+    """``_override`` maker: the schedule's thread tile in CTAs of ``threads`` (``Schedule.with_threads``), except where
+    ``skip(sch)`` or the CTA size is already ``threads``."""
+
+    def make(d, c, sch):
+        return None if skip(sch) or sch.threads == threads else sch.with_threads(threads)
+
+    return make
+
+
 def apply_overrides(args, cases) -> None:
     """The cute schedule switches of ``args`` as ``SCHEDULE_OVERRIDE`` entries for ``cases`` (they compose)."""
     if args.stats_slots or args.stats_tile:
@@ -118,13 +128,7 @@ def apply_overrides(args, cases) -> None:
 
         _override(cases, ("backward_stats",), lambda d, c, sch: with_whole_tile(sch, bool(args.stats_whole_tile)))
     if args.stats_threads:
-
-        def stats_wider(d, c, sch):
-            if sch.WT or sch.CL or sch.threads == args.stats_threads:
-                return None
-            return sch.with_threads(args.stats_threads)
-
-        _override(cases, ("backward_stats",), stats_wider)
+        _override(cases, ("backward_stats",), _resized(args.stats_threads, lambda sch: sch.WT or sch.CL))
     if args.stats_cluster is not None:
         from csa_compressor.backends.cute.backward_stats import with_whole_tile
 
@@ -135,13 +139,7 @@ def apply_overrides(args, cases) -> None:
             lambda d, c, sch: replace(with_whole_tile(sch, False), CL=bool(args.stats_cluster)),
         )
     if args.backward_threads:
-
-        def wider(d, c, sch):
-            if sch.LONG or sch.SC or sch.threads == args.backward_threads:
-                return None
-            return sch.with_threads(args.backward_threads)
-
-        _override(cases, ("backward",), wider)
+        _override(cases, ("backward",), _resized(args.backward_threads, lambda sch: sch.LONG or sch.SC))
     if args.hold_ape:
         _override(cases, ("backward",), lambda d, c, sch: None if sch.LONG or sch.SC else replace(sch, HA=True))
     # The two-pass long backward (LONG without SC) sizes its grid by shared memory and prefetches by its own rule.

@@ -98,16 +98,17 @@ def test_softmax_stats_variants_compile(direction, ratio, coff, head_dim):
 def test_stats_backward_whole_tile_builds_one_kernel(ratio, coff, head_dim):
     """Schedule.WT: one 512-thread kernel (one CTA per SM by the register cap) that writes grad_ape itself, no
     reduction kernel, no local memory; the slab form of the same configuration keeps its reduction kernel."""
-    from dataclasses import replace
+    from csa_compressor.backends.cute.backward_stats import with_whole_tile
 
     _, sch = cute_launch._key("backward_stats", ratio, coff, head_dim, torch.bfloat16, "sm_90a")
-    wt = sch if sch.WT else replace(sch, WT=True, R=sch.R * 4)
+    wt = with_whole_tile(sch, True)
     ptx = cute_launch._build("backward_stats", ratio, coff, head_dim, "sm_90a", wt).artifacts.PTX
     entries = cute_launch._ptx_entries(ptx)
     assert list(entries.values()) == ["p" * 10 + "iiii"] and not any("reduce_kernel" in n for n in entries)
     assert ".reqntid 512, 1, 1" in ptx and ".minnctapersm 1" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
-    slab = replace(wt, WT=False, R=wt.R // 4)
+    slab = with_whole_tile(wt, False)
+    assert slab.threads == 128 and wt.threads == 512
     slab_ptx = cute_launch._build("backward_stats", ratio, coff, head_dim, "sm_90a", slab).artifacts.PTX
     assert sum("reduce_kernel" in n for n in cute_launch._ptx_entries(slab_ptx)) == 1
 

@@ -119,11 +119,12 @@ def stats_backward_schedule(
     G = max(1, min(128 // TC, slots_cap // SG))
     while G > 1 and W % (G * SG):
         G //= 2
-    tiles = -(-head_dim // (TC * V)) * (W // (G * SG))
+    R = max(1, 128 // (TC * G))
+    sch = Schedule(V=V, TC=TC, G=G, SG=SG, R=R, NB=1, LONG=True, ST=True, SC=G * SG, CL=cluster)
     if whole_tile is None:
+        tiles = -(-head_dim // (TC * V)) * (W // (G * SG))
         whole_tile = tiles >= WHOLE_TILE_MIN_TILES and not cluster
-    R = max(1, (WHOLE_TILE_THREADS if whole_tile else 128) // (TC * G))
-    return Schedule(V=V, TC=TC, G=G, SG=SG, R=R, NB=1, LONG=True, ST=True, SC=G * SG, CL=cluster, WT=bool(whole_tile))
+    return with_whole_tile(sch, bool(whole_tile))
 
 
 def with_whole_tile(sch: Schedule, on: bool) -> Schedule:
