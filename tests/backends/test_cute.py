@@ -617,3 +617,89 @@ def test_stats_backward_cluster_form_changes_no_bit(case):
     else:
         torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
     assert_contract(pack, got[0], got[2])
+
+
+# The TMA forward of long windows (forward_tma.py): few persistent CTAs (each walks many rows, every stage refilled
+# many times) and one per SM; a partial column chunk (72), masked first-row halves (r64 c2, r128 c2), short
+# segments and padding rows.
+TMA_CASES = [
+    ((515, 1, 1030, 127, 260), 512, 128, 1, 3, 2),
+    ((515, 1, 1030, 127, 260), 128, 128, 1, 0, 3),
+    ((700, 300, 2000, 64), 256, 64, 2, 9, 1),
+    ((1000, 300, 700, 129), 128, 128, 2, 5, 2),
+    ((300, 17, 1290, 40), 72, 128, 1, 3, 2),
+]
+
+
+@pytest.mark.parametrize("form", ["default", "cols64", "one-warp"])
+@pytest.mark.parametrize("ctas", [3, 132])
+@pytest.mark.parametrize("case", TMA_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
+def test_tma_forward(case, ctas, form):
+    """Output and softmax statistics of the TMA form against the register forward and the reference: the max
+    bitwise, the rest within fp32 order error, the output within the contract (and with the backward's gradients
+    from these statistics); every element written over NaN; the output equal with and without statistics;
+    bitwise run to run."""
+    from csa_compressor.backends.cute.forward_tma import tma_forward_schedule
+
+    launch = _launch_module()
+    seqlens, d, ratio, coff, tp, cp = case
+    kw = {"default": {}, "cols64": dict(cols=64, warps_per_row=4, groups=2), "one-warp": dict(warps_per_row=1)}[form]
+    tma = tma_forward_schedule(ratio, coff, d, ctas, **kw)
+    if tma is None:
+        pytest.skip(f"the {form} TMA form does not apply to ratio {ratio} coff {coff} head_dim {d}")
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=59)
+    base_out, base_stats, _ = _run_stats(launch, pack)
+    keys = [(direction, ratio, coff, d) for direction in ("forward", "forward_stats")]
+    dev = torch.device("cuda")
+    for key in keys:
+        launch.SCHEDULE_OVERRIDE[key] = replace(tma, ST=key[0] == "forward_stats")
+    try:
+        assert all(launch._get_launcher(*key, torch.bfloat16, dev).sch.TM == tma.TM for key in keys)
+        runs = [_run_stats(launch, pack) for _ in range(2)]
+        plain, *_ = _run(launch, pack)
+    finally:
+        for key in keys:
+            launch.SCHEDULE_OVERRIDE.pop(key)
+            launch._get_launcher(*key, torch.bfloat16, dev)
+    out, stats, grads = runs[0]
+    for t in (out, stats, *grads):
+        assert not torch.isnan(t).any()
+    for a, b in zip((out, stats, *grads), (runs[1][0], runs[1][1], *runs[1][2]), strict=True):
+        _assert_bitwise(a, b)
+    _assert_bitwise(out, plain)
+    assert torch.equal(stats[:, 0], base_stats[:, 0])
+    torch.testing.assert_close(stats[:, 1:], base_stats[:, 1:], rtol=1e-5, atol=1e-7)
+    ref_stats = reference.softmax_stats(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp)
+    torch.testing.assert_close(stats[:, 1:], ref_stats[:, 1:], rtol=2e-5, atol=1e-6)
+    assert (out.float() - base_out.float()).abs().max() <= base_out.float().abs().max() * 2**-7
+    assert_contract(pack, out, grads)
+
+
+@pytest.mark.parametrize("coff", [1, 2])
+def test_tma_forward_for_large_launches(coff):
+    """A long-window forward of at least TMA_MIN_TILES_PER_SM tiles per SM takes the TMA build on sm_90 (plain and
+    statistics), fewer rows the register build; NaN canaries in unread tokens stay out of the output."""
+    launch = _launch_module()
+    dev = torch.device("cuda")
+    d, ratio = 512, 128
+    launcher = launch._get_launcher("forward_stats", ratio, coff, d, torch.bfloat16, dev)
+    if launch._TMA_ENV == "0" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the TMA forward is off (CSA_COMPRESSOR_TMA_FORWARD=0) or not an sm_90 device")
+    assert launcher.wide is not None and launcher.wide.sch.TM >= 2
+    rows = launcher.wide_rows + 5
+    pack = make_pack((ratio * rows + 17, 3), d, ratio, coff, token_padding=2, comp_padding=1, device=dev, seed=61)
+    kv, score = pack.inputs[:2]
+    kv[-2:] = float("nan")  # token padding: read by no window
+    score[-2:] = float("nan")
+    calls = []
+    wide_launch = launcher.wide.launch
+    launcher.wide.launch = lambda args: (calls.append(args[-2]), wide_launch(args))
+    try:
+        out, stats, grads = _run_stats(launch, pack)
+    finally:
+        launcher.wide.launch = wide_launch
+    assert calls == [pack.total_comp]
+    assert not torch.isnan(out).any()
+    assert_contract(pack, out, grads)
+    ref_stats = reference.softmax_stats(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp)
+    assert torch.equal(stats[:, 0], ref_stats[:, 0])

@@ -224,3 +224,43 @@ def test_compiled_kernels_are_cached_per_schedule(monkeypatch):
     assert first[0] is not first[1] and again[0] is first[0] and again[1] is first[1]
     assert [b[-1] for b in builds] == [sch, wide]
     assert cute_launch._key("forward", 4, 2, 512, torch.bfloat16, "sm_90a")[0] in cute_launch._COMPILED
+
+
+@pytest.mark.parametrize(
+    "ratio,coff,head_dim,kw",
+    [
+        (128, 1, 512, {}),
+        (128, 2, 512, {}),
+        (64, 2, 72, {}),
+        (128, 1, 512, dict(cols=64, warps_per_row=4, groups=2)),
+        (128, 1, 128, dict(warps_per_row=1)),
+    ],
+)
+@pytest.mark.parametrize("stats", [False, True])
+def test_tma_forward_compiles(ratio, coff, head_dim, kw, stats):
+    """The TMA forward builds for sm_90a: one 2D tensor copy per (tensor, window half), two tensor maps passed as
+    kernel parameters (128 bytes each) ahead of the pointers, no local memory, and its shared memory fits."""
+    from dataclasses import replace
+
+    from csa_compressor.backends.cute.forward_tma import SMEM_LIMIT, tma_forward_schedule, tma_forward_smem_bytes
+
+    sch = replace(tma_forward_schedule(ratio, coff, head_dim, 132, **kw), ST=stats, EF=True)
+    assert 2 <= sch.TM and tma_forward_smem_bytes(ratio, coff, sch) <= SMEM_LIMIT
+    direction = "forward_stats" if stats else "forward"
+    ptx = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
+    assert ptx.count("cp.async.bulk.tensor.2d") == 2 * coff
+    assert "createpolicy.fractional.L2::evict_first" in ptx
+    assert ptx.count(".param .align 64 .b8") == 2
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize(
+    "ratio,coff,head_dim",
+    [(4, 2, 512), (16, 2, 128), (128, 1, 100), (128, 1, 4), (24, 2, 512), (512, 1, 512)],
+)
+def test_tma_forward_applies_only_where_it_can(ratio, coff, head_dim):
+    """Short windows, head_dims not a multiple of 8, windows too short for the lane tile and boxes over 256 rows
+    keep the register forward."""
+    from csa_compressor.backends.cute.forward_tma import tma_forward_schedule
+
+    assert tma_forward_schedule(ratio, coff, head_dim, 132) is None
