@@ -28,7 +28,6 @@ the real tensor (``t0 + ratio <= T``), so the copies never read past it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import cuda.bindings.driver as cuda
@@ -105,8 +104,6 @@ def build_forward_tma(ratio: int, coff: int, head_dim: int, sch: Schedule):
     ST = sch.ST
     EF = sch.EF
     smem_bytes = tma_forward_smem_bytes(ratio, coff, sch)
-    # Development probe (timing only, wrong results): "nocompute" consumers fold nothing, "noload" no copies.
-    PROBE = os.environ.get("CSA_TMA_PROBE", "")
     assert RPL >= 1 and NB >= 1 and NG + 2 <= 16
 
     @cute.jit
@@ -129,8 +126,6 @@ def build_forward_tma(ratio: int, coff: int, head_dim: int, sch: Schedule):
         policy = None
         if cutlass.const_expr(EF):
             policy = evict_first_policy()
-        cpasync.prefetch_descriptor(tma_kv)
-        cpasync.prefetch_descriptor(tma_sc)
         t0_l = Int32(0)
         first_l = Int32(1)
         for k in cutlass.range(n_it, unroll=1):
@@ -145,8 +140,6 @@ def build_forward_tma(ratio: int, coff: int, head_dim: int, sch: Schedule):
             if cutlass.const_expr(coff == 2):
                 if first == 0:
                     nbytes = 2 * 2 * BOX * 2
-            if cutlass.const_expr(PROBE == "noload"):
-                nbytes = 0
             with cute.arch.elect_one():
                 flags[st] = first
                 cute.arch.mbarrier_arrive_and_expect_tx(full + st, nbytes)
@@ -164,8 +157,6 @@ def build_forward_tma(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     go = Boolean(True)
                     if cutlass.const_expr(coff == 2 and h == 0):
                         go = first == 0
-                    if cutlass.const_expr(PROBE == "noload"):
-                        go = Boolean(False)
                     if go:
                         if cutlass.const_expr(EF):
                             cute.copy(atom, t_g, t_s, tma_bar_ptr=full + st, cache_policy=policy)
@@ -173,9 +164,8 @@ def build_forward_tma(ratio: int, coff: int, head_dim: int, sch: Schedule):
                             cute.copy(atom, t_g, t_s, tma_bar_ptr=full + st)
 
     @cute.jit
-    def fold_batch(sbuf, ape_s, base, rows0, h, vm, vl, va, first_batch: cutlass.Constexpr):
-        """Fold rows ``rows0 + G*RG*b`` (b < RB) of half h at stage offset ``base`` into (max, sum e, sum e*v);
-        ``first_batch``: nothing folded yet (vm = -inf, vl = va = 0), no carry."""
+    def fold_batch(sbuf, ape_s, base, rows0, h, vm, vl, va):
+        """Fold rows ``rows0 + G*RG*b`` (b < RB) of half h at stage offset ``base`` into (max, sum e, sum e*v)."""
         kvf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(RB)]
         scf = [cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(RB)]
         apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(RB)]
@@ -201,12 +191,9 @@ def build_forward_tma(ratio: int, coff: int, head_dim: int, sch: Schedule):
             msafe = m
             if m == Float32(NEG_INF):
                 msafe = Float32(0.0)
-            total = Float32(0.0)
-            acc = Float32(0.0)
-            if cutlass.const_expr(not first_batch):
-                carry = ex2(vm[i] - msafe)
-                total = vl[i] * carry
-                acc = va[i] * carry
+            carry = ex2(vm[i] - msafe)
+            total = vl[i] * carry
+            acc = va[i] * carry
             for b in cutlass.range_constexpr(RB):
                 e = ex2(y[b] - msafe)
                 total = total + e
@@ -250,41 +237,23 @@ def build_forward_tma(ratio: int, coff: int, head_dim: int, sch: Schedule):
             vl.fill(0.0)
             va.fill(0.0)
             base = st * STAGE
-            rows0 = wi * RG + rg
-            if cutlass.const_expr(PROBE != "nocompute"):
-                if cutlass.const_expr(coff == 2):
-                    if first == 0:
-                        for bi in cutlass.range_constexpr(NB):
-                            fold_batch(sbuf, ape_s, base, rows0 + WPT * RG * RB * bi, 0, vm, vl, va, bi == 0)
-                        for bi in cutlass.range_constexpr(NB):
-                            fold_batch(sbuf, ape_s, base, rows0 + WPT * RG * RB * bi, 1, vm, vl, va, False)
-                    else:
-                        for bi in cutlass.range_constexpr(NB):
-                            fold_batch(sbuf, ape_s, base, rows0 + WPT * RG * RB * bi, 1, vm, vl, va, bi == 0)
-                else:
+            for h in cutlass.range_constexpr(coff):
+                go = Boolean(True)
+                if cutlass.const_expr(coff == 2 and h == 0):
+                    go = first == 0
+                if go:
                     for bi in cutlass.range_constexpr(NB):
-                        fold_batch(sbuf, ape_s, base, rows0 + WPT * RG * RB * bi, 0, vm, vl, va, bi == 0)
+                        fold_batch(sbuf, ape_s, base, wi * RG + rg + WPT * RG * RB * bi, h, vm, vl, va)
             cute.arch.mbarrier_arrive(empty + st)  # this lane's reads of the stage are done
-            # Row groups of the warp (lane bits above the column lanes): the max by butterflies first, then one
-            # rescale per column and butterfly sums (additions commute: every lane ends with the same bits).
-            for i in cutlass.range_constexpr(V):
-                mx = vm[i]
-                for step in cutlass.range_constexpr(5):
-                    if cutlass.const_expr((1 << step) >= TC):
-                        mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1 << step), nan=True)
-                mxs = mx
-                if mx == Float32(NEG_INF):
-                    mxs = Float32(0.0)
-                scale = ex2(vm[i] - mxs)
-                lsum = vl[i] * scale
-                asum = va[i] * scale
-                for step in cutlass.range_constexpr(5):
-                    if cutlass.const_expr((1 << step) >= TC):
-                        lsum = lsum + cute.arch.shuffle_sync_bfly(lsum, offset=1 << step)
-                        asum = asum + cute.arch.shuffle_sync_bfly(asum, offset=1 << step)
-                vm[i] = mx
-                vl[i] = lsum
-                va[i] = asum
+            # Row groups of the warp (lane bits above the column lanes): butterflies.
+            for step in cutlass.range_constexpr(5):
+                off = 1 << step
+                if cutlass.const_expr(off >= TC):
+                    for i in cutlass.range_constexpr(V):
+                        mo = cute.arch.shuffle_sync_bfly(vm[i], offset=off)
+                        lo = cute.arch.shuffle_sync_bfly(vl[i], offset=off)
+                        ao = cute.arch.shuffle_sync_bfly(va[i], offset=off)
+                        vm[i], vl[i], va[i] = merge(vm[i], vl[i], va[i], mo, lo, ao)
             if cutlass.const_expr(WPT == 1):
                 col = col0 + ch * V
                 if (rg == 0) & (col < D):
