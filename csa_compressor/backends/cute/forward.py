@@ -195,8 +195,6 @@ class Schedule:
     WT: bool = (
         False  # statistics backward: one CTA per tile sums all rows and writes grad_ape (no slabs, no 2nd kernel)
     )
-    TM: int = 0  # long-window forward streamed by TMA tile copies (forward_tma.py): shared-memory stages; 0: off
-    PS: int = 0  # TMA forward: CTAs of the persistent grid at most (the SMs)
 
     @property
     def threads(self) -> int:
@@ -232,8 +230,6 @@ class Schedule:
             self.HA,
             self.CL,
             self.WT,
-            self.TM,
-            self.PS,
         )
 
 

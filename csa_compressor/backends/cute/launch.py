@@ -54,7 +54,6 @@ try:
     from .backward_common import MAX_REGS, REDUCE_WARPS, reduce_grid_x, reduce_slab_lanes
     from .backward_stats import CLUSTER_MAX, stats_backward_schedule
     from .forward import build_forward, forward_schedule, forward_smem_bytes, wide_forward_schedule
-    from .forward_tma import build_forward_tma, tma_forward_schedule, tma_forward_smem_bytes
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
 
@@ -203,8 +202,6 @@ def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch)
     # PTX (kernel names and parameter lists) and cubin are kept for the raw driver launch path.
     options = f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={_dump_dir()}"
     build = build_forward if direction.startswith("forward") else build_backward
-    if getattr(sch, "TM", 0):
-        build = build_forward_tma
     host = build(ratio, coff, head_dim, sch)
     args = [_fake_ptr(t) for t in _dtypes(direction)] + [Int32(1)] * _N_INT[direction]
     return cute.compile(host, *args, cuda.CUstream(0), options=options)
@@ -604,42 +601,9 @@ def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, d
                 launcher.wide.nchunk = launcher.nchunk
                 # More row blocks than one wave of the default build: the capped one holds a CTA more per SM.
                 launcher.wide_rows = num_sms * (wide.MB - 1) * sch.R + 1
-            tma = _tma_schedule(direction, ratio, coff, head_dim, arch, num_sms, sch)
-            if wide is None and tma is not None:
-                compiled_t = _compiled_for(direction, ratio, coff, head_dim, dtype, arch, tma)
-                smem_t = tma_forward_smem_bytes(ratio, coff, tma)
-                launcher.wide = _Launcher(compiled_t, direction, index, tma, num_sms, smem_t)
-                launcher.wide.nchunk = -(-head_dim // (tma.TC * tma.V))
-                # From TMA_MIN_TILES_PER_SM (row, column chunk) tiles per SM on: below, the persistent CTAs have
-                # too few rows to stream and the register forward's one-shot CTAs win.
-                launcher.wide_rows = -(-TMA_MIN_TILES_PER_SM * num_sms // launcher.wide.nchunk)
             _LAUNCHERS[lk] = launcher
             _FASTMAP[(direction, ratio, coff, head_dim, dtype, index)] = launcher
     return launcher
-
-
-# The TMA forward of long windows (forward_tma.py) on sm_90: ``CSA_COMPRESSOR_TMA_FORWARD`` = "0" (off), "1"
-# (the default form) or "cols,warps_per_row,groups,stages,rows_per_batch,min_tiles_per_sm" (A/B runs).
-_TMA_ENV = os.environ.get("CSA_COMPRESSOR_TMA_FORWARD", "1")
-_TMA_ARGS: dict[str, int] = {}  # tma_forward_schedule's defaults
-TMA_MIN_TILES_PER_SM = 4
-if _TMA_ENV not in ("0", "1"):
-    _vals = [int(v) for v in _TMA_ENV.split(",")]
-    _TMA_ARGS.update(zip(("cols", "warps_per_row", "groups", "stages", "rows_per_batch"), _vals[:5], strict=False))
-    if len(_vals) > 5:
-        TMA_MIN_TILES_PER_SM = _vals[5]
-
-
-def _tma_schedule(direction: str, ratio: int, coff: int, head_dim: int, arch: str, num_sms: int, sch):
-    """The TMA form that large launches of this forward take, or None (off, other arch, or not applicable)."""
-    if _TMA_ENV == "0" or arch != "sm_90a" or not direction.startswith("forward") or sch.TM:
-        return None
-    if SCHEDULE_OVERRIDE.get((direction, ratio, coff, head_dim)) is not None:
-        return None  # an A/B override times its own schedule alone
-    tma = tma_forward_schedule(ratio, coff, head_dim, num_sms, **_TMA_ARGS)
-    if tma is None:
-        return None
-    return replace(tma, ST=sch.ST, EF=sch.EF)
 
 
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
