@@ -29,7 +29,6 @@ through ``ex2.approx`` of ``(x - max) * log2(e)`` and combines the groups in a f
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
@@ -41,8 +40,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 NEG_INF = float("-inf")
-# Development probe (read at import): prefetch cu_seqlens' first line into L1 beside the first cu_seqlens_comp load.
-_PROBE_PREFETCH_CU = os.environ.get("CSA_FWD_PREFETCH_CU", "0") == "1"
 LOG2E = math.log2(math.e)
 
 
@@ -494,8 +491,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         r = rblk * R + rl
         cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
         cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
-        if cutlass.const_expr(_PROBE_PREFETCH_CU):
-            ptx_effect("prefetch.global.L1 [$0];", [cu.toint().ir_value()], "l")
 
         col_ok = Boolean(True)
         if cutlass.const_expr(not COLS_EXACT):
