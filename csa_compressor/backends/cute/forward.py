@@ -29,7 +29,6 @@ through ``ex2.approx`` of ``(x - max) * log2(e)`` and combines the groups in a f
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
@@ -41,8 +40,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 NEG_INF = float("-inf")
-# Development probe (read at import): pad the long-window forward's dynamic shared memory (fewer resident CTAs).
-_PROBE_SMEM_PAD = int(os.environ.get("CSA_FWD_SMEM_PAD", "0"))
 LOG2E = math.log2(math.e)
 
 
@@ -577,8 +574,6 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                         st_t[row * 3 * D + 2 * D + col] = res_q
 
     smem_bytes = forward_smem_bytes(sch)
-    if G > 1:
-        smem_bytes += _PROBE_SMEM_PAD
     # Long windows: at most 128 registers per thread (two 256-thread CTAs per SM); G == 1 is unbounded.
     # (A carveout hint must come with min_blocks_per_mp > 1, or the DSL queries the device at compile time.)
     LAUNCH_BOUNDS = {}
