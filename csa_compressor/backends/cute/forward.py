@@ -29,6 +29,7 @@ through ``ex2.approx`` of ``(x - max) * log2(e)`` and combines the groups in a f
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import cuda.bindings.driver as cuda
@@ -40,6 +41,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 NEG_INF = float("-inf")
+# Development probe (read at import): the forward's row lookup loads cu_seqlens beside cu_seqlens_comp.
+_PROBE_ROW_LOADS = os.environ.get("CSA_FWD_ROW_LOADS", "0") == "1"
 LOG2E = math.log2(math.e)
 
 
@@ -501,11 +504,21 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         nreal = cuc_t[B]
         t0 = Int32(0)
         first = Boolean(True)
-        if active & (r < nreal):
-            b = find_segment(cuc_t, B, r)
-            j = r - cuc_t[b]
-            t0 = cu_t[b] + j * ratio
-            first = j == 0
+        if cutlass.const_expr(_PROBE_ROW_LOADS):
+            # cu_seqlens[0] (0 by contract) joins the branch condition, so it loads beside cuc[B] and brings the
+            # line of cu_seqlens into L1 for the row's first token: no dependent round trip after the search.
+            u0 = cu_t[0]
+            if active & (r < nreal) & (u0 >= 0):
+                b = find_segment(cuc_t, B, r)
+                j = r - cuc_t[b]
+                t0 = cu_t[b] + j * ratio
+                first = j == 0
+        else:
+            if active & (r < nreal):
+                b = find_segment(cuc_t, B, r)
+                j = r - cuc_t[b]
+                t0 = cu_t[b] + j * ratio
+                first = j == 0
 
         # Two register buffers of one batch: batch i + 1 is in flight while batch i is used.
         kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
