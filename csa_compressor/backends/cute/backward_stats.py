@@ -49,6 +49,7 @@ from .forward import (
     ex2,
     find_segment,
     inline_ptx,
+    real_rows,
     vec_view,
     vector_width,
     window_store,
@@ -220,7 +221,7 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
             col_ok = c < D
         cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
         cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
-        nreal = cuc_t[B]
+        nreal = real_rows(cu_t, cuc_t, B)
 
         zero = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
         zero.fill(0.0)

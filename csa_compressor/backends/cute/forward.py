@@ -41,8 +41,8 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 NEG_INF = float("-inf")
-# Development probe (read at import): the forward's row lookup loads cu_seqlens beside cu_seqlens_comp.
-_PROBE_ROW_LOADS = os.environ.get("CSA_FWD_ROW_LOADS", "0") == "1"
+# Development switch (read at import): "0" restores the row lookup without the early cu_seqlens load (A/B runs).
+_EARLY_CU = os.environ.get("CSA_COMPRESSOR_EARLY_CU", "1") != "0"
 LOG2E = math.log2(math.e)
 
 
@@ -335,6 +335,20 @@ def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
     return lo
 
 
+@cute.jit
+def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32) -> Int32:
+    """``cu_seqlens_comp[B]``, the real row count, loaded together with ``cu_seqlens[0]``: that makes the line of
+    cu_seqlens arrive in L1 with the count, so that a row's first token (``cu_seqlens[b] + j * ratio``, read after
+    the search over cu_seqlens_comp) costs no dependent L2 round trip of its own before a CTA's first window loads
+    (H200: single-wave forwards -16 to -38 %). A negative ``cu_seqlens[0]`` (outside the contract, which has it 0)
+    counts no real rows, so every row reads as padding instead of from a negative token."""
+    nreal = cuc_t[B]
+    if cutlass.const_expr(_EARLY_CU):
+        if cu_t[0] < 0:
+            nreal = Int32(0)
+    return nreal
+
+
 def vec_view(ptr: cute.Pointer, off, V: int) -> cute.Tensor:
     """``V`` contiguous elements at ``ptr + off``; ``off`` is a multiple of V, so the access is one vector."""
     return cute.make_tensor(ptr + cute.assume(off, divby=V), cute.make_layout(V))
@@ -501,24 +515,14 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         active = (r < N) & col_ok
 
         # Row layout (device-side segment lookup).
-        nreal = cuc_t[B]
+        nreal = real_rows(cu_t, cuc_t, B)
         t0 = Int32(0)
         first = Boolean(True)
-        if cutlass.const_expr(_PROBE_ROW_LOADS):
-            # cu_seqlens[0] (0 by contract) joins the branch condition, so it loads beside cuc[B] and brings the
-            # line of cu_seqlens into L1 for the row's first token: no dependent round trip after the search.
-            u0 = cu_t[0]
-            if active & (r < nreal) & (u0 >= 0):
-                b = find_segment(cuc_t, B, r)
-                j = r - cuc_t[b]
-                t0 = cu_t[b] + j * ratio
-                first = j == 0
-        else:
-            if active & (r < nreal):
-                b = find_segment(cuc_t, B, r)
-                j = r - cuc_t[b]
-                t0 = cu_t[b] + j * ratio
-                first = j == 0
+        if active & (r < nreal):
+            b = find_segment(cuc_t, B, r)
+            j = r - cuc_t[b]
+            t0 = cu_t[b] + j * ratio
+            first = j == 0
 
         # Two register buffers of one batch: batch i + 1 is in flight while batch i is used.
         kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
