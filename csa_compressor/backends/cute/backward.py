@@ -49,7 +49,6 @@ from .forward import (
     find_segment,
     make_schedule,
     mul_rn,
-    real_rows,
     sub_rn,
     torch_order_sum,
     vec_view,
@@ -327,7 +326,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             col_ok = c < D
         cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
         cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
-        nreal = real_rows(cu_t, cuc_t, B)
+        nreal = cuc_t[B]
 
         smem = cutlass.memory.SmemAllocator()
         sm_red = smem.allocate_tensor(Float32, cute.make_layout(NT * V), byte_alignment=16)

@@ -44,7 +44,6 @@ from .forward import (
     ex2,
     find_segment,
     ptx_effect,
-    real_rows,
     slots_per_group,
     vec_view,
     vector_width,
@@ -226,7 +225,7 @@ def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
             col_ok = c < D
         cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
         cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
-        nreal = real_rows(cu_t, cuc_t, B)
+        nreal = cuc_t[B]
 
         smem = cutlass.memory.SmemAllocator()
         sm_dape = smem.allocate_tensor(Float32, cute.make_layout(W * CW), byte_alignment=16)

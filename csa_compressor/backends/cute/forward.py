@@ -339,9 +339,11 @@ def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
 def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32) -> Int32:
     """``cu_seqlens_comp[B]``, the real row count, loaded together with ``cu_seqlens[0]``: that makes the line of
     cu_seqlens arrive in L1 with the count, so that a row's first token (``cu_seqlens[b] + j * ratio``, read after
-    the search over cu_seqlens_comp) costs no dependent L2 round trip of its own before a CTA's first window loads
-    (H200: single-wave forwards -16 to -38 %). A negative ``cu_seqlens[0]`` (outside the contract, which has it 0)
-    counts no real rows, so every row reads as padding instead of from a negative token."""
+    the search over cu_seqlens_comp) costs no dependent L2 round trip of its own before a CTA's first window loads.
+    H200 (benchmarks/results/early_cu_ab_h200_20261201.md): single-wave forwards -6 to -38 %, large launches level;
+    the statistics backward level to -2 %; the short-window backward +2 to +4 % at 1x8192 d128 r4 c2 (two more
+    registers), so it and the two-pass backward keep the plain load. A negative ``cu_seqlens[0]`` (outside the
+    contract, which has it 0) counts no real rows, so every row reads as padding instead of from a negative token."""
     nreal = cuc_t[B]
     if cutlass.const_expr(_EARLY_CU):
         if cu_t[0] < 0:
