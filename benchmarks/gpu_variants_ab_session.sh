@@ -2,8 +2,9 @@
 # One development call on nvidia-h200-x2: an A/B/... of kernel variants with benchmarks/variant_ab.py, every
 # variant in its own process, on both GPUs in opposite orders (on a one-GPU machine, or with ONE_GPU=1: two passes
 # on GPU 0, the second in the opposite order); then an optional check command on GPU 0 (CHECK_CMD,
-# e.g. the cute tests and full-size numerics of the new default). At most 8 files come back: the comparison
-# tables, the check's tail and one archive of the rest.
+# e.g. the cute tests and full-size numerics of the new default). ONE_PASS=1: a single pass on GPU 0 (diagnostic
+# probes whose differences are far above run-to-run noise). At most 8 files come back: the comparison tables, the
+# check's tail and one archive of the rest.
 #
 #   VARIANTS="s32 s8" ARGS_s32="--stats-slots 32" ARGS_s8="--stats-slots 8" AB_ARGS="--backends cute \
 #       --directions bwd --cases 1x8192-d128-r128-c1" bash benchmarks/gpu_variants_ab_session.sh
@@ -26,7 +27,10 @@ ab() {  # gpu, label, tag of the pass (the GPU index, or 0b for the second pass 
 }
 forward_pass() { for l in "${LABELS[@]}"; do ab "$1" "$l" "$2"; done; }
 reverse_pass() { for ((i = ${#LABELS[@]} - 1; i >= 0; i--)); do ab "$1" "${LABELS[$i]}" "$2"; done; }
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ -z "${ONE_GPU:-}" ]; then
+if [ -n "${ONE_PASS:-}" ]; then
+    TAGS="0"
+    forward_pass 0 0
+elif [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && [ -z "${ONE_GPU:-}" ]; then
     TAGS="0 1"
     forward_pass 0 0 &
     reverse_pass 1 1 &

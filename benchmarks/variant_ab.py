@@ -269,6 +269,10 @@ def compare(a_path: str, b_path: str) -> str:
     return "\n".join(lines)
 
 
+# CTA sizes the backwards' thread-count switches accept: 1024 threads would not fit 128 registers each.
+BACKWARD_CTA_SIZES = (128, 256, 512)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", default="cute,triton")
@@ -340,14 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--backward-threads",
         type=int,
-        choices=(128, 256, 512),  # 1024 threads would not fit 128 registers each
+        choices=BACKWARD_CTA_SIZES,
         default=0,
         help="cute short-window backward: CTA size by more row lanes at the same thread tile (fewer grad_ape slabs)",
     )
     ap.add_argument(
         "--stats-threads",
         type=int,
-        choices=(128, 256, 512),  # 1024 threads would not fit 128 registers each
+        choices=BACKWARD_CTA_SIZES,
         default=0,
         help="cute statistics backward, slab form: CTA size by more row lanes at the same thread tile (fewer slabs)",
     )
