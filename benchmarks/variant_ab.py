@@ -6,7 +6,8 @@ Variants: the evict-first policies (``csa_compressor.backends.STREAM_LOADS`` for
 for the backwards), set by ``--set KEY=VALUE`` before the package is imported; the cute statistics backward's
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
-long-window forward at a given column width (``--forward-long-stream-cols``) and its 64-column tile (``--forward-long-tile``); the backwards' prefetch ahead
+long-window forward at a given column width (``--forward-long-stream-cols``) and its 64-column tile (``--forward-long-tile``);
+the short-window forward's thread tile (``--forward-tile``); the backwards' prefetch ahead
 (``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``), CTA size (``--backward-threads``) and held ape (``--hold-ape``); the
 statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``) and whole-tile form
 (``--stats-whole-tile``) and the slab form's CTA size (``--stats-threads``); or two package versions on ``PYTHONPATH``::
@@ -106,6 +107,17 @@ def apply_overrides(args, cases) -> None:
             return replace(new, CM=True, ST=d == "forward_stats")
 
         _override(cases, ("forward", "forward_stats"), long_tile)
+    if args.forward_tile:
+        from csa_compressor.backends.cute.forward import make_schedule
+
+        svcap, sthreads = (int(x) for x in args.forward_tile.split(","))
+
+        def short_tile(d, c, sch):
+            if c.ratio * c.coff > 8:
+                return None  # the one-group (exact) forward of short windows only
+            return make_schedule(c.ratio, c.coff, c.head_dim, vcap=svcap, threads=sthreads, cols_cap=512, md=True)
+
+        _override(cases, ("forward",), short_tile)
     if args.backward_tile:
         from csa_compressor.backends.cute.forward import make_schedule
 
@@ -217,6 +229,7 @@ def measure(args) -> dict:
         "stats_whole_tile": args.stats_whole_tile,
         "backward_threads": args.backward_threads,
         "forward_long_tile": args.forward_long_tile,
+        "forward_tile": args.forward_tile,
         "stats_threads": args.stats_threads,
         "stats_cluster_rows": args.stats_cluster_rows,
         "device": torch.cuda.get_device_name(dev),
@@ -340,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="VCAP,THREADS",
         help="cute forwards of 9-128 slots: 64-column chunks at this vector cap and CTA size (default 4,256)",
+    )
+    ap.add_argument(
+        "--forward-tile",
+        default="",
+        metavar="VCAP,THREADS",
+        help="cute forwards of up to 8 slots (one group, exact): this vector cap and CTA size (default 4,128)",
     )
     ap.add_argument(
         "--backward-threads",

@@ -191,6 +191,17 @@ def test_forward_long_tile_reaches_only_the_64_column_forwards(overrides):
     assert ("forward", 4, 2, 512) not in overrides and ("forward_stats", 128, 2, 512) not in overrides
 
 
+def test_forward_tile_reaches_only_the_short_window_forward(overrides):
+    """``--forward-tile 2,128``: 4-byte vectors for the one-group forwards of 8-slot windows; the long-window forwards
+    and every backward keep theirs."""
+    _apply(["--forward-tile", "2,128"], cases=("3x8192-d512-r128-c1", "3x8192-d512-r4-c2", "1x8192-d128-r4-c2"))
+    for d in (512, 128):
+        sch = overrides[("forward", 4, 2, d)]
+        default = cute_launch._default_schedule("forward", 4, 2, d)
+        assert (sch.V, sch.threads, sch.G, sch.MD) == (2, 128, 1, True) and default.V == 4
+    assert set(overrides) == {("forward", 4, 2, 512), ("forward", 4, 2, 128)}
+
+
 def test_compare_names_the_switches_each_run_set(tmp_path):
     """The comparison's header shows the cache policies and the switches a run set, not those left at defaults."""
     rows = [dict(case="c", backend="cute", direction="fwd", cold=2.0, clean=1.5, warm=1.0)]

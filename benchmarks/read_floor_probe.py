@@ -1,0 +1,133 @@
+"""How fast can any kernel read a forward's bytes under the benchmark's cold method? (GPU)
+
+::
+
+    python3 benchmarks/read_floor_probe.py [--cases NAME,...] [--reps 20] [--out FILE.json]
+
+SPEC 6's floor divides the bytes by a copy rate (4.22 TB/s; 3.9-4.1 measured in our runs with a 512 MiB copy).
+The forwards read ``2*T*coff*d*2`` bytes and write almost nothing, after a flush that leaves L2 full of dirty
+lines. This probe times, with the benchmark's own timer (``bench._Timer``: cold = write flush, clean = write
+flush then a read of another 2x-L2 buffer, warm = back to back), kernels that do nothing but stream the same
+number of bytes:
+
+- ``triton read BxW``: a Triton kernel whose programs each sum one block of B bf16 (16-byte evict-first loads,
+  W warps) of one buffer the size of kv + score, one float out per program;
+- ``triton read BxW pP``: the same as a grid-stride loop over P programs per SM;
+- ``torch sum``: ``buf.sum(dtype=float32)``;
+- ``copy half``: ``dst.copy_(src)`` of half the bytes (the same DRAM traffic, half of it written);
+
+next to the cute forward (``bench._kernel_callables``) of the same case. Prints one JSON line per
+(case, probe) and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SPEC_COPY_RATE = 4.22e12  # SPEC 6, read + write bytes per second
+
+
+def _read_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_sum(src, out, n_blocks, BLOCK: tl.constexpr, PERSISTENT: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        if PERSISTENT:
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for b in range(pid, n_blocks, tl.num_programs(0)):
+                x = tl.load(src + b * BLOCK + offs, eviction_policy="evict_first")
+                acc += x.to(tl.float32)
+            tl.store(out + pid, tl.sum(acc, axis=0))
+        else:
+            x = tl.load(src + pid * BLOCK + offs, eviction_policy="evict_first")
+            tl.store(out + pid, tl.sum(x.to(tl.float32), axis=0))
+
+    return read_sum
+
+
+def probes(buf, sms: int):
+    """name -> callable reading all of ``buf`` (bf16, length a multiple of 16384)."""
+    import torch
+
+    read_sum = _read_kernel()
+    n = buf.numel()
+    out = torch.empty(max(n // 1024, sms * 16), dtype=torch.float32, device=buf.device)
+    calls = {}
+    for block, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 8)):
+        grid = (n // block,)
+        calls[f"triton read {block}x{warps}"] = lambda g=grid, b=block, w=warps: read_sum[g](
+            buf, out, n // b, BLOCK=b, PERSISTENT=False, num_warps=w
+        )
+    for block, warps, per_sm in ((4096, 8, 4), (2048, 4, 8), (8192, 8, 2)):
+        grid = (min(sms * per_sm, n // block),)
+        calls[f"triton read {block}x{warps} p{per_sm}"] = lambda g=grid, b=block, w=warps: read_sum[g](
+            buf, out, n // b, BLOCK=b, PERSISTENT=True, num_warps=w
+        )
+    calls["torch sum"] = lambda: buf.sum(dtype=torch.float32)
+    half = buf[: n // 2]
+    dst = torch.empty_like(half)
+    calls["copy half"] = lambda: dst.copy_(half)
+    return calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="3x8192-d512-r128-c1,3x8192-d128-r4-c2,3x8192-d512-r4-c2,1x65536-d512-r128-c2")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    import torch
+
+    from csa_compressor import available_backends
+    from csa_compressor.bench import _kernel_callables, _Timer, floor_bytes, select_cases
+    from csa_compressor.testing import make_pack
+
+    dev = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    timer = _Timer(dev, (args.reps, args.reps, 1))
+    copy_rate = timer.copy_rate()
+    rows = []
+    for case in select_cases(args.cases.split(",")):
+        read_bytes = 2 * case.total_tokens * case.coff * case.head_dim * 2
+        n = -(-read_bytes // 2 // 16384) * 16384
+        buf = torch.randn(n, dtype=torch.bfloat16, device=dev)
+        calls = probes(buf, sms)
+        if "cute" in available_backends(dev):
+            pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=dev, seed=3)
+            calls = {"cute forward": _kernel_callables("cute", pack, case)["fwd"], **calls}
+        for name, fn in calls.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize(dev)
+            rec = dict(case=case.name, probe=name, read_mb=round(read_bytes / 1e6, 2),
+                       fwd_floor_bytes=floor_bytes(case, "fwd"))  # fmt: skip
+            for mode in ("cold", "clean", "warm"):
+                rec[mode] = round(timer.kernel_us(fn, args.reps, cold=mode != "warm", clean=mode == "clean"), 2)
+            rec["cold_x_spec_floor"] = round(rec["cold"] / (rec["fwd_floor_bytes"] / SPEC_COPY_RATE * 1e6), 3)
+            rec["cold_x_run_floor"] = round(rec["cold"] / (rec["fwd_floor_bytes"] / copy_rate * 1e6), 3)
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+        del buf, calls
+        torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name(dev), "copy_tb_s": round(copy_rate / 1e12, 3), "reps": args.reps}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**meta, "rows": rows}, f, indent=1)
+    print(f"\n{meta}")
+    print(f"{'case':22s} {'probe':26s} {'MB':>6s} {'cold':>7s} {'clean':>7s} {'warm':>7s} {'xSPEC':>6s} {'xrun':>6s}")
+    for r in rows:
+        print(f"{r['case']:22s} {r['probe']:26s} {r['read_mb']:6.1f} {r['cold']:7.2f} {r['clean']:7.2f} "
+              f"{r['warm']:7.2f} {r['cold_x_spec_floor']:6.3f} {r['cold_x_run_floor']:6.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
