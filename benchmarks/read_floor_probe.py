@@ -15,6 +15,9 @@ number of bytes:
 - ``triton read BxW pP``: the same as a grid-stride loop over P programs per SM;
 - ``torch sum``: ``buf.sum(dtype=float32)``;
 - ``copy half``: ``dst.copy_(src)`` of half the bytes (the same DRAM traffic, half of it written);
+- ``triton tile read RxC wW`` (ratio-128 coff-1 cases): programs reading one (ratio tokens x C columns) tile of kv
+  and of score each, chunk-major (the cute forward's access pattern); ``triton softmax``: the same with the
+  forward's softmax over the tokens per column (no ape), C floats out per program;
 
 next to the cute forward (``bench._kernel_callables``) of the same case. Prints one JSON line per
 (case, probe) and a table last.
@@ -51,6 +54,58 @@ def _read_kernel():
             tl.store(out + pid, tl.sum(x.to(tl.float32), axis=0))
 
     return read_sum
+
+
+def _tile_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tile_read(kv, score, out, n_chunks, WIDTH: tl.constexpr, TOK: tl.constexpr, CW: tl.constexpr,
+                  SOFTMAX: tl.constexpr):  # fmt: skip
+        # Program = (row of TOK tokens, chunk of CW columns), chunk-major as the cute forward orders its CTAs:
+        # the forward's access pattern (TOK pieces of CW * 2 bytes at a stride of WIDTH * 2 bytes per tensor).
+        pid = tl.program_id(0)
+        row = pid // n_chunks
+        chunk = pid % n_chunks
+        t = tl.arange(0, TOK)[:, None]
+        c = tl.arange(0, CW)[None, :]
+        offs = (row * TOK + t) * WIDTH + chunk * CW + c
+        v = tl.load(kv + offs, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(score + offs, eviction_policy="evict_first").to(tl.float32)
+        if SOFTMAX:  # the forward's arithmetic without ape: a softmax over the tokens per column
+            y = x * 1.4426950408889634
+            m = tl.max(y, axis=0)
+            e = tl.exp2(y - m[None, :])
+            res = tl.sum(e * v, axis=0) / tl.sum(e, axis=0)
+            tl.store(out + pid * CW + tl.arange(0, CW), res)
+        else:
+            tl.store(out + pid, tl.sum(tl.sum(v * x, axis=1), axis=0))
+
+    return tile_read
+
+
+def tile_probes(case, dev):
+    """name -> callable reading a case's kv and score in the forward's tiles (ratio-128 cases)."""
+    import torch
+
+    tile_read = _tile_kernel()
+    width = case.coff * case.head_dim
+    tokens = case.total_tokens
+    kv = torch.randn(tokens, width, dtype=torch.bfloat16, device=dev)
+    score = torch.randn_like(kv)
+    out = torch.empty(tokens * width // case.ratio, dtype=torch.float32, device=dev)
+    calls = {}
+    for cw, warps, softmax in ((64, 4, 0), (64, 8, 0), (128, 8, 0), (256, 8, 0), (512, 8, 0), (64, 8, 1), (256, 8, 1)):
+        if width % cw:
+            continue
+        n_chunks = width // cw
+        grid = (tokens // case.ratio * n_chunks,)
+        name = f"triton {'softmax' if softmax else 'tile read'} {case.ratio}x{cw} w{warps}"
+        calls[name] = lambda g=grid, n=n_chunks, cw=cw, w=warps, sm=softmax: tile_read[g](
+            kv, score, out, n, WIDTH=width, TOK=case.ratio, CW=cw, SOFTMAX=sm, num_warps=w
+        )
+    return calls
 
 
 def probes(buf, sms: int):
@@ -101,6 +156,8 @@ def main() -> None:
         n = -(-read_bytes // 2 // 16384) * 16384
         buf = torch.randn(n, dtype=torch.bfloat16, device=dev)
         calls = probes(buf, sms)
+        if case.ratio >= 16 and case.coff == 1:
+            calls.update(tile_probes(case, dev))
         if "cute" in available_backends(dev):
             pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=dev, seed=3)
             calls = {"cute forward": _kernel_callables("cute", pack, case)["fwd"], **calls}
