@@ -7,8 +7,7 @@ for the backwards), set by ``--set KEY=VALUE`` before the package is imported; t
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
 long-window forward at a given column width (``--forward-long-stream-cols``) and its 64-column tile (``--forward-long-tile``);
-the short-window forward's thread tile (``--forward-tile``); the persistent pipelined long-window forward
-(``--forward-persistent``); the backwards' prefetch ahead
+the short-window forward's thread tile (``--forward-tile``); the backwards' prefetch ahead
 (``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``), CTA size (``--backward-threads``) and held ape (``--hold-ape``); the
 statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``) and whole-tile form
 (``--stats-whole-tile``) and the slab form's CTA size (``--stats-threads``); or two package versions on ``PYTHONPATH``::
@@ -108,21 +107,6 @@ def apply_overrides(args, cases) -> None:
             return replace(new, CM=True, ST=d == "forward_stats")
 
         _override(cases, ("forward", "forward_stats"), long_tile)
-    if args.forward_persistent:
-        import torch
-
-        per_sm, pvcap = (int(x) for x in args.forward_persistent.split(","))
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-
-        def persistent(d, c, sch):
-            if not 8 < c.ratio * c.coff <= 128:
-                return None  # the one-batch long-window forwards only
-            from csa_compressor.backends.cute.forward import make_schedule
-
-            new = make_schedule(c.ratio, c.coff, c.head_dim, vcap=pvcap, threads=256, cols_cap=64)
-            return replace(new, CM=True, ST=d == "forward_stats", PS=sms * per_sm, MB=per_sm)
-
-        _override(cases, ("forward", "forward_stats"), persistent)
     if args.forward_tile:
         from csa_compressor.backends.cute.forward import make_schedule
 
@@ -246,7 +230,6 @@ def measure(args) -> dict:
         "backward_threads": args.backward_threads,
         "forward_long_tile": args.forward_long_tile,
         "forward_tile": args.forward_tile,
-        "forward_persistent": args.forward_persistent,
         "stats_threads": args.stats_threads,
         "stats_cluster_rows": args.stats_cluster_rows,
         "device": torch.cuda.get_device_name(dev),
@@ -370,12 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="VCAP,THREADS",
         help="cute forwards of 9-128 slots: 64-column chunks at this vector cap and CTA size (default 4,256)",
-    )
-    ap.add_argument(
-        "--forward-persistent",
-        default="",
-        metavar="CTAS_PER_SM,VCAP",
-        help="cute forwards of 9-128 slots: the persistent pipelined form (Schedule.PS) with this many CTAs per SM",
     )
     ap.add_argument(
         "--forward-tile",

@@ -617,26 +617,3 @@ def test_stats_backward_cluster_form_changes_no_bit(case):
     else:
         torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
     assert_contract(pack, got[0], got[2])
-
-
-# Schedule.PS (opt-in): the persistent, pipelined long-window forward against the one-CTA-per-tile form, bitwise
-# (output and statistics); grids smaller than the tile count (many tiles per CTA, changing chunks) and larger.
-PERSISTENT_CASES = [c for c in STATS_CASES if 8 < c[2] * c[3] <= 128] + [((1, 2), 128, 128, 1, 3, 2)]
-
-
-@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
-@pytest.mark.parametrize("vcap,ctas", [(4, 7), (4, 264), (2, 13)])
-def test_persistent_forward_changes_no_bit(case, vcap, ctas):
-    launch = _launch_module()
-    from csa_compressor.backends.cute.forward import make_schedule
-
-    seqlens, d, ratio, coff, tp, cp = case
-    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=47)
-    plain, plain_stats, _ = _run_stats(launch, pack)
-    sch = replace(make_schedule(ratio, coff, d, vcap=vcap, threads=256, cols_cap=64), CM=True, PS=ctas)
-    got, *_ = _run_with_schedule(launch, _run, pack, ("forward", ratio, coff, d), sch)
-    _assert_bitwise(plain, got)
-    key = ("forward_stats", ratio, coff, d)
-    got_s, stats, _ = _run_with_schedule(launch, _run_stats, pack, key, replace(sch, ST=True))
-    _assert_bitwise(plain, got_s)
-    _assert_bitwise(plain_stats, stats)

@@ -200,7 +200,6 @@ class Schedule:
     WT: bool = (
         False  # statistics backward: one CTA per tile sums all rows and writes grad_ape (no slabs, no 2nd kernel)
     )
-    PS: int = 0  # long-window forward: this many persistent, pipelined CTAs (forward_persistent.py); 0: one per tile
 
     @property
     def threads(self) -> int:
@@ -236,7 +235,6 @@ class Schedule:
             self.HA,
             self.CL,
             self.WT,
-            self.PS,
         )
 
 
@@ -383,7 +381,7 @@ def window_store(ptr: cute.Pointer, off, V: int, value, evict_first: bool) -> No
 
 def forward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
-    return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 * (2 if sch.PS else 1) + 64
+    return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
 
 
 def exact_probabilities(scf, apf, pq, first, V: int, SG: int, ratio: int, coff: int, md: bool) -> None:
