@@ -44,8 +44,6 @@ NEG_INF = float("-inf")
 # Development switch (read at import): "0" restores the row lookup without the early cu_seqlens load (A/B runs).
 _EARLY_CU = os.environ.get("CSA_COMPRESSOR_EARLY_CU", "1") != "0"
 LOG2E = math.log2(math.e)
-# Diagnostic probe (read at import; wrong results): "noape" makes the forwards skip their ape loads (ape = 0).
-_PROBE = os.environ.get("CSA_COMPRESSOR_PROBE", "")
 
 
 def inline_ptx(text: str, operands, constraints: str, result=None, side_effects: bool = False):
@@ -438,9 +436,8 @@ class WindowOps:
             for k in cutlass.range_constexpr(SG):
                 s = g * SPG + bi * SG + k
                 apf[k].fill(0.0)
-                if cutlass.const_expr(_PROBE != "noape"):
-                    if col_ok:
-                        apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
+                if col_ok:
+                    apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
 
         @cute.jit
         def online_batch(kvf, scf, apf, vm, vl, va, bi: cutlass.Constexpr):
