@@ -6,7 +6,8 @@
 
 Profiled, in order: a device-to-device copy of the same byte count as the backward's inputs (the floor's
 reference), then per backend its forward and its backward (main + grad_ape reduction kernels) as autograd runs
-them (the bench's callables: long windows write and read the softmax statistics). Everything is compiled and
+them (the bench's callables: long windows write and read the softmax statistics); with ``--tile-probe`` last the
+Triton kernel of ``read_floor_probe.py`` that only reads kv and score in the forward's tiles. Everything is compiled and
 run before the region, so the region holds only the probed launches.
 """
 
@@ -19,6 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from csa_compressor.bench import _kernel_callables, select_cases
 from csa_compressor.testing import make_pack
@@ -29,6 +31,11 @@ def main() -> None:
     ap.add_argument("--case", default="1x65536-d512-r128-c2")
     ap.add_argument("--backends", default="cute")
     ap.add_argument("--directions", default="fwd,bwd")
+    ap.add_argument(
+        "--tile-probe",
+        action="store_true",
+        help="also the Triton tile read of the forward's access pattern (read_floor_probe.py, 128x64, 8 warps)",
+    )
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     (case,) = select_cases([args.case])
@@ -39,6 +46,12 @@ def main() -> None:
     for backend in args.backends.split(","):
         fns = _kernel_callables(backend, pack, case)
         calls += [fns[d] for d in args.directions.split(",")]
+    if args.tile_probe:
+        from read_floor_probe import tile_probes
+
+        calls += [
+            v for k, v in tile_probes(case, dev).items() if k.startswith("triton tile read") and k.endswith("x64 w8")
+        ]
     for fn in calls:
         for _ in range(3):
             fn()
