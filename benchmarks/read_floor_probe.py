@@ -19,8 +19,10 @@ number of bytes:
   and of score each, chunk-major (the cute forward's access pattern); ``triton softmax``: the same with the
   forward's softmax over the tokens per column (no ape), C floats out per program;
 
-next to the cute forward (``bench._kernel_callables``) of the same case. Prints one JSON line per
-(case, probe) and a table last.
+next to the cute forward (``bench._kernel_callables``) of the same case. ``--direction bwd``: the backward's
+traffic instead (``triton 2 in 2 out``: kv and score read, two tensors as large written; ``copy kv + score``) next
+to the cute backward; ``fwd_floor_bytes`` is then the backward's floor bytes (grad_out, 1-6 % of them, is not
+moved by the probes). Prints one JSON line per (case, probe) and a table last.
 """
 
 from __future__ import annotations
@@ -108,6 +110,41 @@ def tile_probes(case, dev):
     return calls
 
 
+def _stream_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def two_in_two_out(a, b, x, y, BLOCK: tl.constexpr):
+        # The backward's main traffic with no arithmetic to speak of: read two tensors, write two of the same size.
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        u = tl.load(a + offs, eviction_policy="evict_first").to(tl.float32)
+        v = tl.load(b + offs, eviction_policy="evict_first").to(tl.float32)
+        tl.store(x + offs, (u * v).to(tl.bfloat16))
+        tl.store(y + offs, (u + v).to(tl.bfloat16))
+
+    return two_in_two_out
+
+
+def backward_probes(case, dev):
+    """name -> callable moving a backward's bytes with no real work (kv and score read, two as large written)."""
+    import torch
+
+    stream = _stream_kernel()
+    n = -(-case.total_tokens * case.coff * case.head_dim // 8192) * 8192
+    a, b = (torch.randn(n, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    x, y = torch.empty_like(a), torch.empty_like(b)
+    calls = {}
+    for block, warps in ((2048, 4), (4096, 8), (8192, 8)):
+        calls[f"triton 2 in 2 out {block}x{warps}"] = lambda bl=block, w=warps: stream[(n // bl,)](
+            a, b, x, y, BLOCK=bl, num_warps=w
+        )
+    src = torch.randn(2 * n, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    calls["copy kv + score"] = lambda: dst.copy_(src)
+    return calls
+
+
 def probes(buf, sms: int):
     """name -> callable reading all of ``buf`` (bf16, length a multiple of 16384)."""
     import torch
@@ -137,6 +174,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="3x8192-d512-r128-c1,3x8192-d128-r4-c2,3x8192-d512-r4-c2,1x65536-d512-r128-c2")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument(
+        "--direction",
+        choices=("fwd", "bwd"),
+        default="fwd",
+        help="bwd: the backward's traffic (kv, score read; two as large written) next to the cute backward",
+    )
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -151,22 +194,28 @@ def main() -> None:
     timer = _Timer(dev, (args.reps, args.reps, 1))
     copy_rate = timer.copy_rate()
     rows = []
+    direction = args.direction
     for case in select_cases(args.cases.split(",")):
         read_bytes = 2 * case.total_tokens * case.coff * case.head_dim * 2
-        n = -(-read_bytes // 2 // 16384) * 16384
-        buf = torch.randn(n, dtype=torch.bfloat16, device=dev)
-        calls = probes(buf, sms)
-        if case.ratio >= 16 and case.coff == 1:
-            calls.update(tile_probes(case, dev))
+        if direction == "fwd":
+            n = -(-read_bytes // 2 // 16384) * 16384
+            buf = torch.randn(n, dtype=torch.bfloat16, device=dev)
+            calls = probes(buf, sms)
+            if case.ratio >= 16 and case.coff == 1:
+                calls.update(tile_probes(case, dev))
+        else:
+            buf = None
+            calls = backward_probes(case, dev)
         if "cute" in available_backends(dev):
             pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=dev, seed=3)
-            calls = {"cute forward": _kernel_callables("cute", pack, case)["fwd"], **calls}
+            name = "cute forward" if direction == "fwd" else "cute backward"
+            calls = {name: _kernel_callables("cute", pack, case)[direction], **calls}
         for name, fn in calls.items():
             for _ in range(3):
                 fn()
             torch.cuda.synchronize(dev)
             rec = dict(case=case.name, probe=name, read_mb=round(read_bytes / 1e6, 2),
-                       fwd_floor_bytes=floor_bytes(case, "fwd"))  # fmt: skip
+                       fwd_floor_bytes=floor_bytes(case, direction))  # fmt: skip
             for mode in ("cold", "clean", "warm"):
                 rec[mode] = round(timer.kernel_us(fn, args.reps, cold=mode != "warm", clean=mode == "clean"), 2)
             rec["cold_x_spec_floor"] = round(rec["cold"] / (rec["fwd_floor_bytes"] / SPEC_COPY_RATE * 1e6), 3)
@@ -175,7 +224,8 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
         del buf, calls
         torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name(dev), "copy_tb_s": round(copy_rate / 1e12, 3), "reps": args.reps}
+    meta = {"device": torch.cuda.get_device_name(dev), "copy_tb_s": round(copy_rate / 1e12, 3), "reps": args.reps,
+            "direction": direction}  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)
