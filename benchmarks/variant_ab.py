@@ -7,8 +7,7 @@ for the backwards), set by ``--set KEY=VALUE`` before the package is imported; t
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
 long-window forward at a given column width (``--forward-long-stream-cols``) and its 64-column tile (``--forward-long-tile``);
-the short-window forward's thread tile (``--forward-tile``); the persistent cp.async-staged long-window forward
-(``--forward-staged``); the backwards' prefetch ahead
+the short-window forward's thread tile (``--forward-tile``); the backwards' prefetch ahead
 (``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``), CTA size (``--backward-threads``) and held ape (``--hold-ape``); the
 statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``) and whole-tile form
 (``--stats-whole-tile``) and the slab form's CTA size (``--stats-threads``); or two package versions on ``PYTHONPATH``::
@@ -108,19 +107,6 @@ def apply_overrides(args, cases) -> None:
             return replace(new, CM=True, ST=d == "forward_stats")
 
         _override(cases, ("forward", "forward_stats"), long_tile)
-    if args.forward_staged:
-        import torch
-
-        from csa_compressor.backends.cute.forward_staged import staged_applies
-
-        per_sm, stages = (int(x) for x in args.forward_staged.split(","))
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-
-        def staged(d, c, sch):
-            new = replace(sch, PS=sms * per_sm, NS=stages, MB=per_sm)
-            return new if 8 < c.ratio * c.coff <= 128 and staged_applies(c.ratio, c.coff, c.head_dim, new) else None
-
-        _override(cases, ("forward", "forward_stats"), staged)
     if args.forward_tile:
         from csa_compressor.backends.cute.forward import make_schedule
 
@@ -244,7 +230,6 @@ def measure(args) -> dict:
         "backward_threads": args.backward_threads,
         "forward_long_tile": args.forward_long_tile,
         "forward_tile": args.forward_tile,
-        "forward_staged": args.forward_staged,
         "stats_threads": args.stats_threads,
         "stats_cluster_rows": args.stats_cluster_rows,
         "device": torch.cuda.get_device_name(dev),
@@ -368,12 +353,6 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="VCAP,THREADS",
         help="cute forwards of 9-128 slots: 64-column chunks at this vector cap and CTA size (default 4,256)",
-    )
-    ap.add_argument(
-        "--forward-staged",
-        default="",
-        metavar="CTAS_PER_SM,STAGES",
-        help="cute forwards of 9-128 slots: the persistent cp.async-staged form (Schedule.PS / NS)",
     )
     ap.add_argument(
         "--forward-tile",

@@ -617,32 +617,3 @@ def test_stats_backward_cluster_form_changes_no_bit(case):
     else:
         torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
     assert_contract(pack, got[0], got[2])
-
-
-# Schedule.PS / NS (opt-in): the persistent cp.async-staged long-window forward against the one-CTA-per-tile form,
-# bitwise (output and statistics); grids smaller than the tile count (many tiles per CTA, changing chunks) and larger.
-STAGED_CASES = [
-    ((515, 1, 1030, 127, 260), 512, 128, 1, 3, 2),
-    ((400, 130, 2, 900), 64, 128, 1, 2, 3),
-    ((300, 129, 64, 700), 256, 64, 2, 5, 2),
-    ((1, 2), 128, 128, 1, 130, 2),  # every row is padding (T >= ratio, as the contract requires)
-]
-
-
-@pytest.mark.parametrize("case", STAGED_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
-@pytest.mark.parametrize("ctas", [7, 396])
-def test_staged_forward_changes_no_bit(case, ctas):
-    launch = _launch_module()
-    from csa_compressor.backends.cute.forward_staged import staged_applies
-
-    seqlens, d, ratio, coff, tp, cp = case
-    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=53)
-    plain, plain_stats, _ = _run_stats(launch, pack)
-    sch = replace(launch._default_schedule("forward", ratio, coff, d), PS=ctas, NS=2, MB=3)
-    assert staged_applies(ratio, coff, d, sch)
-    got, *_ = _run_with_schedule(launch, _run, pack, ("forward", ratio, coff, d), sch)
-    _assert_bitwise(plain, got)
-    key = ("forward_stats", ratio, coff, d)
-    got_s, stats, _ = _run_with_schedule(launch, _run_stats, pack, key, replace(sch, ST=True))
-    _assert_bitwise(plain, got_s)
-    _assert_bitwise(plain_stats, stats)

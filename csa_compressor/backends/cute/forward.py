@@ -198,8 +198,6 @@ class Schedule:
     WT: bool = (
         False  # statistics backward: one CTA per tile sums all rows and writes grad_ape (no slabs, no 2nd kernel)
     )
-    PS: int = 0  # long-window forward: this many persistent CTAs, tiles staged by cp.async (forward_staged.py)
-    NS: int = 0  # with PS: shared-memory stages per CTA
 
     @property
     def threads(self) -> int:
@@ -235,8 +233,6 @@ class Schedule:
             self.HA,
             self.CL,
             self.WT,
-            self.PS,
-            self.NS,
         )
 
 
@@ -383,10 +379,7 @@ def window_store(ptr: cute.Pointer, off, V: int, value, evict_first: bool) -> No
 
 def forward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
-    combine = 3 * sch.R * sch.G * sch.TC * sch.V * 4
-    if sch.PS:  # forward_staged.py: NS stages of kv and score (bf16)
-        return sch.NS * 2 * sch.G * sch.SG * sch.TC * sch.V * 2 + 256  # the partials reuse a folded kv stage
-    return 0 if sch.G == 1 else combine + 64
+    return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
 
 
 def exact_probabilities(scf, apf, pq, first, V: int, SG: int, ratio: int, coff: int, md: bool) -> None:

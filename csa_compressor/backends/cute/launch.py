@@ -54,7 +54,6 @@ try:
     from .backward_common import MAX_REGS, REDUCE_WARPS, reduce_grid_x, reduce_slab_lanes
     from .backward_stats import CLUSTER_MAX, stats_backward_schedule
     from .forward import build_forward, forward_schedule, forward_smem_bytes, wide_forward_schedule
-    from .forward_staged import build_forward_staged
 except Exception as exc:  # pragma: no cover - depends on the environment
     _IMPORT_ERROR = f"nvidia-cutlass-dsl (CuTe-DSL) is not importable: {type(exc).__name__}: {exc}"
 
@@ -203,8 +202,6 @@ def _build(direction: str, ratio: int, coff: int, head_dim: int, arch: str, sch)
     # PTX (kernel names and parameter lists) and cubin are kept for the raw driver launch path.
     options = f"--gpu-arch={arch} --keep-ptx --keep-cubin --dump-dir={_dump_dir()}"
     build = build_forward if direction.startswith("forward") else build_backward
-    if direction.startswith("forward") and getattr(sch, "PS", 0):
-        build = build_forward_staged
     host = build(ratio, coff, head_dim, sch)
     args = [_fake_ptr(t) for t in _dtypes(direction)] + [Int32(1)] * _N_INT[direction]
     return cute.compile(host, *args, cuda.CUstream(0), options=options)
@@ -457,8 +454,6 @@ class _Launcher:
                 blocks = (ints[1] + self.sch.R - 1) // self.sch.R
                 # Chunk-major schedules (CM) put the column chunks on grid x, as the host function does.
                 grid = (blocks * self.nchunk, 1) if self.sch.CM else (blocks, self.nchunk)
-                if self.sch.PS:  # persistent form: a fixed grid walks the tiles
-                    grid = (self.sch.PS, 1)
                 raw[0]((*ptrs, *ints), grid, stream_handle)
             else:
                 b, n, t, rows_per_cta, num_ctas = ints
