@@ -49,9 +49,7 @@ def main() -> None:
     if args.tile_probe:
         from read_floor_probe import tile_probes
 
-        calls += [
-            v for k, v in tile_probes(case, dev).items() if k.startswith("triton tile read") and k.endswith("x64 w8")
-        ]
+        calls += list(tile_probes(case, dev, configs=((64, 8, 0),)).values())
     for fn in calls:
         for _ in range(3):
             fn()

@@ -21,7 +21,7 @@ number of bytes:
 
 next to the cute forward (``bench._kernel_callables``) of the same case. ``--direction bwd``: the backward's
 traffic instead (``triton 2 in 2 out``: kv and score read, two tensors as large written; ``copy kv + score``) next
-to the cute backward; ``fwd_floor_bytes`` is then the backward's floor bytes (grad_out, 1-6 % of them, is not
+to the cute backward; ``floor_bytes`` is then the backward's floor bytes (grad_out, 1-6 % of them, is not
 moved by the probes). Prints one JSON line per (case, probe) and a table last.
 """
 
@@ -87,8 +87,12 @@ def _tile_kernel():
     return tile_read
 
 
-def tile_probes(case, dev):
-    """name -> callable reading a case's kv and score in the forward's tiles (ratio-128 cases)."""
+# (columns per tile, warps, with the softmax) of the tile probes
+TILE_CONFIGS = ((64, 4, 0), (64, 8, 0), (128, 8, 0), (256, 8, 0), (512, 8, 0), (64, 8, 1), (256, 8, 1))
+
+
+def tile_probes(case, dev, configs=TILE_CONFIGS):
+    """name -> callable reading a case's kv and score in the forward's tiles (ratio-128 cases), one per config."""
     import torch
 
     tile_read = _tile_kernel()
@@ -98,7 +102,7 @@ def tile_probes(case, dev):
     score = torch.randn_like(kv)
     out = torch.empty(tokens * width // case.ratio, dtype=torch.float32, device=dev)
     calls = {}
-    for cw, warps, softmax in ((64, 4, 0), (64, 8, 0), (128, 8, 0), (256, 8, 0), (512, 8, 0), (64, 8, 1), (256, 8, 1)):
+    for cw, warps, softmax in configs:
         if width % cw:
             continue
         n_chunks = width // cw
@@ -215,11 +219,11 @@ def main() -> None:
                 fn()
             torch.cuda.synchronize(dev)
             rec = dict(case=case.name, probe=name, read_mb=round(read_bytes / 1e6, 2),
-                       fwd_floor_bytes=floor_bytes(case, direction))  # fmt: skip
+                       floor_bytes=floor_bytes(case, direction))  # fmt: skip
             for mode in ("cold", "clean", "warm"):
                 rec[mode] = round(timer.kernel_us(fn, args.reps, cold=mode != "warm", clean=mode == "clean"), 2)
-            rec["cold_x_spec_floor"] = round(rec["cold"] / (rec["fwd_floor_bytes"] / SPEC_COPY_RATE * 1e6), 3)
-            rec["cold_x_run_floor"] = round(rec["cold"] / (rec["fwd_floor_bytes"] / copy_rate * 1e6), 3)
+            rec["cold_x_spec_floor"] = round(rec["cold"] / (rec["floor_bytes"] / SPEC_COPY_RATE * 1e6), 3)
+            rec["cold_x_run_floor"] = round(rec["cold"] / (rec["floor_bytes"] / copy_rate * 1e6), 3)
             rows.append(rec)
             print(json.dumps(rec), flush=True)
         del buf, calls
