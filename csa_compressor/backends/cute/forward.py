@@ -43,6 +43,13 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 NEG_INF = float("-inf")
 # Development switch (read at import): "0" restores the row lookup without the early cu_seqlens load (A/B runs).
 _EARLY_CU = os.environ.get("CSA_COMPRESSOR_EARLY_CU", "1") != "0"
+# Development switches (read at import) of the long-window fold, for A/B runs: "0" restores the previous form.
+# LEAN_FOLD: bf16 words widened by one shift / mask each and exp taken as ex2(fma(x, log2 e, -max)); TREE_COMBINE:
+# the cross-group combine spread over every thread of the CTA (see ``combine_parts``).
+_LEAN_FOLD = os.environ.get("CSA_COMPRESSOR_LEAN_FOLD", "1") != "0"
+_TREE_COMBINE = os.environ.get("CSA_COMPRESSOR_TREE_COMBINE", "1") != "0"
+# Diagnostic probe (wrong results for ragged packs): rows at t0 = r * ratio, no lookup before the window loads.
+_PROBE_UNIFORM = os.environ.get("CSA_COMPRESSOR_PROBE_UNIFORM", "0") == "1"
 LOG2E = math.log2(math.e)
 
 
@@ -83,6 +90,38 @@ def _binary_rn(op: str):
 mul_rn = _binary_rn("mul")
 add_rn = _binary_rn("add")
 sub_rn = _binary_rn("sub")
+
+
+@dsl_user_op
+def fma_rn(a, b, c, *, loc=None, ip=None) -> Float32:
+    """a * b + c with one rounding (``fma.rn.f32``)."""
+    return ptx_f32("fma.rn.f32 $0, $1, $2, $3;", (a, b, c), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bf16_lo(word, *, loc=None, ip=None) -> Float32:
+    """The bf16 in the low half of a 32-bit word as fp32 (one shift; exact)."""
+    w = cutlass.Uint32(word).ir_value(loc=loc, ip=ip)
+    return Float32(inline_ptx("shl.b32 $0, $1, 16;", [w], "=f,r", T.f32()))
+
+
+@dsl_user_op
+def bf16_hi(word, *, loc=None, ip=None) -> Float32:
+    """The bf16 in the high half of a 32-bit word as fp32 (one mask; exact). NVVM's own widening of the high
+    half takes a byte permute and a shift."""
+    w = cutlass.Uint32(word).ir_value(loc=loc, ip=ip)
+    return Float32(inline_ptx("and.b32 $0, $1, 0xffff0000;", [w], "=f,r", T.f32()))
+
+
+def widen(t, V: int) -> list:
+    """The V bf16 elements of a register tensor as fp32 values: pairs from 32-bit words where V is even."""
+    if not _LEAN_FOLD or V % 2:
+        return [Float32(t[i]) for i in range(V)]
+    words = cute.recast_tensor(t, cutlass.Uint32)
+    out = []
+    for j in range(V // 2):
+        out += [bf16_lo(words[j]), bf16_hi(words[j])]
+    return out
 
 
 @dsl_user_op
@@ -377,9 +416,31 @@ def window_store(ptr: cute.Pointer, off, V: int, value, evict_first: bool) -> No
     cute.arch.store(ptr + cute.assume(off, divby=V), value, cop="cs")
 
 
+def combine_parts(sch: Schedule) -> int:
+    """Threads that combine one (row lane, column) of a long-window forward: ``P > 1`` when the CTA has ``P``
+    threads per output element, each taking every P-th group, joined by warp shuffles (lane = part * 32 / P +
+    column); 1: one thread per element walks all groups. Spreading the combine over the whole CTA shortens the
+    tail in which the CTA holds its registers with no load in flight."""
+    if not _TREE_COMBINE or sch.G == 1:
+        return 1
+    items = sch.R * sch.TC * sch.V
+    if sch.threads % items:
+        return 1
+    parts = sch.threads // items
+    return parts if parts in (2, 4, 8) and sch.G % parts == 0 else 1
+
+
+def combine_group_stride(sch: Schedule) -> int:
+    """Floats between two groups' partials of one row lane in shared memory: the tile's columns, padded by
+    32 / P floats in the tree combine so that the P parts of a warp's columns fall in distinct banks."""
+    cw = sch.TC * sch.V
+    parts = combine_parts(sch)
+    return cw + (32 // parts if parts > 1 else 0)
+
+
 def forward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
-    return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
+    return 0 if sch.G == 1 else 3 * sch.R * sch.G * combine_group_stride(sch) * 4 + 64
 
 
 def exact_probabilities(scf, apf, pq, first, V: int, SG: int, ratio: int, coff: int, md: bool) -> None:
@@ -441,12 +502,22 @@ class WindowOps:
 
         @cute.jit
         def online_batch(kvf, scf, apf, vm, vl, va, bi: cutlass.Constexpr):
-            """Fold batch bi into the online (max, sum e, sum e*v) per column, log2 domain."""
+            """Fold batch bi into the online (max, sum e, sum e*v) per column, log2 domain: vm holds
+            max(x) * log2 e (x = score + ape), which is max(RN(x * log2 e)), and e = 2^(x * log2 e - vm)."""
+            kvw = [widen(kvf[k], V) for k in range(SG)]
+            scw = [widen(scf[k], V) for k in range(SG)]
             for i in cutlass.range_constexpr(V):
-                y = [(Float32(scf[k][i]) + apf[k][i]) * LOG2E for k in range(SG)]
-                m = y[0]
-                for k in cutlass.range_constexpr(1, SG):
-                    m = cute.arch.fmax(m, y[k], nan=True)
+                if cutlass.const_expr(_LEAN_FOLD):
+                    x = [scw[k][i] + apf[k][i] for k in range(SG)]
+                    m = x[0]
+                    for k in cutlass.range_constexpr(1, SG):
+                        m = cute.arch.fmax(m, x[k], nan=True)
+                    m = m * LOG2E
+                else:
+                    x = [(scw[k][i] + apf[k][i]) * LOG2E for k in range(SG)]
+                    m = x[0]
+                    for k in cutlass.range_constexpr(1, SG):
+                        m = cute.arch.fmax(m, x[k], nan=True)
                 if cutlass.const_expr(bi > 0):
                     m = cute.arch.fmax(m, vm[i], nan=True)
                 # All slots masked so far (previous half of a first group): m = -inf, keep e = 0.
@@ -460,9 +531,12 @@ class WindowOps:
                     total = vl[i] * carry
                     acc = va[i] * carry
                 for k in cutlass.range_constexpr(SG):
-                    e = ex2(y[k] - msafe)
+                    if cutlass.const_expr(_LEAN_FOLD):
+                        e = ex2(fma_rn(x[k], LOG2E, -msafe))
+                    else:
+                        e = ex2(x[k] - msafe)
                     total = total + e
-                    acc = acc + e * Float32(kvf[k][i])
+                    acc = acc + e * kvw[k][i]
                 vm[i] = m
                 vl[i] = total
                 va[i] = acc
@@ -488,7 +562,10 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     COLS_EXACT = D % CW == 0
     SPG = SG * NB  # slots per group
     assert G * SPG == W and (G > 1 or NB == 1)
-    SMEM_ROW = G * CW  # floats per (quantity, row lane)
+    GS = combine_group_stride(sch)  # floats per group in shared memory
+    SMEM_ROW = G * GS  # floats per (quantity, row lane)
+    P = combine_parts(sch)
+    LPP = 32 // P  # lanes (columns) per part in a warp
     ST = sch.ST
     assert not ST or G > 1, "softmax statistics come from the cross-group combine (long windows)"
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG, sch.EF)
@@ -517,14 +594,18 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         active = (r < N) & col_ok
 
         # Row layout (device-side segment lookup).
-        nreal = real_rows(cu_t, cuc_t, B)
         t0 = Int32(0)
         first = Boolean(True)
-        if active & (r < nreal):
-            b = find_segment(cuc_t, B, r)
-            j = r - cuc_t[b]
-            t0 = cu_t[b] + j * ratio
-            first = j == 0
+        if cutlass.const_expr(_PROBE_UNIFORM):
+            t0 = r * ratio
+            first = r == 0
+        else:
+            nreal = real_rows(cu_t, cuc_t, B)
+            if active & (r < nreal):
+                b = find_segment(cuc_t, B, r)
+                j = r - cuc_t[b]
+                t0 = cu_t[b] + j * ratio
+                first = j == 0
 
         # Two register buffers of one batch: batch i + 1 is in flight while batch i is used.
         kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
@@ -558,32 +639,41 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     ops.issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
                 ops.load_ape(ape, apf, bi, g, c, col_ok)
                 ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, res, bi)
-            base = rl * SMEM_ROW + g * CW + tc * V
+            base = rl * SMEM_ROW + g * GS + tc * V
             vec_view(sm_m.iterator, base, V).store(vm.load())
             vec_view(sm_l.iterator, base, V).store(vl.load())
             vec_view(sm_a.iterator, base, V).store(res.load())
             cute.arch.sync_threads()
-            # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
-            for q in cutlass.range(tidx, R * CW, NT):
+            out_t = cute.make_tensor(out, cute.make_layout(N * D))
+            if cutlass.const_expr(P > 1):
+                # Tree combine: every thread takes groups part, part + P, ... of one (row lane, column); the parts
+                # meet by butterfly shuffles (max first, then the rescaled sums), a fixed order on every lane.
+                lane = tidx % 32
+                part = lane // LPP
+                q = (tidx // 32) * LPP + lane % LPP
                 rq = q // CW
                 cq = q % CW
                 row = rblk * R + rq
                 col = chunk * CW + cq
-                ok = row < N
+                qb = rq * SMEM_ROW + part * GS + cq
+                mx = sm_m[qb]
+                for h in cutlass.range_constexpr(1, G // P):
+                    mx = cute.arch.fmax(mx, sm_m[qb + h * P * GS], nan=True)
+                for sh in cutlass.range_constexpr(P.bit_length() - 1):
+                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=LPP << sh), nan=True)
+                total = Float32(0.0)
+                acc = Float32(0.0)
+                for h in cutlass.range_constexpr(G // P):
+                    scale = ex2(sm_m[qb + h * P * GS] - mx)
+                    total = total + sm_l[qb + h * P * GS] * scale
+                    acc = acc + sm_a[qb + h * P * GS] * scale
+                for sh in cutlass.range_constexpr(P.bit_length() - 1):
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=LPP << sh)
+                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=LPP << sh)
+                ok = (row < N) & (part == 0)
                 if cutlass.const_expr(not COLS_EXACT):
                     ok = ok & (col < D)
                 if ok:
-                    qb = rq * SMEM_ROW + cq
-                    mx = sm_m[qb]
-                    for h in cutlass.range_constexpr(1, G):
-                        mx = cute.arch.fmax(mx, sm_m[qb + h * CW], nan=True)
-                    total = Float32(0.0)
-                    acc = Float32(0.0)
-                    for h in cutlass.range_constexpr(G):
-                        scale = ex2(sm_m[qb + h * CW] - mx)
-                        total = total + sm_l[qb + h * CW] * scale
-                        acc = acc + sm_a[qb + h * CW] * scale
-                    out_t = cute.make_tensor(out, cute.make_layout(N * D))
                     res_q = acc / total
                     out_t[row * D + col] = BFloat16(res_q)
                     if cutlass.const_expr(ST):
@@ -591,6 +681,34 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                         st_t[row * 3 * D + col] = mx
                         st_t[row * 3 * D + D + col] = Float32(1.0) / total
                         st_t[row * 3 * D + 2 * D + col] = res_q
+            else:
+                # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
+                for q in cutlass.range(tidx, R * CW, NT):
+                    rq = q // CW
+                    cq = q % CW
+                    row = rblk * R + rq
+                    col = chunk * CW + cq
+                    ok = row < N
+                    if cutlass.const_expr(not COLS_EXACT):
+                        ok = ok & (col < D)
+                    if ok:
+                        qb = rq * SMEM_ROW + cq
+                        mx = sm_m[qb]
+                        for h in cutlass.range_constexpr(1, G):
+                            mx = cute.arch.fmax(mx, sm_m[qb + h * GS], nan=True)
+                        total = Float32(0.0)
+                        acc = Float32(0.0)
+                        for h in cutlass.range_constexpr(G):
+                            scale = ex2(sm_m[qb + h * GS] - mx)
+                            total = total + sm_l[qb + h * GS] * scale
+                            acc = acc + sm_a[qb + h * GS] * scale
+                        res_q = acc / total
+                        out_t[row * D + col] = BFloat16(res_q)
+                        if cutlass.const_expr(ST):
+                            st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * D))
+                            st_t[row * 3 * D + col] = mx
+                            st_t[row * 3 * D + D + col] = Float32(1.0) / total
+                            st_t[row * 3 * D + 2 * D + col] = res_q
 
     smem_bytes = forward_smem_bytes(sch)
     # Long windows: at most 128 registers per thread (two 256-thread CTAs per SM); G == 1 is unbounded.
