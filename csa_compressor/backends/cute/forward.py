@@ -43,11 +43,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 NEG_INF = float("-inf")
 # Development switch (read at import): "0" restores the row lookup without the early cu_seqlens load (A/B runs).
 _EARLY_CU = os.environ.get("CSA_COMPRESSOR_EARLY_CU", "1") != "0"
-# Development switches (read at import) of the long-window fold, for A/B runs: "0" restores the previous form.
-# LEAN_FOLD: bf16 words widened by one shift / mask each and exp taken as ex2(fma(x, log2 e, -max)); TREE_COMBINE:
-# the cross-group combine spread over every thread of the CTA (see ``combine_parts``).
+# Development switch (read at import) of the long-window fold, for A/B runs: "0" restores the previous form
+# (NVVM's widening of bf16, exp as ex2(RN(x * log2 e) - max)).
 _LEAN_FOLD = os.environ.get("CSA_COMPRESSOR_LEAN_FOLD", "1") != "0"
-_TREE_COMBINE = os.environ.get("CSA_COMPRESSOR_TREE_COMBINE", "1") != "0"
 # Diagnostic probe (wrong results for ragged packs): rows at t0 = r * ratio, no lookup before the window loads.
 _PROBE_UNIFORM = os.environ.get("CSA_COMPRESSOR_PROBE_UNIFORM", "0") == "1"
 LOG2E = math.log2(math.e)
@@ -374,6 +372,37 @@ def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
     return lo
 
 
+# Packs of at most this many segments find a row's segment with one round of independent loads (``scan_origin``);
+# larger packs search cu_seqlens_comp by bisection, a dependent load per step.
+SCAN_SEGMENTS = 8
+_SCAN = os.environ.get("CSA_COMPRESSOR_SCAN_ROWS", "1") != "0"  # development switch (A/B): "0" always bisects
+
+
+@cute.jit
+def scan_origin(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32, r: Int32, ratio: cutlass.Constexpr):
+    """``(t0, first)`` of row ``r`` (its window's first token, whether it opens its segment) when
+    ``B <= SCAN_SEGMENTS``: cu_seqlens[k] and cu_seqlens_comp[k] for every k < SCAN_SEGMENTS are loaded at once
+    (index clamped to B, so in bounds for any B) and the segment is the count of starts <= r, so no load waits for
+    another (bisection: one dependent round trip per step, then one for cu_seqlens[b]). Meaningless for larger B."""
+    cus = [cu_t[0]]
+    cucs = [cuc_t[0]]
+    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
+        kk = cutlass.min(Int32(k), B)
+        cus.append(cu_t[kk])
+        cucs.append(cuc_t[kk])
+    b = Int32(0)
+    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
+        b = b + Int32(cutlass.select_((Int32(k) < B) & (cucs[k] <= r), Int32(1), Int32(0)))
+    # Every segment's candidate is computed before one is selected: a select of the loaded values themselves
+    # lets ptxas turn the cu_seqlens loads into predicated ones issued after b is known (a second round trip).
+    t0 = cus[0] + (r - cucs[0]) * ratio
+    first = r == cucs[0]
+    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
+        t0 = Int32(cutlass.select_(b == k, cus[k] + (r - cucs[k]) * ratio, t0))
+        first = Boolean(cutlass.select_(b == k, r == cucs[k], first))
+    return t0, first
+
+
 @cute.jit
 def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32) -> Int32:
     """``cu_seqlens_comp[B]``, the real row count, loaded together with ``cu_seqlens[0]``: that makes the line of
@@ -416,31 +445,9 @@ def window_store(ptr: cute.Pointer, off, V: int, value, evict_first: bool) -> No
     cute.arch.store(ptr + cute.assume(off, divby=V), value, cop="cs")
 
 
-def combine_parts(sch: Schedule) -> int:
-    """Threads that combine one (row lane, column) of a long-window forward: ``P > 1`` when the CTA has ``P``
-    threads per output element, each taking every P-th group, joined by warp shuffles (lane = part * 32 / P +
-    column); 1: one thread per element walks all groups. Spreading the combine over the whole CTA shortens the
-    tail in which the CTA holds its registers with no load in flight."""
-    if not _TREE_COMBINE or sch.G == 1:
-        return 1
-    items = sch.R * sch.TC * sch.V
-    if sch.threads % items:
-        return 1
-    parts = sch.threads // items
-    return parts if parts in (2, 4, 8) and sch.G % parts == 0 else 1
-
-
-def combine_group_stride(sch: Schedule) -> int:
-    """Floats between two groups' partials of one row lane in shared memory: the tile's columns, padded by
-    32 / P floats in the tree combine so that the P parts of a warp's columns fall in distinct banks."""
-    cw = sch.TC * sch.V
-    parts = combine_parts(sch)
-    return cw + (32 // parts if parts > 1 else 0)
-
-
 def forward_smem_bytes(sch: Schedule) -> int:
     """Dynamic shared memory of the forward kernel (cross-group combine buffers)."""
-    return 0 if sch.G == 1 else 3 * sch.R * sch.G * combine_group_stride(sch) * 4 + 64
+    return 0 if sch.G == 1 else 3 * sch.R * sch.G * sch.TC * sch.V * 4 + 64
 
 
 def exact_probabilities(scf, apf, pq, first, V: int, SG: int, ratio: int, coff: int, md: bool) -> None:
@@ -562,10 +569,7 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
     COLS_EXACT = D % CW == 0
     SPG = SG * NB  # slots per group
     assert G * SPG == W and (G > 1 or NB == 1)
-    GS = combine_group_stride(sch)  # floats per group in shared memory
-    SMEM_ROW = G * GS  # floats per (quantity, row lane)
-    P = combine_parts(sch)
-    LPP = 32 // P  # lanes (columns) per part in a warp
+    SMEM_ROW = G * CW  # floats per (quantity, row lane)
     ST = sch.ST
     assert not ST or G > 1, "softmax statistics come from the cross-group combine (long windows)"
     ops = WindowOps(ratio, coff, head_dim, V, SG, SPG, sch.EF)
@@ -601,11 +605,24 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             first = r == 0
         else:
             nreal = real_rows(cu_t, cuc_t, B)
-            if active & (r < nreal):
-                b = find_segment(cuc_t, B, r)
-                j = r - cuc_t[b]
-                t0 = cu_t[b] + j * ratio
-                first = j == 0
+            real = active & (r < nreal)
+            if cutlass.const_expr(_SCAN):
+                # Selects, not a branch on the count: a branch would let ptxas sink the scan's loads behind it.
+                t0s, first_s = scan_origin(cu_t, cuc_t, B, r, ratio)
+                t0 = Int32(cutlass.select_(real, t0s, Int32(0)))
+                first = Boolean(cutlass.select_(real, first_s, Boolean(True)))
+                if B > SCAN_SEGMENTS:
+                    if real:
+                        b = find_segment(cuc_t, B, r)
+                        j = r - cuc_t[b]
+                        t0 = cu_t[b] + j * ratio
+                        first = j == 0
+            else:
+                if real:
+                    b = find_segment(cuc_t, B, r)
+                    j = r - cuc_t[b]
+                    t0 = cu_t[b] + j * ratio
+                    first = j == 0
 
         # Two register buffers of one batch: batch i + 1 is in flight while batch i is used.
         kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
@@ -639,76 +656,39 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     ops.issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
                 ops.load_ape(ape, apf, bi, g, c, col_ok)
                 ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, res, bi)
-            base = rl * SMEM_ROW + g * GS + tc * V
+            base = rl * SMEM_ROW + g * CW + tc * V
             vec_view(sm_m.iterator, base, V).store(vm.load())
             vec_view(sm_l.iterator, base, V).store(vl.load())
             vec_view(sm_a.iterator, base, V).store(res.load())
             cute.arch.sync_threads()
-            out_t = cute.make_tensor(out, cute.make_layout(N * D))
-            if cutlass.const_expr(P > 1):
-                # Tree combine: every thread takes groups part, part + P, ... of one (row lane, column); the parts
-                # meet by butterfly shuffles (max first, then the rescaled sums), a fixed order on every lane.
-                lane = tidx % 32
-                part = lane // LPP
-                q = (tidx // 32) * LPP + lane % LPP
+            # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
+            for q in cutlass.range(tidx, R * CW, NT):
                 rq = q // CW
                 cq = q % CW
                 row = rblk * R + rq
                 col = chunk * CW + cq
-                qb = rq * SMEM_ROW + part * GS + cq
-                mx = sm_m[qb]
-                for h in cutlass.range_constexpr(1, G // P):
-                    mx = cute.arch.fmax(mx, sm_m[qb + h * P * GS], nan=True)
-                for sh in cutlass.range_constexpr(P.bit_length() - 1):
-                    mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=LPP << sh), nan=True)
-                total = Float32(0.0)
-                acc = Float32(0.0)
-                for h in cutlass.range_constexpr(G // P):
-                    scale = ex2(sm_m[qb + h * P * GS] - mx)
-                    total = total + sm_l[qb + h * P * GS] * scale
-                    acc = acc + sm_a[qb + h * P * GS] * scale
-                for sh in cutlass.range_constexpr(P.bit_length() - 1):
-                    total = total + cute.arch.shuffle_sync_bfly(total, offset=LPP << sh)
-                    acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=LPP << sh)
-                ok = (row < N) & (part == 0)
+                ok = row < N
                 if cutlass.const_expr(not COLS_EXACT):
                     ok = ok & (col < D)
                 if ok:
+                    qb = rq * SMEM_ROW + cq
+                    mx = sm_m[qb]
+                    for h in cutlass.range_constexpr(1, G):
+                        mx = cute.arch.fmax(mx, sm_m[qb + h * CW], nan=True)
+                    total = Float32(0.0)
+                    acc = Float32(0.0)
+                    for h in cutlass.range_constexpr(G):
+                        scale = ex2(sm_m[qb + h * CW] - mx)
+                        total = total + sm_l[qb + h * CW] * scale
+                        acc = acc + sm_a[qb + h * CW] * scale
                     res_q = acc / total
+                    out_t = cute.make_tensor(out, cute.make_layout(N * D))
                     out_t[row * D + col] = BFloat16(res_q)
                     if cutlass.const_expr(ST):
                         st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * D))
                         st_t[row * 3 * D + col] = mx
                         st_t[row * 3 * D + D + col] = Float32(1.0) / total
                         st_t[row * 3 * D + 2 * D + col] = res_q
-            else:
-                # Column-parallel combine: one thread per (row lane, column), groups in a fixed order.
-                for q in cutlass.range(tidx, R * CW, NT):
-                    rq = q // CW
-                    cq = q % CW
-                    row = rblk * R + rq
-                    col = chunk * CW + cq
-                    ok = row < N
-                    if cutlass.const_expr(not COLS_EXACT):
-                        ok = ok & (col < D)
-                    if ok:
-                        qb = rq * SMEM_ROW + cq
-                        mx = sm_m[qb]
-                        for h in cutlass.range_constexpr(1, G):
-                            mx = cute.arch.fmax(mx, sm_m[qb + h * GS], nan=True)
-                        total = Float32(0.0)
-                        acc = Float32(0.0)
-                        for h in cutlass.range_constexpr(G):
-                            scale = ex2(sm_m[qb + h * GS] - mx)
-                            total = total + sm_l[qb + h * GS] * scale
-                            acc = acc + sm_a[qb + h * GS] * scale
-                        res_q = acc / total
-                        out_t[row * D + col] = BFloat16(res_q)
-                        if cutlass.const_expr(ST):
-                            st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * D))
-                            st_t[row * 3 * D + col] = mx
-                            st_t[row * 3 * D + D + col] = Float32(1.0) / total
-                            st_t[row * 3 * D + 2 * D + col] = res_q
 
     smem_bytes = forward_smem_bytes(sch)
     # Long windows: at most 128 registers per thread (two 256-thread CTAs per SM); G == 1 is unbounded.
