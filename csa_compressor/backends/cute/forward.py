@@ -46,11 +46,6 @@ _EARLY_CU = os.environ.get("CSA_COMPRESSOR_EARLY_CU", "1") != "0"
 # Development switch (read at import) of the long-window fold, for A/B runs: "0" restores the previous form
 # (NVVM's widening of bf16, exp as ex2(RN(x * log2 e) - max)).
 _LEAN_FOLD = os.environ.get("CSA_COMPRESSOR_LEAN_FOLD", "1") != "0"
-# Development switches (A/B): the forward's row lookup loads (cu_seqlens, cu_seqlens_comp) with L1::evict_last, so
-# that the two lines stay in L1 across the CTAs of an SM instead of being evicted by the window and ape traffic;
-# ape loads with this L1 eviction priority ("" = default).
-_STICKY_CU = os.environ.get("CSA_COMPRESSOR_STICKY_CU", "0") == "1"
-_APE_L1 = os.environ.get("CSA_COMPRESSOR_APE_L1", "")
 # Diagnostic probe (wrong results for ragged packs): rows at t0 = r * ratio, no lookup before the window loads.
 _PROBE_UNIFORM = os.environ.get("CSA_COMPRESSOR_PROBE_UNIFORM", "0") == "1"
 LOG2E = math.log2(math.e)
@@ -363,29 +358,53 @@ def wide_forward_schedule(sch: Schedule) -> Schedule | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def lookup_load(t: cute.Tensor, i, sticky: bool) -> Int32:
-    """``t[i]`` of an int32 offsets array; ``sticky``: as ``ld.global.L1::evict_last`` (kept in L1 across CTAs)."""
-    if not sticky:
-        return t[i]
-    return Int32(cute.arch.load(t.iterator + i, Int32, level1_eviction_priority="evict_last"))
-
-
 @cute.jit
-def find_segment(cuc: cute.Tensor, B: Int32, r: Int32, sticky: cutlass.Constexpr = False) -> Int32:
+def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
     """Largest b in [0, B-1] with cu_seqlens_comp[b] <= r (skips empty segments)."""
     lo = Int32(0)
     hi = B - 1
     while lo < hi:
         mid = (lo + hi + 1) >> 1
-        if lookup_load(cuc, mid, sticky) <= r:
+        if cuc[mid] <= r:
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
+# Packs of at most this many segments find a row's segment with one round of independent loads (``scan_origin``);
+# larger packs search cu_seqlens_comp by bisection, a dependent load per step.
+SCAN_SEGMENTS = 8
+_SCAN = os.environ.get("CSA_COMPRESSOR_SCAN_ROWS", "1") != "0"  # development switch (A/B): "0" always bisects
+
+
 @cute.jit
-def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32, sticky: cutlass.Constexpr = False) -> Int32:
+def scan_origin(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32, r: Int32, ratio: cutlass.Constexpr):
+    """``(t0, first)`` of row ``r`` (its window's first token, whether it opens its segment) when
+    ``B <= SCAN_SEGMENTS``: cu_seqlens[k] and cu_seqlens_comp[k] for every k < SCAN_SEGMENTS are loaded at once
+    (index clamped to B, so in bounds for any B) and the segment is the count of starts <= r, so no load waits for
+    another (bisection: one dependent round trip per step, then one for cu_seqlens[b]). Meaningless for larger B."""
+    cus = [cu_t[0]]
+    cucs = [cuc_t[0]]
+    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
+        kk = cutlass.min(Int32(k), B)
+        cus.append(cu_t[kk])
+        cucs.append(cuc_t[kk])
+    b = Int32(0)
+    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
+        b = b + Int32(cutlass.select_((Int32(k) < B) & (cucs[k] <= r), Int32(1), Int32(0)))
+    # Every segment's candidate is computed before one is selected: a select of the loaded values themselves
+    # lets ptxas turn the cu_seqlens loads into predicated ones issued after b is known (a second round trip).
+    t0 = cus[0] + (r - cucs[0]) * ratio
+    first = r == cucs[0]
+    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
+        t0 = Int32(cutlass.select_(b == k, cus[k] + (r - cucs[k]) * ratio, t0))
+        first = Boolean(cutlass.select_(b == k, r == cucs[k], first))
+    return t0, first
+
+
+@cute.jit
+def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32) -> Int32:
     """``cu_seqlens_comp[B]``, the real row count, loaded together with ``cu_seqlens[0]``: that makes the line of
     cu_seqlens arrive in L1 with the count, so that a row's first token (``cu_seqlens[b] + j * ratio``, read after
     the search over cu_seqlens_comp) costs no dependent L2 round trip of its own before a CTA's first window loads.
@@ -393,9 +412,9 @@ def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32, sticky: cutlass.C
     the statistics backward level to -2 %; the short-window backward +2 to +4 % at 1x8192 d128 r4 c2 (two more
     registers), so it and the two-pass backward keep the plain load. A negative ``cu_seqlens[0]`` (outside the
     contract, which has it 0) counts no real rows, so every row reads as padding instead of from a negative token."""
-    nreal = lookup_load(cuc_t, B, sticky)
+    nreal = cuc_t[B]
     if cutlass.const_expr(_EARLY_CU):
-        if lookup_load(cu_t, 0, sticky) < 0:
+        if cu_t[0] < 0:
             nreal = Int32(0)
     return nreal
 
@@ -486,16 +505,7 @@ class WindowOps:
                 s = g * SPG + bi * SG + k
                 apf[k].fill(0.0)
                 if col_ok:
-                    off = (s % ratio) * WIDTH + (s // ratio) * D + c
-                    if cutlass.const_expr(bool(_APE_L1) and V > 1):
-                        value = cute.arch.load(
-                            ape + cute.assume(off, divby=V),
-                            ir.VectorType.get([V], Float32.mlir_type),
-                            level1_eviction_priority=_APE_L1,
-                        )
-                        apf[k].store(cute.TensorSSA(value, (V,), Float32))
-                    else:
-                        apf[k].store(vec_view(ape, off, V).load())
+                    apf[k].store(vec_view(ape, (s % ratio) * WIDTH + (s // ratio) * D + c, V).load())
 
         @cute.jit
         def online_batch(kvf, scf, apf, vm, vl, va, bi: cutlass.Constexpr):
@@ -594,12 +604,25 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             t0 = r * ratio
             first = r == 0
         else:
-            nreal = real_rows(cu_t, cuc_t, B, _STICKY_CU)
-            if active & (r < nreal):
-                b = find_segment(cuc_t, B, r, _STICKY_CU)
-                j = r - lookup_load(cuc_t, b, _STICKY_CU)
-                t0 = lookup_load(cu_t, b, _STICKY_CU) + j * ratio
-                first = j == 0
+            nreal = real_rows(cu_t, cuc_t, B)
+            real = active & (r < nreal)
+            if cutlass.const_expr(_SCAN):
+                # Selects, not a branch on the count: a branch would let ptxas sink the scan's loads behind it.
+                t0s, first_s = scan_origin(cu_t, cuc_t, B, r, ratio)
+                t0 = Int32(cutlass.select_(real, t0s, Int32(0)))
+                first = Boolean(cutlass.select_(real, first_s, Boolean(True)))
+                if B > SCAN_SEGMENTS:
+                    if real:
+                        b = find_segment(cuc_t, B, r)
+                        j = r - cuc_t[b]
+                        t0 = cu_t[b] + j * ratio
+                        first = j == 0
+            else:
+                if real:
+                    b = find_segment(cuc_t, B, r)
+                    j = r - cuc_t[b]
+                    t0 = cu_t[b] + j * ratio
+                    first = j == 0
 
         # Two register buffers of one batch: batch i + 1 is in flight while batch i is used.
         kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
