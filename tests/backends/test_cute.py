@@ -43,7 +43,7 @@ CASES = [
     ((37, 4, 64, 129), 36, 4, 1, 0, 1),
     ((41, 100, 7), 130, 16, 2, 2, 2),
     ((3, 2), 128, 4, 2, 4, 3),  # no segment reaches ratio: every row is padding
-    # Segment counts around forward.SCAN_SEGMENTS (8): the one-round scan at 8, bisection beyond it.
+    # Many segments: deeper bisections of cu_seqlens_comp in every kernel.
     ((37, 4, 3, 64, 129, 8, 16, 5), 64, 4, 2, 2, 1),
     ((9, 40, 4, 17, 3, 64, 2, 130, 5, 11, 7, 33), 128, 4, 2, 3, 2),
     ((300, 128, 5, 260, 1, 129, 400, 127, 256, 3), 128, 128, 1, 2, 2),

@@ -22,7 +22,7 @@ by a binary search over ``cu_seqlens_comp`` on the device (no host sync).
 Numerics: fp32 throughout, one rounding. ``G == 1`` follows the fp32 reference's exact
 operation order (libdevice ``expf``, an IEEE division per element, ``.rn``-pinned products and
 torch's summation order), which makes it bitwise equal to the reference; ``G > 1`` takes exp
-through ``ex2.approx`` of ``(x - max) * log2(e)`` and combines the groups in a fixed order
+through ``ex2.approx`` of ``fma(x, log2(e), -max * log2(e))`` and combines the groups in a fixed order
 (within the contract of ``csa_compressor.testing.contract_report``).
 """
 
@@ -46,8 +46,6 @@ _EARLY_CU = os.environ.get("CSA_COMPRESSOR_EARLY_CU", "1") != "0"
 # Development switch (read at import) of the long-window fold, for A/B runs: "0" restores the previous form
 # (NVVM's widening of bf16, exp as ex2(RN(x * log2 e) - max)).
 _LEAN_FOLD = os.environ.get("CSA_COMPRESSOR_LEAN_FOLD", "1") != "0"
-# Diagnostic probe (wrong results for ragged packs): rows at t0 = r * ratio, no lookup before the window loads.
-_PROBE_UNIFORM = os.environ.get("CSA_COMPRESSOR_PROBE_UNIFORM", "0") == "1"
 LOG2E = math.log2(math.e)
 
 
@@ -372,37 +370,6 @@ def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
     return lo
 
 
-# Packs of at most this many segments find a row's segment with one round of independent loads (``scan_origin``);
-# larger packs search cu_seqlens_comp by bisection, a dependent load per step.
-SCAN_SEGMENTS = 8
-_SCAN = os.environ.get("CSA_COMPRESSOR_SCAN_ROWS", "1") != "0"  # development switch (A/B): "0" always bisects
-
-
-@cute.jit
-def scan_origin(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32, r: Int32, ratio: cutlass.Constexpr):
-    """``(t0, first)`` of row ``r`` (its window's first token, whether it opens its segment) when
-    ``B <= SCAN_SEGMENTS``: cu_seqlens[k] and cu_seqlens_comp[k] for every k < SCAN_SEGMENTS are loaded at once
-    (index clamped to B, so in bounds for any B) and the segment is the count of starts <= r, so no load waits for
-    another (bisection: one dependent round trip per step, then one for cu_seqlens[b]). Meaningless for larger B."""
-    cus = [cu_t[0]]
-    cucs = [cuc_t[0]]
-    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
-        kk = cutlass.min(Int32(k), B)
-        cus.append(cu_t[kk])
-        cucs.append(cuc_t[kk])
-    b = Int32(0)
-    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
-        b = b + Int32(cutlass.select_((Int32(k) < B) & (cucs[k] <= r), Int32(1), Int32(0)))
-    # Every segment's candidate is computed before one is selected: a select of the loaded values themselves
-    # lets ptxas turn the cu_seqlens loads into predicated ones issued after b is known (a second round trip).
-    t0 = cus[0] + (r - cucs[0]) * ratio
-    first = r == cucs[0]
-    for k in cutlass.range_constexpr(1, SCAN_SEGMENTS):
-        t0 = Int32(cutlass.select_(b == k, cus[k] + (r - cucs[k]) * ratio, t0))
-        first = Boolean(cutlass.select_(b == k, r == cucs[k], first))
-    return t0, first
-
-
 @cute.jit
 def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32) -> Int32:
     """``cu_seqlens_comp[B]``, the real row count, loaded together with ``cu_seqlens[0]``: that makes the line of
@@ -598,31 +565,14 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         active = (r < N) & col_ok
 
         # Row layout (device-side segment lookup).
+        nreal = real_rows(cu_t, cuc_t, B)
         t0 = Int32(0)
         first = Boolean(True)
-        if cutlass.const_expr(_PROBE_UNIFORM):
-            t0 = r * ratio
-            first = r == 0
-        else:
-            nreal = real_rows(cu_t, cuc_t, B)
-            real = active & (r < nreal)
-            if cutlass.const_expr(_SCAN):
-                # Selects, not a branch on the count: a branch would let ptxas sink the scan's loads behind it.
-                t0s, first_s = scan_origin(cu_t, cuc_t, B, r, ratio)
-                t0 = Int32(cutlass.select_(real, t0s, Int32(0)))
-                first = Boolean(cutlass.select_(real, first_s, Boolean(True)))
-                if B > SCAN_SEGMENTS:
-                    if real:
-                        b = find_segment(cuc_t, B, r)
-                        j = r - cuc_t[b]
-                        t0 = cu_t[b] + j * ratio
-                        first = j == 0
-            else:
-                if real:
-                    b = find_segment(cuc_t, B, r)
-                    j = r - cuc_t[b]
-                    t0 = cu_t[b] + j * ratio
-                    first = j == 0
+        if active & (r < nreal):
+            b = find_segment(cuc_t, B, r)
+            j = r - cuc_t[b]
+            t0 = cu_t[b] + j * ratio
+            first = j == 0
 
         # Two register buffers of one batch: batch i + 1 is in flight while batch i is used.
         kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
@@ -681,8 +631,8 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                         scale = ex2(sm_m[qb + h * CW] - mx)
                         total = total + sm_l[qb + h * CW] * scale
                         acc = acc + sm_a[qb + h * CW] * scale
-                    res_q = acc / total
                     out_t = cute.make_tensor(out, cute.make_layout(N * D))
+                    res_q = acc / total
                     out_t[row * D + col] = BFloat16(res_q)
                     if cutlass.const_expr(ST):
                         st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * D))
