@@ -52,6 +52,7 @@ from .forward import (
     sub_rn,
     torch_order_sum,
     vec_view,
+    widen,
     window_load,
     window_store,
 )
@@ -200,7 +201,10 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             valid.append(vk)
         if cutlass.const_expr(not sch.HA):
             load_ape(ape, apf, g, c, col_ok)
-        gf.store(gb.load().to(Float32))
+        gw = widen(gb, V)
+        for i in cutlass.range_constexpr(V):
+            gf[i] = gw[i]
+        kvw = [widen(kvf[k], V) for k in range(SG)]
 
         if cutlass.const_expr(G == 1):
             # Pass A (per column): p = expf(x - max) / sum and S, the reference's operation order.
@@ -208,7 +212,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             for i in cutlass.range_constexpr(V):
                 gi = gf[i]
                 p = [pq[i * SG + k] for k in range(SG)]
-                gvp = [mul_rn(mul_rn(gi, Float32(kvf[k][i])), p[k]) for k in range(SG)]
+                gvp = [mul_rn(mul_rn(gi, kvw[k][i]), p[k]) for k in range(SG)]
                 ssum = torch_order_sum(gvp)
                 for k in cutlass.range_constexpr(SG):
                     pf[k][i] = p[k]
@@ -218,14 +222,16 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 for i in cutlass.range_constexpr(V):
                     gi = gf[i]
                     dvo[i] = mul_rn(gi, pf[k][i])
-                    dlo[i] = mul_rn(pf[k][i], sub_rn(mul_rn(gi, Float32(kvf[k][i])), vs[i]))
+                    dlo[i] = mul_rn(pf[k][i], sub_rn(mul_rn(gi, kvw[k][i]), vs[i]))
                 if valid[k]:
                     for i in cutlass.range_constexpr(V):
                         dap[k][i] = add_rn(dap[k][i], dlo[i])
                 store_slot(gkv, gsc, dvo, dlo, t0, g * SG + k, valid[k], c)
         else:
             for k in cutlass.range_constexpr(SG):
-                xf[k].store(scf[k].load().to(Float32) + apf[k].load())
+                scw = widen(scf[k], V)
+                for i in cutlass.range_constexpr(V):
+                    xf[k][i] = scw[i] + apf[k][i]
             base = rl * SMEM_ROW + g * CW + tc * V
             # Pass 1: per-group (max, sum e).
             for i in cutlass.range_constexpr(V):
@@ -267,7 +273,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 ssum = Float32(0.0)
                 for k in cutlass.range_constexpr(SG):
                     pk = ex2(xf[k][i] * LOG2E - mxl) * inv
-                    ssum = ssum + gf[i] * Float32(kvf[k][i]) * pk
+                    ssum = ssum + gf[i] * kvw[k][i] * pk
                 dvo[i] = ssum
             vec_view(sm_a.iterator, base, V).store(dvo.load())
             cute.arch.sync_threads()
@@ -286,7 +292,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                     gi = gf[i]
                     pk = ex2(xf[k][i] * LOG2E - vm[i]) * vs[i]
                     dvo[i] = gi * pk
-                    dlo[i] = pk * (gi * Float32(kvf[k][i]) - vl[i])
+                    dlo[i] = pk * (gi * kvw[k][i] - vl[i])
                 if valid[k]:
                     for i in cutlass.range_constexpr(V):
                         dap[k][i] = dap[k][i] + dlo[i]

@@ -52,6 +52,7 @@ from .forward import (
     real_rows,
     vec_view,
     vector_width,
+    widen,
     window_store,
 )
 
@@ -276,14 +277,17 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 vm.store(vec_view(stats, sbase, V).load())
                 vl.store(vec_view(stats, sbase + D, V).load())
                 vo.store(vec_view(stats, sbase + 2 * D, V).load())
+            gw = widen(gb, V)
             for k in cutlass.range_constexpr(SG):
                 s = gg * SG + k
                 half = s // ratio
+                scw = widen(cur_sc[k], V)
+                kvw = widen(cur_kv[k], V)
                 for i in cutlass.range_constexpr(V):
-                    gi = Float32(gb[i])
-                    pk = ex2((Float32(cur_sc[k][i]) + apf[k][i]) * LOG2E - vm[i]) * vl[i]
+                    gi = gw[i]
+                    pk = ex2((scw[i] + apf[k][i]) * LOG2E - vm[i]) * vl[i]
                     dvo[i] = gi * pk
-                    dlo[i] = pk * (gi * Float32(cur_kv[k][i]) - gi * vo[i])
+                    dlo[i] = pk * (gi * kvw[i] - gi * vo[i])
                 valid = col_ok
                 if cutlass.const_expr(coff == 2):
                     valid = col_ok & ((half == 1) | (not first))

@@ -43,8 +43,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 NEG_INF = float("-inf")
 # Development switch (read at import): "0" restores the row lookup without the early cu_seqlens load (A/B runs).
 _EARLY_CU = os.environ.get("CSA_COMPRESSOR_EARLY_CU", "1") != "0"
-# Development switch (read at import) of the long-window fold, for A/B runs: "0" restores the previous form
-# (NVVM's widening of bf16, exp as ex2(RN(x * log2 e) - max)).
+# Development switch (read at import), for A/B runs: "0" restores NVVM's widening of bf16 (``widen``) in every
+# kernel and the long-window fold's exp as ex2(RN(x * log2 e) - max).
 _LEAN_FOLD = os.environ.get("CSA_COMPRESSOR_LEAN_FOLD", "1") != "0"
 LOG2E = math.log2(math.e)
 
@@ -422,8 +422,9 @@ def exact_probabilities(scf, apf, pq, first, V: int, SG: int, ratio: int, coff: 
     operation order: x = score + ape, m = max, e = expf(x - m), sum left to right, e / sum correctly rounded."""
     es = []
     totals = []
+    scw = [widen(scf[k], V) for k in range(SG)]
     for i in range(V):
-        x = [Float32(scf[k][i]) + apf[k][i] for k in range(SG)]
+        x = [scw[k][i] + apf[k][i] for k in range(SG)]
         m = x[0]
         for k in range(1, SG):
             m = cute.arch.fmax(m, x[k], nan=True)
@@ -588,8 +589,9 @@ def build_forward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             # out = sum(p * v) in the order of torch's reduction (four strided accumulators).
             pq = cute.make_rmem_tensor(cute.make_layout(V * SG), Float32)
             exact_probabilities(scf, apf, pq, first, V, SG, ratio, coff, sch.MD)
+            kvw = [widen(kvf[k], V) for k in range(SG)]
             for i in cutlass.range_constexpr(V):
-                pv = [mul_rn(pq[i * SG + k], Float32(kvf[k][i])) for k in range(SG)]
+                pv = [mul_rn(pq[i * SG + k], kvw[k][i]) for k in range(SG)]
                 res[i] = torch_order_sum(pv)
             if active:
                 vec_view(out, r * D + c, V).store(res.load().to(BFloat16))
