@@ -340,7 +340,10 @@ def forward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
 # it takes 80 with 2-4 spill instructions (shorter windows take ~52 and hold more CTAs anyway). On the H200 that
 # is 4-5 % faster for launches of more than one wave (3x8192 d512 r4 c2 33.4-33.7 -> 32.2 us cold) and 12-15 %
 # slower for a single wave (1x8192 d128 r4 c2, 4.35 -> 4.9 us): benchmarks/results/min_blocks_ab_h200_20261201.md.
-# launch.forward picks per call.
+# launch.forward picks per call. Those register counts were NVVM's widening of bf16; with ``widen`` (b0e0d06) the
+# default build takes 64 registers (8 CTAs per SM) and the capped one 80 (6 CTAs per SM), so the cap no longer adds
+# a CTA. The A/B of b0e0d06 (3x8192 r4 c2 forwards -11 to -14 %) ran this selection; the default build for large
+# launches too is not measured yet.
 WIDE_CTAS_PER_SM = 6
 
 
