@@ -491,7 +491,7 @@ class WindowOps:
                     for k in cutlass.range_constexpr(1, SG):
                         m = cute.arch.fmax(m, x[k], nan=True)
                     m = m * LOG2E
-                else:
+                else:  # the previous form: x already in the log2 domain, RN(x * log2 e)
                     x = [(scw[k][i] + apf[k][i]) * LOG2E for k in range(SG)]
                     m = x[0]
                     for k in cutlass.range_constexpr(1, SG):
