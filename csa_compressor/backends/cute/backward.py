@@ -188,7 +188,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
 
     @cute.jit
     def compute_row(
-        ape, gkv, gsc, kvf, scf, gb, apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
+        ape, gkv, gsc, kvf, scf, gb, apf, pf, pq, xf, vm, vs, vl, dvo, dlo, zero, dap,
         sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
     ):  # fmt: skip
         """Gradients of one row from the thread's registers; stores; exact zeros of a segment's last group."""
@@ -201,9 +201,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
             valid.append(vk)
         if cutlass.const_expr(not sch.HA):
             load_ape(ape, apf, g, c, col_ok)
-        gw = widen(gb, V)
-        for i in cutlass.range_constexpr(V):
-            gf[i] = gw[i]
+        gf = widen(gb, V)  # grad_out in fp32
         kvw = [widen(kvf[k], V) for k in range(SG)]
 
         if cutlass.const_expr(G == 1):
@@ -360,7 +358,6 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
         pf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G == 1 else 0)]
         pq = cute.make_rmem_tensor(cute.make_layout(V * SG if G == 1 else 1), Float32)
         xf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG if G > 1 else 0)]
-        gf = cute.make_rmem_tensor(cute.make_layout(V), Float32)
         vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
         vs = cute.make_rmem_tensor(cute.make_layout(V), Float32)
         vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
@@ -386,7 +383,7 @@ def build_backward(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 if cutlass.const_expr(sch.PF):
                     prefetch_window(kv, score, rn + R, n_t0 + R * ratio, q, by, row_lim, T)
                 compute_row(
-                    ape, gkv, gsc, kvb[ph], scb[ph], gbb[ph], apf, pf, pq, xf, gf, vm, vs, vl, dvo, dlo, zero, dap,
+                    ape, gkv, gsc, kvb[ph], scb[ph], gbb[ph], apf, pf, pq, xf, vm, vs, vl, dvo, dlo, zero, dap,
                     sm_a, sm_b, sm_res, active, t0, first, last, seg_end, g, tc, rl, tidx, c, col_ok,
                 )  # fmt: skip
                 active = n_active

@@ -43,8 +43,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 NEG_INF = float("-inf")
 # Development switch (read at import): "0" restores the row lookup without the early cu_seqlens load (A/B runs).
 _EARLY_CU = os.environ.get("CSA_COMPRESSOR_EARLY_CU", "1") != "0"
-# Development switch (read at import), for A/B runs: "0" restores NVVM's widening of bf16 (``widen``) in every
-# kernel and the long-window fold's exp as ex2(RN(x * log2 e) - max).
+# Development switch (read at import), for A/B runs: "0" restores NVVM's widening of bf16 in ``widen`` (every kernel
+# that calls it) and the long-window fold's exp as ex2(RN(x * log2 e) - max).
 _LEAN_FOLD = os.environ.get("CSA_COMPRESSOR_LEAN_FOLD", "1") != "0"
 LOG2E = math.log2(math.e)
 
@@ -487,15 +487,13 @@ class WindowOps:
             for i in cutlass.range_constexpr(V):
                 if cutlass.const_expr(_LEAN_FOLD):
                     x = [scw[k][i] + apf[k][i] for k in range(SG)]
-                    m = x[0]
-                    for k in cutlass.range_constexpr(1, SG):
-                        m = cute.arch.fmax(m, x[k], nan=True)
-                    m = m * LOG2E
-                else:  # the previous form: x already in the log2 domain, RN(x * log2 e)
+                else:  # the previous form: x in the log2 domain, RN(x * log2 e)
                     x = [(scw[k][i] + apf[k][i]) * LOG2E for k in range(SG)]
-                    m = x[0]
-                    for k in cutlass.range_constexpr(1, SG):
-                        m = cute.arch.fmax(m, x[k], nan=True)
+                m = x[0]
+                for k in cutlass.range_constexpr(1, SG):
+                    m = cute.arch.fmax(m, x[k], nan=True)
+                if cutlass.const_expr(_LEAN_FOLD):
+                    m = m * LOG2E
                 if cutlass.const_expr(bi > 0):
                     m = cute.arch.fmax(m, vm[i], nan=True)
                 # All slots masked so far (previous half of a first group): m = -inf, keep e = 0.
