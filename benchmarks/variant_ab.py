@@ -7,7 +7,8 @@ for the backwards), set by ``--set KEY=VALUE`` before the package is imported; t
 window slots per CTA (``--stats-slots``) and thread tile (``--stats-tile``); the register cap of the cute forwards (``--forward-min-blocks``,
 ``--forward-min-blocks-long``, ``--backward-min-blocks``: resident CTAs per SM); the streaming schedule for the
 long-window forward at a given column width (``--forward-long-stream-cols``) and its 64-column tile (``--forward-long-tile``);
-the short-window forward's thread tile (``--forward-tile``); the backwards' prefetch ahead
+the short-window forward's thread tile (``--forward-tile``) and its register-capped build for large launches
+(``--no-wide-forward``: not built); the backwards' prefetch ahead
 (``--prefetch-ahead``); the short-window backward's thread tile (``--backward-tile``), CTA size (``--backward-threads``) and held ape (``--hold-ape``); the
 statistics backward's cluster form (``--stats-cluster``, ``--stats-cluster-rows``) and whole-tile form
 (``--stats-whole-tile``) and the slab form's CTA size (``--stats-threads``); or two package versions on ``PYTHONPATH``::
@@ -78,6 +79,12 @@ def apply_overrides(args, cases) -> None:
             ("backward_stats",),
             lambda d, c, sch: stats_backward_schedule(c.ratio, c.coff, c.head_dim, args.stats_slots or None, **tile),
         )
+    if args.no_wide_forward:
+        from csa_compressor.backends.cute import launch as cute_launch
+
+        # The short-window forward's register-capped build for large launches (launch.forward picks it from
+        # ``wide_rows`` rows on) is not built: every launch takes the default build.
+        cute_launch.wide_forward_schedule = lambda sch: None
     if args.forward_min_blocks or args.forward_min_blocks_long:
 
         def capped(d, c, sch):
@@ -230,6 +237,7 @@ def measure(args) -> dict:
         "backward_threads": args.backward_threads,
         "forward_long_tile": args.forward_long_tile,
         "forward_tile": args.forward_tile,
+        "no_wide_forward": args.no_wide_forward,
         "stats_threads": args.stats_threads,
         "stats_cluster_rows": args.stats_cluster_rows,
         "device": torch.cuda.get_device_name(dev),
@@ -373,6 +381,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=BACKWARD_CTA_SIZES,
         default=0,
         help="cute statistics backward, slab form: CTA size by more row lanes at the same thread tile (fewer slabs)",
+    )
+    ap.add_argument(
+        "--no-wide-forward",
+        action="store_true",
+        help="cute short-window forward: no register-capped build for large launches",
     )
     ap.add_argument("--triton-stats", action="store_true", help="force AUTOGRAD_STATS on for Triton")
     ap.add_argument("--out", default=None)
