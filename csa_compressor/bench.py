@@ -9,7 +9,10 @@ two baselines, the eager region and ``torch.compile`` of it, and measures:
   writing a buffer of at least twice the L2 size (the flush itself is excluded);
   "warm" runs the calls back to back.
 - wall time of one call: CUDA events around the call with an idle device before
-  it, so that host overhead shows; the median is reported.
+  it, so that host overhead shows; the median is reported. Walls are measured in
+  a first pass, before the process's first profiler session (after one, CUPTI's
+  callbacks slow every CUDA API call), with the host's own figures: the events
+  around nothing and one eager ``x.add_(1)``.
 - the DRAM floor: the bytes the operation must move (SPEC section 6) divided by a
   device-to-device copy rate measured in the same run.
 
@@ -346,7 +349,15 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
             cold, warm, wall = meta["reps"]
             lines.append(
                 f"Kernel time = sum of device activity per call (torch.profiler), mean of {cold} cold "
-                f"(L2 flushed) / {warm} warm calls; wall = CUDA events around one call, median of {wall}. Microseconds."
+                f"(L2 flushed) / {warm} warm calls; wall = CUDA events around one call on an idle device, median of "
+                f"{wall}, measured before the run's first profiler session. Microseconds."
+            )
+        host = meta.get("host_wall_us")
+        if host:
+            lines.append(
+                "The same wall on this host: "
+                + "; ".join(f"{k} {v:.1f} us" for k, v in host.items())
+                + " (the events' own cost, and one eager elementwise op)."
             )
         lines.append(
             '"wall - warm" approximates the host overhead of one call (SPEC 6 target: at most 10 us forward, '
@@ -607,6 +618,7 @@ def make_record(meta: dict, case: Case, backend: str, direction: str, copy_bytes
         "floor_us": floor_us(case, direction, copy_bytes_per_s),
         "copy_tb_s": copy_bytes_per_s / 1e12,
         "reps": meta.get("reps"),
+        "host_wall_us": meta.get("host_wall_us"),  # the same wall of events alone and of one eager op, this run
     }
 
 
@@ -662,9 +674,14 @@ class _Timer:
         self.flush_buf = torch.empty(self.flush_bytes // 8, dtype=torch.float64, device=device)
         self.read_buf = None
         self._flush_value = 0.0
-        # The first profiler session of a process can lose device records while CUPTI starts up (seen on the
-        # H200: the first case's cold time came out below its warm time); spend it on the flush alone.
-        self.kernel_us(self.flush, 2, cold=False)
+        self._profiler_primed = False
+
+    def prime_profiler(self) -> None:
+        """The process's first profiler session, on the flush alone: it can lose device records while CUPTI
+        starts up (seen on the H200: the first case's cold time came out below its warm time)."""
+        if not self._profiler_primed:
+            self._profiler_primed = True
+            self.kernel_us(self.flush, 2, cold=False)
 
     def flush(self, clean: bool = False) -> None:
         self._flush_value = 1.0 - self._flush_value
@@ -697,6 +714,7 @@ class _Timer:
         return copy_rate(nbytes, times)
 
     def kernel_us(self, fn: Callable[[], object], calls: int, cold: bool, clean: bool = False) -> float:
+        self.prime_profiler()
         activities, flush_us = self.device_activity(fn, calls, cold, clean)
         return kernel_us_per_call(activities, calls, flush_us)
 
@@ -746,7 +764,12 @@ class _Timer:
         return activities, flush_us
 
     def wall_us(self, fn: Callable[[], object], calls: int) -> float:
-        """Median of CUDA-event time around one call, the device idle before it (host overhead shows)."""
+        """Median of CUDA-event time around one call, the device idle before it (host overhead shows).
+
+        ``run_bench`` measures every wall before the process's first profiler session: after one, CUPTI's callbacks
+        stay on every CUDA API call (kineto does not tear CUPTI down by default) and the same calls measured
+        +3-10 us on the H200 machine (``benchmarks/wall_profiler_probe.py``, events alone 7.1 -> 9.7 us, the cute
+        1x8192 d128 r4 c2 backward 24.0 -> 32.2 us)."""
         torch = self.torch
         pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
         for e0, e1 in pairs:
@@ -757,12 +780,16 @@ class _Timer:
         torch.cuda.synchronize(self.device)
         return statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in pairs)
 
-    def measure(self, fn: Callable[[], object]) -> tuple[float, float, float]:
-        cold, warm, wall = self.reps
+    def warm_up(self, fn: Callable[[], object]) -> None:
         for _ in range(WARMUP_CALLS):
             fn()
         self.torch.cuda.synchronize(self.device)
-        return self.kernel_us(fn, cold, cold=True), self.kernel_us(fn, warm, cold=False), self.wall_us(fn, wall)
+
+    def kernel_times(self, fn: Callable[[], object]) -> tuple[float, float]:
+        """(cold, warm) kernel us per call; profiler sessions (see ``wall_us`` for why those come first)."""
+        cold, warm, _ = self.reps
+        self.warm_up(fn)
+        return self.kernel_us(fn, cold, cold=True), self.kernel_us(fn, warm, cold=False)
 
 
 def _kernel_callables(backend: str, pack, case: Case):
@@ -896,21 +923,52 @@ def run_bench(
     }
     _progress(progress, f"device {meta['device']}, copy rate {rate / 1e12:.2f} TB/s (read + write), reps {reps}")
 
+    def callables(backend: str, pack, case: Case):
+        """(calls, note, setup error)."""
+        try:
+            if backend in BASELINES:
+                calls, note = _baseline_callables(backend, pack, case, progress)
+                return calls, note, None
+            return _kernel_callables(backend, pack, case), None, None
+        except Exception as exc:  # one broken backend must not lose the rest of the run
+            return {}, None, _short_error(exc)
+
+    # Pass 1, walls: before any profiler session in this process (``_Timer.wall_us`` says why); the host's own
+    # figures first: the two events around nothing (what the method costs here) and one eager elementwise op.
+    walls: dict[tuple[str, str, str], float] = {}
+    x = torch.zeros(1, device=device)
+    meta["host_wall_us"] = {
+        "events only": timer.wall_us(lambda: None, 50),
+        "x.add_(1)": timer.wall_us(lambda: x.add_(1), 50),
+    }
+    _progress(progress, "walls (before any profiler session): " + ", ".join(
+        f"{k} {v:.1f} us" for k, v in meta["host_wall_us"].items()))  # fmt: skip
+    for case in case_list:
+        pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=device, seed=0)
+        for backend in backend_list:
+            calls, _, setup_error = callables(backend, pack, case)
+            for direction in direction_list:
+                what = measured_direction(backend, direction)
+                if setup_error or what not in calls:
+                    continue
+                try:
+                    timer.warm_up(calls[what])
+                    walls[(case.name, backend, what)] = timer.wall_us(calls[what], reps[2])
+                except Exception:  # pass 2 records the error
+                    pass
+            del calls
+        del pack
+        torch.cuda.empty_cache()
+    _progress(progress, f"walls measured ({time.perf_counter() - t_start:.0f} s total)")
+
+    # Pass 2, kernel times (profiler).
     records: list[dict] = []
     total = len(case_list) * len(backend_list) * len(direction_list)
     done = 0
     for case in case_list:
         pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=device, seed=0)
         for backend in backend_list:
-            note = None
-            try:
-                if backend in BASELINES:
-                    calls, note = _baseline_callables(backend, pack, case, progress)
-                else:
-                    calls = _kernel_callables(backend, pack, case)
-                setup_error = None
-            except Exception as exc:  # one broken backend must not lose the rest of the run
-                calls, setup_error = {}, _short_error(exc)
+            calls, note, setup_error = callables(backend, pack, case)
             for direction in direction_list:
                 what = measured_direction(backend, direction)
                 done += 1
@@ -921,7 +979,10 @@ def run_bench(
                 try:
                     if setup_error:
                         raise RuntimeError(setup_error)
-                    cold, warm, wall = timer.measure(calls[what])
+                    cold, warm = timer.kernel_times(calls[what])
+                    wall = walls.get((case.name, backend, what))
+                    if wall is None:
+                        raise RuntimeError("the wall pass failed for this call")
                     rec.update(kernel_us_cold=cold, kernel_us_warm=warm, wall_us=wall)
                     if clean_cold and backend not in BASELINES:
                         try:  # an extra figure: its failure leaves the measured ones standing

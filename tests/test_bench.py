@@ -292,6 +292,15 @@ def test_markdown_backward_and_combined_tables():
     assert "Failed measurements" in md and "RuntimeError: boom" in md
 
 
+def test_markdown_and_records_carry_the_host_walls():
+    meta = dict(META, host_wall_us={"events only": 7.1, "x.add_(1)": 14.8})
+    md = format_markdown(_records(), meta)
+    assert "events only 7.1 us; x.add_(1) 14.8 us" in md and "before the run's first profiler session" in md
+    rec = make_record(meta, CASES[0], "cute", "fwd", 4e12)
+    assert rec["host_wall_us"] == {"events only": 7.1, "x.add_(1)": 14.8}
+    assert "events only" not in format_markdown(_records(), META)
+
+
 def test_markdown_without_meta_or_seed_numbers():
     rec = make_record({}, Case((64,), 8, 4, 1), "reference", "fwd", 1e12)
     rec.update(kernel_us_cold=2.0, kernel_us_warm=1.0, wall_us=5.0)

@@ -342,14 +342,15 @@ def forward_schedule(ratio: int, coff: int, head_dim: int) -> Schedule:
 # slower for a single wave (1x8192 d128 r4 c2, 4.35 -> 4.9 us): benchmarks/results/min_blocks_ab_h200_20261201.md.
 # launch.forward picks per call. Those register counts were NVVM's widening of bf16; with ``widen`` (b0e0d06) the
 # default build takes 64 registers (8 CTAs per SM) and the capped one 80 (6 CTAs per SM), so the cap no longer adds
-# a CTA. The A/B of b0e0d06 (3x8192 r4 c2 forwards -11 to -14 %) ran this selection; the default build for large
-# launches too is not measured yet.
+# a CTA. Measured again after b0e0d06 (benchmarks/results/wide_forward_ab_h200_20261201.md, two passes): the capped
+# build is still 1.5-2.6 % faster at 3x8192 d128 (4 rows per CTA) but 2-4 % slower at 1x8192 and 3x8192 d512 (one row
+# per CTA: 28.1 against 29.0 us at 3x8192), so only schedules of more than one row per CTA get it.
 WIDE_CTAS_PER_SM = 6
 
 
 def wide_forward_schedule(sch: Schedule) -> Schedule | None:
     """The register-capped form of a short-window forward schedule for large launches, or None."""
-    if sch.G != 1 or sch.SG != 8 or sch.MB or sch.threads != 128:
+    if sch.G != 1 or sch.SG != 8 or sch.MB or sch.threads != 128 or sch.R < 2:
         return None
     return replace(sch, MB=WIDE_CTAS_PER_SM)
 
