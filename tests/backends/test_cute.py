@@ -445,8 +445,9 @@ def test_softmax_stats_path(case):
     assert not torch.equal(bad[1], grads[1])
 
 
-# 8-slot windows: launches of more than one wave of the default build take the register-capped build.
-WIDE_CONFIGS = [(128, 4, 2), (512, 4, 2), (64, 8, 1), (256, 4, 2)]
+# 8-slot windows of more than one row per CTA: launches of more than one wave of the default build take the
+# register-capped build (d512, one row per CTA, has none: test_no_wide_forward_for_one_row_per_cta).
+WIDE_CONFIGS = [(128, 4, 2), (64, 8, 1), (256, 4, 2)]
 
 
 @pytest.mark.parametrize("d,ratio,coff", WIDE_CONFIGS, ids=[f"d{d}-r{r}-c{c}" for d, r, c in WIDE_CONFIGS])
@@ -478,6 +479,19 @@ def test_wide_forward_for_large_launches(d, ratio, coff):
     launch.forward(kv, score, ape, cu, cuc, small, ratio, coff, None)
     part = reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=small.shape[0], precision="fp32")
     assert torch.equal(small.view(torch.int16), part.view(torch.int16))
+
+
+def test_no_wide_forward_for_one_row_per_cta():
+    """d512 ratio 4 coff 2 (one row per CTA) has no capped build: a launch of many waves takes the default, exactly."""
+    launch = _launch_module()
+    dev = torch.device("cuda")
+    launcher = launch._get_launcher("forward", 4, 2, 512, torch.bfloat16, dev)
+    assert launcher.sch.R == 1 and launcher.wide is None and launcher.wide_rows == 1 << 62
+    pack = make_pack((4 * 1500 + 3, 2, 4 * 700), 512, 4, 2, token_padding=3, comp_padding=2, device=dev, seed=31)
+    out = torch.full((pack.total_comp, 512), float("nan"), dtype=pack.kv.dtype, device=dev)
+    launch.forward(*pack.inputs, out, 4, 2, None)
+    ref = reference.forward(*pack.inputs, ratio=4, coff=2, total_comp=pack.total_comp, precision="fp32")
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
 
 
 def _run_with_schedule(launch, run, pack, key, sch):
