@@ -52,9 +52,14 @@ from .forward import (
     real_rows,
     vec_view,
     vector_width,
-    widen,
+    widen_plain,
     window_store,
 )
+
+# bf16 widened by NVVM's own conversion here, not forward.widen: with widen, ptxas issues a row's statistics loads
+# one after another around their first uses (two DRAM round trips per row step instead of one, SASS) and the ratio-128
+# coff-2 backward measured 14 % slower (1x65536 d512: 164.7 against 144.7 us cold; coff 1 level, 30.0 against 30.2;
+# benchmarks/results/stats_widen_ab_h200_20261201.md).
 
 # Window slots per CTA: at least 8, and few enough slot chunks (at most STATS_CHUNKS) that a row's statistics and
 # grad_out are not read by too many CTAs. H200 A/B (2026-11-30, cold backward, slots per CTA 32 / 16 / 8):
@@ -277,12 +282,12 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 vm.store(vec_view(stats, sbase, V).load())
                 vl.store(vec_view(stats, sbase + D, V).load())
                 vo.store(vec_view(stats, sbase + 2 * D, V).load())
-            gw = widen(gb, V)
+            gw = widen_plain(gb, V)
             for k in cutlass.range_constexpr(SG):
                 s = gg * SG + k
                 half = s // ratio
-                scw = widen(cur_sc[k], V)
-                kvw = widen(cur_kv[k], V)
+                scw = widen_plain(cur_sc[k], V)
+                kvw = widen_plain(cur_kv[k], V)
                 for i in cutlass.range_constexpr(V):
                     gi = gw[i]
                     pk = ex2((scw[i] + apf[k][i]) * LOG2E - vm[i]) * vl[i]

@@ -109,10 +109,16 @@ def bf16_hi(word, *, loc=None, ip=None) -> Float32:
     return Float32(inline_ptx("and.b32 $0, $1, 0xffff0000;", [w], "=f,r", T.f32()))
 
 
+def widen_plain(t, V: int) -> list:
+    """The V bf16 elements of a register tensor as fp32 values, NVVM's own conversion (for the statistics
+    backward, where ``widen``'s form measured slower: see backward_stats.py)."""
+    return [Float32(t[i]) for i in range(V)]
+
+
 def widen(t, V: int) -> list:
     """The V bf16 elements of a register tensor as fp32 values: pairs from 32-bit words where V is even."""
     if not _LEAN_FOLD or V % 2:
-        return [Float32(t[i]) for i in range(V)]
+        return widen_plain(t, V)
     words = cute.recast_tensor(t, cutlass.Uint32)
     out = []
     for j in range(V // 2):
