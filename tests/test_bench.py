@@ -301,6 +301,16 @@ def test_markdown_and_records_carry_the_host_walls():
     assert "events only" not in format_markdown(_records(), META)
 
 
+def test_markdown_lists_a_failed_wall_and_keeps_the_kernel_times():
+    recs = _records()
+    cute = next(r for r in recs if r["backend"] == "cute" and r["direction"] == "fwd")
+    cute.update(wall_us=None, wall_error="RuntimeError: wall boom")
+    md = format_markdown(recs, META)
+    col = dict(zip(_rows(md, "Forward")[0], next(r for r in _rows(md, "Forward") if r[2] == "cute"), strict=True))
+    assert col["wall"] == "—" and col["cold"] == "30.0"
+    assert "(wall): RuntimeError: wall boom" in md
+
+
 def test_markdown_without_meta_or_seed_numbers():
     rec = make_record({}, Case((64,), 8, 4, 1), "reference", "fwd", 1e12)
     rec.update(kernel_us_cold=2.0, kernel_us_warm=1.0, wall_us=5.0)
