@@ -417,4 +417,9 @@ def test_run_bench_smoke_on_gpu(tmp_path):
     for rec in result.records:
         assert rec.get("error") is None, rec.get("error")
         assert rec["kernel_us_cold"] > 0 and rec["kernel_us_warm"] > 0 and rec["wall_us"] > 0
+        assert rec.get("wall_error") is None
+        # The walls' pass ran before any profiler session, with the host's own two figures.
+        assert set(rec["host_wall_us"]) == {"events only", "x.add_(1)"}
+        assert 0 < rec["host_wall_us"]["events only"] < rec["host_wall_us"]["x.add_(1)"] + 50
+    assert "The same wall on this host: events only" in result.markdown
     assert (tmp_path / "smoke.json").exists() and (tmp_path / "smoke.md").exists()
