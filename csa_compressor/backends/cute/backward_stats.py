@@ -32,6 +32,7 @@ without rows and the token-capacity padding.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import cutlass
@@ -60,6 +61,13 @@ from .forward import (
 # one after another around their first uses (two DRAM round trips per row step instead of one, SASS) and the ratio-128
 # coff-2 backward measured 14 % slower (1x65536 d512: 164.7 against 144.7 us cold; coff 1 level, 30.0 against 30.2;
 # benchmarks/results/stats_widen_ab_h200_20261201.md).
+
+# A row step's statistics and grad_out are loaded one step ahead, into registers, with the next step's window slice,
+# so that the step's math does not wait a DRAM round trip for them first (128 registers; the coff-2 builds spill 8
+# bytes outside the row loop). H200 A/B (benchmarks/results/stats_ahead_ab_h200_20261201.md, two passes, cold):
+# 1x8192 d128 r128 c1 5.19 -> 4.73-4.76 us, 3x8192 d512 r128 c1 30.3 -> 29.6-29.8, 1x65536 d512 r128 c2 144.4 ->
+# 140.9. Development switch (read at import): "0" loads them at the top of their own step (A/B runs).
+_STATS_AHEAD = os.environ.get("CSA_COMPRESSOR_STATS_AHEAD", "1") != "0"
 
 # Window slots per CTA: at least 8, and few enough slot chunks (at most STATS_CHUNKS) that a row's statistics and
 # grad_out are not read by too many CTAs. H200 A/B (2026-11-30, cold backward, slots per CTA 32 / 16 / 8):
@@ -251,14 +259,35 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
         row_first = row_begin + rl
+        if cutlass.const_expr(_STATS_AHEAD):
+            ngb = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
+            nvm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+            nvl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+            nvo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+            ngb.fill(0.0)
+            nvm.fill(0.0)
+            nvl.fill(0.0)
+            nvo.fill(0.0)
         if row_first < row_lim:
             b0 = find_segment(cuc_t, B, row_first)
             j0 = row_first - cuc_t[b0]
             ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[b0] + j0 * ratio, j0 == 0)
+            if cutlass.const_expr(_STATS_AHEAD):
+                if col_ok:
+                    sb0 = row_first * (3 * D) + c
+                    ngb.store(vec_view(gout, row_first * D + c, V).load())
+                    nvm.store(vec_view(stats, sb0, V).load())
+                    nvl.store(vec_view(stats, sb0 + D, V).load())
+                    nvo.store(vec_view(stats, sb0 + 2 * D, V).load())
         for r in cutlass.range(row_first, row_lim, R):
             for k in cutlass.range_constexpr(SG):
                 cur_kv[k].store(nxt_kv[k].load())
                 cur_sc[k].store(nxt_sc[k].load())
+            if cutlass.const_expr(_STATS_AHEAD):
+                gb.store(ngb.load())
+                vm.store(nvm.load())
+                vl.store(nvl.load())
+                vo.store(nvo.load())
             b = find_segment(cuc_t, B, r)
             j = r - cuc_t[b]
             t0 = cu_t[b] + j * ratio
@@ -270,18 +299,26 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 jn = r + R - cuc_t[bn]
                 t0n = cu_t[bn] + jn * ratio
                 ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, jn == 0)
+                if cutlass.const_expr(_STATS_AHEAD):
+                    if col_ok:
+                        sbn = (r + R) * (3 * D) + c
+                        ngb.store(vec_view(gout, (r + R) * D + c, V).load())
+                        nvm.store(vec_view(stats, sbn, V).load())
+                        nvl.store(vec_view(stats, sbn + D, V).load())
+                        nvo.store(vec_view(stats, sbn + 2 * D, V).load())
             if cutlass.const_expr(sch.PF):
                 prefetch_ahead(kv, score, gout, stats, r, t0n, q, by, bz, row_lim, T)
-            gb.fill(0.0)
-            vm.fill(0.0)
-            vl.fill(0.0)
-            vo.fill(0.0)
-            if col_ok:
-                gb.store(vec_view(gout, r * D + c, V).load())
-                sbase = r * (3 * D) + c
-                vm.store(vec_view(stats, sbase, V).load())
-                vl.store(vec_view(stats, sbase + D, V).load())
-                vo.store(vec_view(stats, sbase + 2 * D, V).load())
+            if cutlass.const_expr(not _STATS_AHEAD):
+                gb.fill(0.0)
+                vm.fill(0.0)
+                vl.fill(0.0)
+                vo.fill(0.0)
+                if col_ok:
+                    gb.store(vec_view(gout, r * D + c, V).load())
+                    sbase = r * (3 * D) + c
+                    vm.store(vec_view(stats, sbase, V).load())
+                    vl.store(vec_view(stats, sbase + D, V).load())
+                    vo.store(vec_view(stats, sbase + 2 * D, V).load())
             gw = widen_plain(gb, V)
             for k in cutlass.range_constexpr(SG):
                 s = gg * SG + k
