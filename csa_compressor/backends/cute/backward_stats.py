@@ -175,7 +175,8 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
     zeros = ZeroStores(ratio, coff, head_dim, V, sch.ES)
 
     # PF: per row lane and row step, threads 0 .. 5 prefetch the next step's statistics (3 x CW fp32) into L1 and
-    # thread 6 its grad_out (CW bf16), whose loads otherwise wait a full L2 round trip at the top of every step;
+    # thread 6 its grad_out (CW bf16), whose loads otherwise wait a full L2 round trip at the top of every step (with
+    # _STATS_AHEAD they are in flight a step early anyway);
     # threads 7 .. 7 + 2 * SC - 1 prefetch the window two steps ahead (one CW-column line per slot and tensor) into
     # L2. Hints only: token offsets are clamped into [0, T) and a wrong guess (a segment boundary) costs a line.
     PF_STATS = 3 * -(-CW * 4 // 128)  # 128-byte lines of one row's statistics for the CTA's columns
