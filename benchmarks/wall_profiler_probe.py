@@ -16,28 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import torch
 
 from csa_compressor import api
-from csa_compressor.bench import Case
+from csa_compressor.bench import Case, _Timer
 from csa_compressor.testing import make_pack
 
 CASES = (Case((8192,), 128, 4, 2), Case((8192,), 128, 128, 1), Case((8192,) * 3, 512, 128, 1))
-
-
-def idle_wall_us(fn, calls: int) -> float:
-    """csa_compressor.bench's method: synchronise, event, call, event; median over ``calls``."""
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    for e0, e1 in pairs:
-        torch.cuda.synchronize()
-        e0.record()
-        fn()
-        e1.record()
-    torch.cuda.synchronize()
-    return statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in pairs)
 
 
 def profile_once(fn, calls: int = 5) -> None:
@@ -79,15 +66,17 @@ def main() -> None:
             fn()
     torch.cuda.synchronize()
 
+    timer = _Timer(torch.device("cuda", torch.cuda.current_device()), (1, 1, opts.calls))  # the bench's wall method
+
     phases = {}
-    phases["before any profiler"] = {k: idle_wall_us(fn, opts.calls) for k, fn in fns.items()}
+    phases["before any profiler"] = {k: timer.wall_us(fn, opts.calls) for k, fn in fns.items()}
     profile_once(fns["x.add_(1)"])
-    phases["after 1 session"] = {k: idle_wall_us(fn, opts.calls) for k, fn in fns.items()}
+    phases["after 1 session"] = {k: timer.wall_us(fn, opts.calls) for k, fn in fns.items()}
     t0 = time.perf_counter()
     for _ in range(opts.sessions - 1):
         profile_once(fns["x.add_(1)"], 2)
     spent = time.perf_counter() - t0
-    phases[f"after {opts.sessions} sessions"] = {k: idle_wall_us(fn, opts.calls) for k, fn in fns.items()}
+    phases[f"after {opts.sessions} sessions"] = {k: timer.wall_us(fn, opts.calls) for k, fn in fns.items()}
 
     env = os.environ.get("TEARDOWN_CUPTI")
     print(

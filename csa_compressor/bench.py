@@ -926,15 +926,26 @@ def run_bench(
     }
     _progress(progress, f"device {meta['device']}, copy rate {rate / 1e12:.2f} TB/s (read + write), reps {reps}")
 
-    def callables(backend: str, pack, case: Case):
-        """(calls, note, setup error)."""
-        try:
-            if backend in BASELINES:
-                calls, note = _baseline_callables(backend, pack, case, progress)
-                return calls, note, None
-            return _kernel_callables(backend, pack, case), None, None
-        except Exception as exc:  # one broken backend must not lose the rest of the run
-            return {}, None, _short_error(exc)
+    def each_call():
+        """``(case, backend, direction, callable or None, note, setup error)`` over the matrix, one pack alive at a
+        time (both passes build the same packs and callables: seed 0)."""
+        for case in case_list:
+            pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=device, seed=0)
+            for backend in backend_list:
+                calls, note, setup_error = {}, None, None
+                try:
+                    if backend in BASELINES:
+                        calls, note = _baseline_callables(backend, pack, case, progress)
+                    else:
+                        calls = _kernel_callables(backend, pack, case)
+                except Exception as exc:  # one broken backend must not lose the rest of the run
+                    setup_error = _short_error(exc)
+                for direction in direction_list:
+                    what = measured_direction(backend, direction)
+                    yield case, backend, what, calls.get(what), note, setup_error
+                del calls
+            del pack
+            torch.cuda.empty_cache()
 
     # Pass 1, walls: before any profiler session in this process (``_Timer.wall_us`` says why); the host's own
     # figures first: the two events around nothing (what the method costs here) and one eager elementwise op.
@@ -946,69 +957,53 @@ def run_bench(
     }
     host_walls = ", ".join(f"{k} {v:.1f} us" for k, v in meta["host_wall_us"].items())
     _progress(progress, f"walls (before any profiler session): {host_walls}")
-    for case in case_list:
-        pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=device, seed=0)
-        for backend in backend_list:
-            calls, _, setup_error = callables(backend, pack, case)
-            for direction in direction_list:
-                what = measured_direction(backend, direction)
-                if setup_error or what not in calls:
-                    continue
-                try:
-                    timer.warm_up(calls[what])
-                    walls[(case.name, backend, what)] = timer.wall_us(calls[what], reps[2])
-                except Exception as exc:  # recorded with the call's kernel times in pass 2
-                    walls[(case.name, backend, what)] = _short_error(exc)
-            del calls
-        del pack
-        torch.cuda.empty_cache()
+    for case, backend, what, fn, _, setup_error in each_call():
+        if setup_error or fn is None:
+            continue  # pass 2 records the error
+        try:
+            timer.warm_up(fn)
+            walls[(case.name, backend, what)] = timer.wall_us(fn, reps[2])
+        except Exception as exc:  # recorded with the call's kernel times in pass 2
+            walls[(case.name, backend, what)] = _short_error(exc)
     _progress(progress, f"walls measured ({time.perf_counter() - t_start:.0f} s total)")
 
     # Pass 2, kernel times (profiler).
     records: list[dict] = []
     total = len(case_list) * len(backend_list) * len(direction_list)
-    done = 0
-    for case in case_list:
-        pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device=device, seed=0)
-        for backend in backend_list:
-            calls, note, setup_error = callables(backend, pack, case)
-            for direction in direction_list:
-                what = measured_direction(backend, direction)
-                done += 1
-                rec = make_record(meta, case, backend, what, rate)
-                if note:
-                    rec["note"] = note
-                t0 = time.perf_counter()
-                try:
-                    if setup_error:
-                        raise RuntimeError(setup_error)
-                    cold, warm = timer.kernel_times(calls[what])
-                    wall = walls.get((case.name, backend, what), "not measured")
-                    if isinstance(wall, str):
-                        rec["wall_error"], wall = wall, None
-                    rec.update(kernel_us_cold=cold, kernel_us_warm=warm, wall_us=wall)
-                    if clean_cold and backend not in BASELINES:
-                        try:  # an extra figure: its failure leaves the measured ones standing
-                            rec["kernel_us_cold_clean"] = timer.kernel_us(calls[what], reps[0], cold=True, clean=True)
-                        except Exception as exc:
-                            rec["clean_error"] = _short_error(exc)
-                    status = (
-                        f"cold {cold:.1f} us, warm {warm:.1f} us, "
-                        + (f"wall {wall:.1f} us, " if wall is not None else f"wall failed ({rec['wall_error']}), ")
-                        + f"floor {rec['floor_us']:.1f} us ({rec['floor_us'] / cold:.2f} of floor)"
-                    )
-                except Exception as exc:  # record the failure and keep going
-                    rec["error"] = _short_error(exc)
-                    status = f"FAILED: {rec['error']}"
-                records.append(rec)
-                _progress(
-                    progress,
-                    f"[{done}/{total}] {case.name} {backend} {what}: {status} "
-                    f"({time.perf_counter() - t0:.1f} s, {time.perf_counter() - t_start:.0f} s total)",
-                )
-            del calls
-        del pack
-        torch.cuda.empty_cache()
+    for done, (case, backend, what, fn, note, setup_error) in enumerate(each_call(), 1):
+        rec = make_record(meta, case, backend, what, rate)
+        if note:
+            rec["note"] = note
+        t0 = time.perf_counter()
+        try:
+            if setup_error:
+                raise RuntimeError(setup_error)
+            if fn is None:
+                raise RuntimeError(f"{backend} has no {what} callable")
+            cold, warm = timer.kernel_times(fn)
+            wall = walls.get((case.name, backend, what), "not measured")
+            if isinstance(wall, str):
+                rec["wall_error"], wall = wall, None
+            rec.update(kernel_us_cold=cold, kernel_us_warm=warm, wall_us=wall)
+            if clean_cold and backend not in BASELINES:
+                try:  # an extra figure: its failure leaves the measured ones standing
+                    rec["kernel_us_cold_clean"] = timer.kernel_us(fn, reps[0], cold=True, clean=True)
+                except Exception as exc:
+                    rec["clean_error"] = _short_error(exc)
+            status = (
+                f"cold {cold:.1f} us, warm {warm:.1f} us, "
+                + (f"wall {wall:.1f} us, " if wall is not None else f"wall failed ({rec['wall_error']}), ")
+                + f"floor {rec['floor_us']:.1f} us ({rec['floor_us'] / cold:.2f} of floor)"
+            )
+        except Exception as exc:  # record the failure and keep going
+            rec["error"] = _short_error(exc)
+            status = f"FAILED: {rec['error']}"
+        records.append(rec)
+        _progress(
+            progress,
+            f"[{done}/{total}] {case.name} {backend} {what}: {status} "
+            f"({time.perf_counter() - t0:.1f} s, {time.perf_counter() - t_start:.0f} s total)",
+        )
 
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     markdown = format_markdown(records, meta)

@@ -423,3 +423,61 @@ def test_run_bench_smoke_on_gpu(tmp_path):
         assert all(v > 0 for v in rec["host_wall_us"].values())
     assert "The same wall on this host: events only" in result.markdown
     assert (tmp_path / "smoke.json").exists() and (tmp_path / "smoke.md").exists()
+
+
+def test_run_bench_times_every_wall_before_any_profiler_session(monkeypatch):
+    """run_bench's two passes on the CPU with a stand-in timer: every wall (and the host's two) is taken before the
+    first kernel timing, each record gets its own call's wall, a failed wall keeps the kernel times, and a backend
+    that fails to set up is recorded as failed in both directions."""
+    import types
+
+    log = []
+
+    class FakeTimer:
+        flush_bytes = 1 << 20
+
+        def __init__(self, device, reps):
+            self.reps = reps
+
+        def copy_rate(self, reps=10):
+            return 4e12
+
+        def warm_up(self, fn):
+            fn()
+
+        def wall_us(self, fn, calls):
+            log.append("wall")
+            if getattr(fn, "wall_fails", False):
+                raise RuntimeError("no events")
+            return 100.0 + len(log)
+
+        def kernel_times(self, fn):
+            log.append("kernel")
+            return 3.0, 2.0
+
+    def kernel_callables(backend, pack, case):
+        if backend == "broken":
+            raise ValueError("cannot build")
+        fwd, bwd = (lambda: None), (lambda: None)
+        bwd.wall_fails = True
+        return {"fwd": fwd, "bwd": bwd}
+
+    monkeypatch.setattr(bench, "_Timer", FakeTimer)
+    monkeypatch.setattr(bench, "_kernel_callables", kernel_callables)
+    monkeypatch.setattr(bench, "select_backends", lambda names, available: (["reference", "broken"], []))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(name="Fake", major=9, minor=0)
+    )
+    result = bench.run_bench([Case((64,), 8, 4, 1)], out_dir=None, progress=False, device="cpu", reps=(1, 1, 1))
+    assert log[: log.index("kernel")] == ["wall"] * 4  # events only, x.add_, reference fwd, reference bwd
+    assert "wall" not in log[log.index("kernel") :]
+    recs = {(r["backend"], r["direction"]): r for r in result.records}
+    assert recs[("reference", "fwd")]["wall_us"] == 103.0 and recs[("reference", "fwd")]["kernel_us_cold"] == 3.0
+    bwd = recs[("reference", "bwd")]
+    assert bwd["wall_us"] is None and "no events" in bwd["wall_error"] and bwd["kernel_us_cold"] == 3.0
+    for direction in ("fwd", "bwd"):
+        assert "cannot build" in recs[("broken", direction)]["error"]
+    assert set(result.records[0]["host_wall_us"]) == {"events only", "x.add_(1)"}

@@ -203,6 +203,16 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 else:
                     prefetch_l2(score + off)
 
+    @cute.jit
+    def load_row_inputs(gout, stats, row, c, g_dst, m_dst, l_dst, o_dst):
+        """Row ``row``'s grad_out and statistics (max, 1/sum, out) for the thread's columns; the caller checks
+        ``col_ok``."""
+        base = row * (3 * D) + c
+        g_dst.store(vec_view(gout, row * D + c, V).load())
+        m_dst.store(vec_view(stats, base, V).load())
+        l_dst.store(vec_view(stats, base + D, V).load())
+        o_dst.store(vec_view(stats, base + 2 * D, V).load())
+
     @cute.kernel
     def kernel(
         kv: cute.Pointer,
@@ -275,11 +285,7 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
             ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[b0] + j0 * ratio, j0 == 0)
             if cutlass.const_expr(_STATS_AHEAD):
                 if col_ok:
-                    sb0 = row_first * (3 * D) + c
-                    ngb.store(vec_view(gout, row_first * D + c, V).load())
-                    nvm.store(vec_view(stats, sb0, V).load())
-                    nvl.store(vec_view(stats, sb0 + D, V).load())
-                    nvo.store(vec_view(stats, sb0 + 2 * D, V).load())
+                    load_row_inputs(gout, stats, row_first, c, ngb, nvm, nvl, nvo)
         for r in cutlass.range(row_first, row_lim, R):
             for k in cutlass.range_constexpr(SG):
                 cur_kv[k].store(nxt_kv[k].load())
@@ -302,11 +308,7 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 ops.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, jn == 0)
                 if cutlass.const_expr(_STATS_AHEAD):
                     if col_ok:
-                        sbn = (r + R) * (3 * D) + c
-                        ngb.store(vec_view(gout, (r + R) * D + c, V).load())
-                        nvm.store(vec_view(stats, sbn, V).load())
-                        nvl.store(vec_view(stats, sbn + D, V).load())
-                        nvo.store(vec_view(stats, sbn + 2 * D, V).load())
+                        load_row_inputs(gout, stats, r + R, c, ngb, nvm, nvl, nvo)
             if cutlass.const_expr(sch.PF):
                 prefetch_ahead(kv, score, gout, stats, r, t0n, q, by, bz, row_lim, T)
             if cutlass.const_expr(not _STATS_AHEAD):
@@ -315,11 +317,7 @@ def build_backward_stats(ratio: int, coff: int, head_dim: int, sch: Schedule):
                 vl.fill(0.0)
                 vo.fill(0.0)
                 if col_ok:
-                    gb.store(vec_view(gout, r * D + c, V).load())
-                    sbase = r * (3 * D) + c
-                    vm.store(vec_view(stats, sbase, V).load())
-                    vl.store(vec_view(stats, sbase + D, V).load())
-                    vo.store(vec_view(stats, sbase + 2 * D, V).load())
+                    load_row_inputs(gout, stats, r, c, gb, vm, vl, vo)
             gw = widen_plain(gb, V)
             for k in cutlass.range_constexpr(SG):
                 s = gg * SG + k
