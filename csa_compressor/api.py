@@ -57,10 +57,6 @@ class _Op:
         self._module = None
         # Per-call fast path, bound by compile(): the backend's launch function and the scalars it takes.
         self._launch = None
-        # The backend's host fast paths for the wrappers and execute() (launch.host_path and its .into), bound by
-        # compile(); None: Python path.
-        # _host_stats: the softmax-statistics variant (long windows).
-        self._host = self._host_stats = None
         self._ratio = self._coff = self._head_dim = 0
         # Long windows: the forward can save softmax statistics that the backward then uses (reference.py).
         self.uses_stats = reference.uses_softmax_stats(ratio, coff) if isinstance(ratio, int) else False
@@ -99,13 +95,6 @@ class _Op:
         # From here on execute() goes straight to the backend: nothing it does can compile.
         self._ratio, self._coff, self._head_dim = cfg.ratio, cfg.coff, cfg.head_dim
         self._launch = getattr(self._module, self.direction)
-        host_path = getattr(self._module, "host_path", None)
-        if host_path is not None and cfg.device.type == "cuda":
-            self._host = host_path(self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
-            if self.uses_stats:
-                self._host_stats = host_path(
-                    f"{self.direction}_stats", cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device
-                )
 
     def _release_samples(self) -> None:
         self._samples = None
@@ -150,16 +139,11 @@ class CSACompressorForward(_Op):
     def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None, softmax_stats=None):
         """Write ``out``; with ``softmax_stats`` (a ``(total_comp, 3, head_dim)`` float32 buffer, long windows
         only: ``uses_stats``) also the softmax statistics that ``CSACompressorBackward.execute`` can take."""
-        # Hot path: one attribute test, the backend's C++ path where it has one (checks and launch; it declines
-        # anything unusual), else the attribute-only recheck and the backend call.
+        # Hot path: one attribute test, the attribute-only recheck and the backend call.
         launch = self._launch
         if launch is None:
             self.compile()
             launch = self._launch
-        if stream is None:
-            host = self._host if softmax_stats is None else self._host_stats
-            if host is not None and host.into(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats):
-                return out
         rows = _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
         if softmax_stats is not None:
             self._check_stats(softmax_stats, rows)
@@ -235,12 +219,6 @@ class CSACompressorBackward(_Op):
         inputs (long windows); the kernel then skips its own pass over the window for the row statistics."""
         if self._launch is None:
             self.compile()
-        if stream is None:
-            host = self._host if softmax_stats is None else self._host_stats
-            if host is not None and host.into(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, softmax_stats
-            ):
-                return grad_kv, grad_score, grad_ape
         return self._run(
             kv,
             score,
@@ -414,11 +392,6 @@ def _pool_forward(
         )
         if key is not None:
             _FWD_FAST[key] = op
-    host = op._host_stats if return_stats else op._host
-    if host is not None and stream is None:
-        result = host(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows)  # out, or (out, softmax_stats)
-        if result is not None:
-            return result
     # Allocated on the current stream; with an explicit `stream`, execute() records the use there.
     out = kv.new_empty((rows, op._head_dim))
     if not return_stats:
@@ -437,11 +410,6 @@ def _pool_backward(
     """The backward wrapper without the TupleDict: returns ``(grad_kv, grad_score, grad_ape)``."""
     key = _fast_key(kv, ratio, coff, head_dim, backend)
     op = _BWD_FAST.get(key) if key is not None else None
-    host = None if op is None else (op._host if stats is None else op._host_stats)
-    if host is not None and stream is None:
-        grads = host(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stats)
-        if grads is not None:
-            return grads
     # The kernel writes every element: uninitialised buffers, one allocation each.
     grad_kv, grad_score, grad_ape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
     if op is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .thd import row_layout
+from .windows import uses_softmax_stats
 
 __all__ = [
     "PRECISIONS",
@@ -100,15 +101,6 @@ def _windows(kv, score, ape, win: _Window, ratio, coff, dtype):
 
 
 STATS_LOG2E = 1.4426950408889634  # log2(e), rounded to fp32 where the kernels scale logits
-
-
-def uses_softmax_stats(ratio: int, coff: int) -> bool:
-    """Whether the forward saves softmax statistics for the backward (windows of more than 16 slots).
-
-    Long windows are where recomputing the row max, sum and output in the backward costs a second
-    pass over the window; short windows recompute them in registers at no extra traffic.
-    """
-    return coff * ratio > 16
 
 
 def softmax_stats(kv, score, ape, cu_seqlens, cu_seqlens_comp, *, ratio: int, coff: int, total_comp: int):

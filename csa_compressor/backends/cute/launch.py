@@ -40,6 +40,7 @@ from dataclasses import replace
 
 import torch
 
+from ...windows import uses_softmax_stats
 from .. import STREAM_BACKWARD, STREAM_LOADS
 
 _IMPORT_ERROR: str | None = None
@@ -88,8 +89,8 @@ AUTOGRAD_STATS = True
 
 
 def supports_stats(ratio: int, coff: int, head_dim: int) -> bool:
-    """Softmax statistics for windows of more than 16 slots (the long-window kernels' combine writes them)."""
-    return coff * ratio > 16
+    """Softmax statistics for long windows (the long-window kernels' combine writes them)."""
+    return uses_softmax_stats(ratio, coff)
 
 
 def unavailable_reason() -> str | None:
@@ -475,96 +476,6 @@ def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
     _get_launcher(direction, ratio, coff, head_dim, dtype, device)
     if direction in ("forward", "backward") and supports_stats(ratio, coff, head_dim):
         _get_launcher(f"{direction}_stats", ratio, coff, head_dim, dtype, device)
-
-
-def host_path(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device):
-    """The C++ host fast path of the wrappers for one compiled configuration (``host_ext``), or None.
-
-    ``forward``: ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows) -> out`` (allocated); ``forward_stats``:
-    the same, returning ``(out, softmax_stats)``; ``backward`` / ``backward_stats``:
-    ``run(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None) -> (grad_kv, grad_score,
-    grad_ape)``. Each returns None where the Python path must run instead: other than the current device, an
-    argument the C++ checks do not accept, and for the backward CUDA-graph capture or a stream without (large
-    enough) slabs yet. Explicit streams always take the Python path.
-
-    ``run.into``: the classes' ``execute`` with caller-provided buffers, ``(kv, score, ape, cu_seqlens,
-    cu_seqlens_comp, out, softmax_stats=None)`` / ``(..., grad_out, grad_kv, grad_score, grad_ape,
-    softmax_stats=None)``; True when it ran (or had nothing to do), False where the Python path must run.
-    """
-    if direction not in _N_PTR or device.type != "cuda" or _RAW_STREAM is None:
-        return None
-    from . import host_ext
-
-    ext = host_ext.module()
-    if ext is None:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    launcher = _get_launcher(direction, ratio, coff, head_dim, dtype, device)
-    record = host_ext.make_launch(launcher)
-    if record is None:
-        return None
-    stats = int(direction.endswith("_stats"))
-    if direction.startswith("forward"):
-        wide = host_ext.make_launch(launcher.wide) if launcher.wide is not None else None
-        cfg = ext.make_config(ratio, coff, head_dim, index, record, wide, launcher.wide_rows, None, 0, 1, 1, 0, stats)
-        call = ext.forward
-
-        def run_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, rows):
-            if _GET_DEVICE() != index:
-                return None
-            return call(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, _RAW_STREAM(index))
-
-        into = ext.forward_into
-
-        def run_forward_into(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats=None) -> bool:
-            if _GET_DEVICE() != index:
-                return False
-            stream = _RAW_STREAM(index)
-            return into(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats, stream) is True
-
-        run_forward.into = run_forward_into
-        run_forward.keep = (launcher, record, wide)  # the records point into these launchers' compiled functions
-        return run_forward
-    capacity = backward_capacity(launcher)
-    cfg = ext.make_config(ratio, coff, head_dim, index, None, None, 1 << 62, record, capacity, launcher.nchunk,
-                          launcher.sch.R, WS_CAP_BYTES, stats)  # fmt: skip
-    # Cluster and whole-tile forms: one kernel, no slabs: nothing kept per stream, and capture needs nothing special.
-    single = launcher.sch.single_kernel
-
-    def with_slabs(fn, *args):
-        """``fn(cfg, *args, stream, ws_ptr, ws_numel)`` on the current stream with its slabs, or None."""
-        if _GET_DEVICE() != index:
-            return None
-        handle = _RAW_STREAM(index)
-        if single:
-            return fn(cfg, *args, handle, 0, 1 << 62)
-        if _IS_CAPTURING():
-            return None
-        scratch = _SCRATCH.get((index, handle)) if CACHE_SLABS else None
-        if scratch is None:
-            return None  # the stream's first backward call (Python path) makes its slabs
-        with scratch.lock:
-            return fn(cfg, *args, handle, scratch.ptr, scratch.numel)
-
-    call, call_into = ext.backward, ext.backward_into
-
-    def run_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats=None):
-        return with_slabs(call, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, softmax_stats)
-
-    def run_backward_into(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, softmax_stats=None
-    ) -> bool:
-        return (
-            with_slabs(
-                call_into, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
-                softmax_stats,
-            )
-            is True
-        )  # fmt: skip
-
-    run_backward.into = run_backward_into
-    run_backward.keep = (launcher, record)
-    return run_backward
 
 
 def _get_launcher(direction: str, ratio: int, coff: int, head_dim: int, dtype, device: torch.device) -> _Launcher:

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from ...windows import uses_softmax_stats
+
 __all__ = [
     "STATS_TILE_OVERRIDE",
     "KernelConfig",
@@ -274,8 +276,8 @@ def _rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k
 
 
 def _is_long(ratio: int, coff: int) -> bool:
-    """Long windows (more than 16 slots) run the ``*_long_kernel``s."""
-    return coff * _pow2(ratio) > 16
+    """Long windows run the ``*_long_kernel``s."""
+    return uses_softmax_stats(ratio, coff)
 
 
 # The autograd function saves softmax statistics for this backend. The statistics forward works in the log2
@@ -294,7 +296,7 @@ def _check_stats(stats, ratio: int, coff: int) -> None:
     # Shapes and dtypes are checked by csa_compressor.support; a short-window kernel would silently ignore stats.
     if stats is not None and not _is_long(ratio, coff):
         raise ValueError(
-            f"softmax stats are supported for long windows only (coff * next_pow2(ratio) > 16), "
+            f"softmax stats are supported for long windows only (coff * ratio > 16), "
             f"got ratio={ratio}, coff={coff}; pass stats=None"
         )
 
