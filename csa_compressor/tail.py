@@ -344,7 +344,8 @@ def autograd_backward(
     # The oracle's leaves are float64 too: autograd would round their gradients to the leaves' dtypes.
     widen = (lambda t: t.double()) if precision == "fp64" else (lambda t: t)
     leaves = [widen(t).detach().requires_grad_(True) for t in (kv, score, ape)]
-    weight = widen(tail.norm_weight).detach().requires_grad_(True) if tail.has_norm else None
+    # The weight's gradient is fp32 whatever its dtype: a bf16 leaf (an exact widening) would round it.
+    weight = tail.norm_weight.to(wide).detach().requires_grad_(True) if tail.has_norm else None
     leaf_tail = Tail(
         weight, tail.norm_eps, tail.rope_cos, tail.rope_sin, tail.rope_dim, tail.rope_interleaved, tail.position_start
     )
