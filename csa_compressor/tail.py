@@ -27,6 +27,7 @@ Backward, per real row (padding rows' ``grad_out`` is ignored), with ``r = rsqrt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -246,6 +247,8 @@ def _check_precision(precision: str) -> None:
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, tail: Tail, *, ratio, coff, total_comp, precision="fp32"):
     """The tail's output rows ``(total_comp, head_dim)``: ``kv.dtype`` ("upstream", "fp32"), float64 ("fp64").
 
+    The default precision is the kernels' contract, "fp32" (``reference.forward`` defaults to "upstream").
+
     Differentiable with respect to ``kv``, ``score``, ``ape`` and ``tail.norm_weight``. With an identity
     tail it is ``reference.forward`` at the same precision, bitwise.
     """
@@ -342,13 +345,10 @@ def autograd_backward(
     d = kv.shape[-1] // coff
     wide = torch.float64 if precision == "fp64" else torch.float32
     # The oracle's leaves are float64 too: autograd would round their gradients to the leaves' dtypes.
-    widen = (lambda t: t.double()) if precision == "fp64" else (lambda t: t)
-    leaves = [widen(t).detach().requires_grad_(True) for t in (kv, score, ape)]
+    leaves = [(t.double() if precision == "fp64" else t).detach().requires_grad_(True) for t in (kv, score, ape)]
     # The weight's gradient is fp32 whatever its dtype: a bf16 leaf (an exact widening) would round it.
     weight = tail.norm_weight.to(wide).detach().requires_grad_(True) if tail.has_norm else None
-    leaf_tail = Tail(
-        weight, tail.norm_eps, tail.rope_cos, tail.rope_sin, tail.rope_dim, tail.rope_interleaved, tail.position_start
-    )
+    leaf_tail = dataclasses.replace(tail, norm_weight=weight)
     grad_w = None if weight is None else torch.zeros(d, dtype=wide, device=kv.device)
     if total_comp == 0:
         zeros = kv.new_zeros(kv.shape, dtype=torch.float64 if precision == "fp64" else kv.dtype)

@@ -347,3 +347,32 @@ def test_docs_examples_run():
     assert blocks
     for block in blocks:
         exec(compile(block, "docs/tail.md", "exec"), {})
+
+
+def _on_cuda(fn):
+    """``fn`` run on CUDA copies of its tensor arguments (and of the tail's), results back on the CPU."""
+
+    def moved(*args, **kw):
+        def to_cuda(a):
+            return a.cuda() if isinstance(a, torch.Tensor) else a
+
+        args = [to_cuda(a) for a in args]
+        args = [
+            dataclasses.replace(a, **{f.name: to_cuda(getattr(a, f.name)) for f in dataclasses.fields(a)})
+            if isinstance(a, T.Tail)
+            else a
+            for a in args
+        ]
+        result = fn(*args, **kw)
+        if isinstance(result, torch.Tensor):
+            return result.cpu()
+        return tuple(None if r is None else r.cpu() for r in result)
+
+    return moved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["r4c2d72-rope64-bf16w-pos", "r128c2d6-rope6-pos", "r2c1d66-rope64-half-pos"])
+def test_references_on_cuda_meet_the_cpu_contract(name):
+    pack, tail = case_pack_and_tail(name, seed=6)
+    T.check_backend(_on_cuda(T.forward), _on_cuda(T.backward), pack, tail)
