@@ -49,6 +49,7 @@ __all__ = [
     "pooled_rows",
     "random_tail",
     "rope_columns",
+    "row_gradient",
     "row_positions",
     "row_rstd",
     "validate_positions",
@@ -295,6 +296,29 @@ def _real_rows(cu_seqlens_comp, total_comp: int) -> torch.Tensor:
     return (rows < cu_seqlens_comp[-1].to(torch.int64))[:, None]
 
 
+def row_gradient(x, grad_out, tail: Tail, cu_seqlens_comp, *, ratio: int, dtype, rstd=None):
+    """The tail's part of the backward: ``(dx, grad_norm_weight)`` in ``dtype`` from the pooled rows ``x``.
+
+    ``dx`` ``(N, d)`` is the pooling's upstream gradient (zero on padding rows); ``grad_norm_weight`` is None
+    without a norm. ``x`` (any float dtype; only read with a norm) may be the forward's saved fp32 output of
+    ``reference.softmax_stats`` (``stats[:, 2]``), ``rstd`` the forward's ``rsqrt(mean(x*x) + eps)`` per row.
+    """
+    total_comp = grad_out.shape[0]
+    real = _real_rows(cu_seqlens_comp, total_comp)
+    zero = torch.zeros((), dtype=dtype, device=grad_out.device)
+    dy = torch.where(real, grad_out.to(dtype), zero)
+    if tail.has_rope:
+        dy = _rotate(dy, tail, row_positions(cu_seqlens_comp, total_comp, ratio, tail.position_start), inverse=True)
+    if not tail.has_norm:
+        return dy, None
+    x = x.to(dtype)
+    r = row_rstd(x, tail.norm_eps) if rstd is None else rstd.to(dtype).reshape(-1, 1)
+    # Masked before the sum so that non-finite padding rows cannot reach the weight's gradient.
+    grad_w = torch.where(real, dy * x * r, zero).sum(dim=0)
+    wdy = tail.norm_weight.to(dtype) * dy
+    return r * wdy - x * (r * r * r) * (x * wdy).mean(dim=-1, keepdim=True), grad_w
+
+
 def backward(
     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, tail: Tail, *, ratio, coff, precision="fp32", rstd=None
 ):
@@ -317,22 +341,12 @@ def backward(
             *pool(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio=ratio, coff=coff, precision=precision),
             None,
         )
-    real = _real_rows(cu_seqlens_comp, total_comp)
-    g = torch.where(real, grad_out.to(compute), torch.zeros((), dtype=compute, device=grad_out.device))
-    dy = g
-    if tail.has_rope:
-        dy = _rotate(g, tail, row_positions(cu_seqlens_comp, total_comp, ratio, tail.position_start), inverse=True)
-    dx, grad_w = dy, None
+    x = None
     if tail.has_norm:
         x = pooled_rows(
             kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio=ratio, coff=coff, total_comp=total_comp, dtype=compute
         )
-        r = row_rstd(x, tail.norm_eps) if rstd is None else rstd.to(compute).reshape(-1, 1)
-        w = tail.norm_weight.to(compute)
-        # Masked before the sum so that non-finite padding rows cannot reach the weight's gradient.
-        grad_w = torch.where(real, dy * x * r, torch.zeros((), dtype=compute, device=x.device)).sum(dim=0)
-        wdy = w * dy
-        dx = r * wdy - x * (r * r * r) * (x * wdy).mean(dim=-1, keepdim=True)
+    dx, grad_w = row_gradient(x, grad_out, tail, cu_seqlens_comp, ratio=ratio, dtype=compute, rstd=rstd)
     grads = pool(kv, score, ape, cu_seqlens, cu_seqlens_comp, dx, ratio=ratio, coff=coff, precision=precision)
     return (*grads, grad_w)
 

@@ -28,7 +28,7 @@ CASES = {
     "r2c1d4-rope4-only-pos": (2, 1, 4, (0, 7), 1, 3, dict(norm=False, rope_dim=4, positions=True)),
     "r2c1d66-rope64-half-pos": (2, 1, 66, (9, 4), 0, 1, dict(rope_dim=64, interleaved=False, positions=True)),
     "r128c1d3-rope2-half": (128, 1, 3, (257, 100), 2, 1, dict(rope_dim=2, interleaved=False)),
-    "r128c1d64-rope64": (128, 1, 64, (130, 256), 0, 1, dict(rope_dim=64)),
+    "r128c1d64-rope64": (128, 1, 64, (130, 128), 0, 1, dict(rope_dim=64)),
     "r128c2d6-rope6-pos": (128, 2, 6, (300, 128, 5), 0, 2, dict(rope_dim=6, positions=True)),
     "r128c2d4-rope2-only-half": (128, 2, 4, (256, 130), 0, 1, dict(norm=False, rope_dim=2, interleaved=False)),
     "r4c2d8-padding-only": (4, 2, 8, (3, 2, 1), 0, 2, dict(rope_dim=8, positions=True)),
@@ -180,7 +180,7 @@ def _reordered_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, t
 
 @pytest.mark.parametrize("tail_kw", [dict(rope_dim=64, positions=True), dict(rope_dim=128, interleaved=False)])
 def test_checker_accepts_a_reordered_fp32_implementation(tail_kw):
-    pack = make_pack((900, 613), 128, 4, 2, comp_padding=2, seed=11)
+    pack = make_pack((500, 301), 128, 4, 2, comp_padding=2, seed=12)  # a seed whose grad_score needs the allowance
     tail = T.random_tail(pack, seed=3, **tail_kw)
     report = T.check_backend(_reordered_forward, _reordered_backward, pack, tail)
     assert not report["fwd_bitwise"]  # it is a different evaluation, not the reference again
@@ -296,6 +296,24 @@ def test_saved_rstd_gives_the_same_gradients():
     with_rstd = T.backward(*pack.inputs, pack.grad_out, tail, rstd=rstd, **_kw(pack))
     for got, want in zip(with_rstd, T.backward(*pack.inputs, pack.grad_out, tail, **_kw(pack)), strict=True):
         assert torch.equal(got, want)
+
+
+def _backward_from_stats(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, tail, *, ratio, coff):
+    """The long-window route: the forward's saved fp32 output ``stats[:, 2]`` is the norm's ``x``."""
+    stats = reference.softmax_stats(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio=ratio, coff=coff, total_comp=grad_out.shape[0]
+    )
+    dx, grad_w = T.row_gradient(stats[:, 2], grad_out, tail, cu_seqlens_comp, ratio=ratio, dtype=torch.float32)
+    grads = reference.backward_from_stats(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, dx, stats, ratio=ratio, coff=coff
+    )
+    return (*grads, grad_w)
+
+
+@pytest.mark.parametrize("name", ["r128c1d64-rope64", "r128c2d6-rope6-pos"])
+def test_statistics_route_meets_the_contract(name):
+    pack, tail = case_pack_and_tail(name, seed=8)
+    T.check_backend(T.forward, _backward_from_stats, pack, tail)
 
 
 def _bounds_tail():
