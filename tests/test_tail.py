@@ -28,7 +28,7 @@ CASES = {
     "r2c1d4-rope4-only-pos": (2, 1, 4, (0, 7), 1, 3, dict(norm=False, rope_dim=4, positions=True)),
     "r2c1d66-rope64-half-pos": (2, 1, 66, (9, 4), 0, 1, dict(rope_dim=64, interleaved=False, positions=True)),
     "r128c1d3-rope2-half": (128, 1, 3, (257, 100), 2, 1, dict(rope_dim=2, interleaved=False)),
-    "r128c1d64-rope64": (128, 1, 64, (130, 128), 0, 1, dict(rope_dim=64)),
+    "r128c1d64-rope64": (128, 1, 64, (130,), 0, 1, dict(rope_dim=64)),
     "r128c2d6-rope6-pos": (128, 2, 6, (300, 128, 5), 0, 2, dict(rope_dim=6, positions=True)),
     "r128c2d4-rope2-only-half": (128, 2, 4, (256, 130), 0, 1, dict(norm=False, rope_dim=2, interleaved=False)),
     "r4c2d8-padding-only": (4, 2, 8, (3, 2, 1), 0, 2, dict(rope_dim=8, positions=True)),
