@@ -20,6 +20,7 @@ _COLOURS = {
     "cute" + TORCH_TAIL: "#2ca02c",
     "triton" + TORCH_TAIL: "#98df8a",
 }
+_Y_TICKS = (0.5, 1, 2, 5, 10, 20, 50)
 _PANELS = (("forward", "fwd"), ("backward call", "bwd"), ("forward + backward", "fwd+bwd"))
 
 
@@ -67,11 +68,16 @@ def _lookup(idx: dict, case: str, backend: str, direction: str) -> dict | None:
 
 
 def _draw_panel(ax, title: str, cases: list[str], series: dict[str, list[float]]) -> None:
+    from matplotlib.ticker import NullLocator
+
     width = 0.8 / max(len(series), 1)
     for i, (label, vals) in enumerate(series.items()):
         xs = [k + (i - (len(series) - 1) / 2) * width for k in range(len(cases))]
         ax.bar(xs, [v or float("nan") for v in vals], width, label=label, color=_COLOURS.get(label))
     ax.set_yscale("log")
+    ax.set_ylim(_Y_TICKS[0], _Y_TICKS[-1])
+    ax.set_yticks(_Y_TICKS, [f"{t:g}" for t in _Y_TICKS])
+    ax.yaxis.set_minor_locator(NullLocator())  # fixed ticks: the log axis' minor ones cost most of the drawing
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_title(title, fontsize=9)
     ax.set_xticks(range(len(cases)))
@@ -108,7 +114,7 @@ def draw_chart(records: Sequence[dict], path: Path) -> str | None:
                 labels.append(lab)
     fig.legend(handles, labels, loc="upper right", fontsize=7, ncol=len(labels))
     fig.suptitle("Lower is better; 1 = the DRAM floor", fontsize=9, x=0.12, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.3, top=0.8, wspace=0.08)
     _save_small_png(fig, path)
     plt.close(fig)
     return None

@@ -177,6 +177,8 @@ def _summary(lines: list[str], idx: dict, cases: list[str], ours: str | None) ->
         head += [f"{what} ours ({ours})", f"{what} cudnn-frontend", f"{what} torch.compile", f"{what} x floor"]
     body = []
     for case in (c for c in cases if not c.endswith("-tail")):
+        if _cold(idx, case, ours, "fwd") is None and _cold(idx, case, ours, "fwd+bwd") is None:
+            continue
         row = [case]
         for what in ("fwd", "fwd+bwd"):
             rec = combined(idx, case, ours) if what == "fwd+bwd" else idx.get((case, ours, "fwd"))
@@ -184,8 +186,7 @@ def _summary(lines: list[str], idx: dict, cases: list[str], ours: str | None) ->
             compile_cold = _cold(idx, case, "torch.compile", what)
             row += [_fmt_us(cold), _fmt_us(cudnn_frontend(case, what)), _fmt_us(compile_cold)]
             row.append(_fmt_ratio(cold, rec.get("floor_us")) if rec else "—")
-        if any(v != "—" for v in row[1:]):
-            body.append(row)
+        body.append(row)
     _table(lines, "Summary (cold kernel time, us)", head, body)
 
 
@@ -247,21 +248,23 @@ def _tail_tables(lines, idx, cases, backends) -> None:
     tails = [c for c in cases if c.endswith("-tail")]
     kernels = [b for b in backends if b in KERNEL_BACKENDS and b != "reference"]
     cost, versus = [], []
-    for case in tails:
+    for case, backend in ((c, b) for c in tails for b in kernels):
+        ours = [_cold(idx, case, b, d) for b in (backend, backend + TORCH_TAIL) for d in ("fwd", "fwd+bwd")]
+        if all(v is None for v in ours):
+            continue  # this backend has no row in this case
         pooling = case[: -len("-tail")]
-        for backend in kernels:
-            row = [case, backend]
-            for direction in ("fwd", "bwd"):
-                fused, alone = _cold(idx, case, backend, direction), _cold(idx, pooling, backend, direction)
-                row += [_fmt_us(fused), _fmt_us(alone), _fmt_ratio(fused, alone)]
-            cost.append(row)
-            row = [case, backend]
-            for direction in ("fwd", "fwd+bwd"):
-                fused = _cold(idx, case, backend, direction)
-                unfused, compiled = (_cold(idx, case, b, direction) for b in (backend + TORCH_TAIL, "torch.compile"))
-                row += [_fmt_us(fused), _fmt_us(unfused), _fmt_us(compiled)]
-                row += [_fmt_ratio(unfused, fused), _fmt_ratio(compiled, fused)]
-            versus.append(row)
+        row = [case, backend]
+        for direction in ("fwd", "bwd"):
+            fused, alone = _cold(idx, case, backend, direction), _cold(idx, pooling, backend, direction)
+            row += [_fmt_us(fused), _fmt_us(alone), _fmt_ratio(fused, alone)]
+        cost.append(row)
+        row = [case, backend]
+        for direction in ("fwd", "fwd+bwd"):
+            fused = _cold(idx, case, backend, direction)
+            unfused, compiled = (_cold(idx, case, b, direction) for b in (backend + TORCH_TAIL, "torch.compile"))
+            row += [_fmt_us(fused), _fmt_us(unfused), _fmt_us(compiled)]
+            row += [_fmt_ratio(unfused, fused), _fmt_ratio(compiled, fused)]
+        versus.append(row)
     head = ["case", "backend"]
     for direction in ("fwd", "bwd"):
         target = TAIL_TARGETS[direction]
@@ -269,13 +272,14 @@ def _tail_tables(lines, idx, cases, backends) -> None:
     _table(lines, "Fused RMSNorm + RoPE tail: cost over the pooling alone (cold)", head, cost)
     head = ["case", "backend"]
     for d in ("fwd", "fwd+bwd"):
-        head += [f"{d} fused", f"{d} (a) pooling + torch tail", f"{d} (b) torch.compile", "vs (a)", "vs (b)"]
+        head += [f"{d} fused", f"{d} (a) pooling + torch tail", f"{d} (b) torch.compile", f"{d} vs (a)", f"{d} vs (b)"]
     _table(lines, "Fused RMSNorm + RoPE tail: against the unfused chains (cold)", head, versus)
 
 
 def _probe_table(lines, records, cases, backends) -> None:
     present = [(k, label) for k, label in PROBE_FIELDS if any(k in r for r in records)]
-    if not any(k.endswith("unqueued") for k, _ in present):
+    extra = [k for k, _ in present if k not in ("kernel_us_cold", "kernel_us_warm")]
+    if not extra:
         return
     idx = _index(records)
     body = []
@@ -283,7 +287,7 @@ def _probe_table(lines, records, cases, backends) -> None:
         for backend in backends:
             for direction in ("fwd", "bwd", "fwd+bwd"):
                 rec = idx.get((case, backend, direction))
-                if rec is not None and any(rec.get(k) is not None for k, _ in present[1:]):
+                if rec is not None and any(rec.get(k) is not None for k in extra):
                     body.append([case, backend, direction, *(_fmt_us(rec.get(k)) for k, _ in present)])
     head = ["case", "backend", "dir", *(label for _, label in present)]
     _table(lines, "Timing probe (kernel us per call; idle: device idle between the profiled activities)", head, body)
