@@ -102,7 +102,9 @@ def test_select_cases_and_tail_modes():
 
 
 def test_select_backends():
-    assert select_backends(None, ["triton", "reference"]) == (["triton", "reference", "torch.compile", "eager"], [])
+    assert select_backends(None, ["triton", "reference"]) == (["triton", "torch.compile", "eager"], [])
+    assert select_backends(None, ["reference"]) == (["reference", "torch.compile", "eager"], [])
+    assert select_backends(["all"], ["triton", "reference"]) == (["triton", "reference", "torch.compile", "eager"], [])
     chosen, unavailable = select_backends(["eager,compile", "reference"], ["cute", "triton", "reference"])
     assert chosen == ["reference", "torch.compile", "eager"] and unavailable == []
     assert select_backends(["cute", "eager"], ["reference"]) == (["eager"], ["cute"])

@@ -153,10 +153,10 @@ def select_cases(tokens: Iterable[str] | None, tail: str = "off") -> list[Case]:
 def _backend_tokens(tokens: Iterable[str] | None) -> list[str]:
     aliases = {"compile": "torch.compile", "torch_compile": "torch.compile", "inductor": "torch.compile"}
     wanted: list[str] = []
-    for raw in tokens or ("all",):
+    for raw in tokens or ("default",):
         for tok in str(raw).split(","):
             tok = aliases.get(tok.strip().lower(), tok.strip().lower())
-            if tok and tok != "all" and tok not in KERNEL_BACKENDS + BASELINES:
+            if tok and tok not in ("all", "default") and tok not in KERNEL_BACKENDS + BASELINES:
                 raise ValueError(
                     f"unknown backend {tok!r}; choose from {', '.join(KERNEL_BACKENDS + BASELINES)} or all"
                 )
@@ -166,13 +166,18 @@ def _backend_tokens(tokens: Iterable[str] | None) -> list[str]:
 
 
 def select_backends(tokens: Iterable[str] | None, available: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``(chosen, unavailable)`` from ``--backends`` tokens; ``None`` or "all": the available kernel backends and
-    both baselines. ``unavailable``: kernel backends named explicitly that cannot run here (the caller decides
-    whether that is an error). Order: kernel backends in ``KERNEL_BACKENDS`` order, then the baselines."""
+    """``(chosen, unavailable)`` from ``--backends`` tokens. ``None``: the available GPU kernel backends (the
+    reference backend only where it is the one available: elsewhere the eager baseline times the same PyTorch
+    ops) and both baselines; "all": every available backend and both baselines. ``unavailable``: kernel backends
+    named explicitly that cannot run here (the caller decides whether that is an error). Order: kernel backends
+    in ``KERNEL_BACKENDS`` order, then the baselines."""
     wanted = _backend_tokens(tokens)
     explicit = [b for b in wanted if b in KERNEL_BACKENDS]
     if "all" in wanted:
         wanted += [*available, *BASELINES]
+    if "default" in wanted:
+        gpu = [b for b in available if b != "reference"]
+        wanted += [*(gpu or available), *BASELINES]
     unavailable = [b for b in dict.fromkeys(explicit) if b not in available]
     order = [b for b in KERNEL_BACKENDS if b in available] + list(BASELINES)
     return [b for b in order if b in wanted], unavailable

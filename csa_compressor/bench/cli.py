@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cases", nargs="*", help="case names (e.g. 3x8192-d512-r4-c2) or indices from --list; default all")
     p.add_argument("--tail", choices=TAIL_MODES, default="on", help="also time the cases with the RMSNorm + RoPE tail")
-    p.add_argument("--backends", nargs="*", help="cute, triton, reference, torch.compile, eager or all (default)")
+    p.add_argument(
+        "--backends",
+        nargs="*",
+        help="cute, triton, reference, torch.compile, eager or all\n(default: the GPU backends and the two baselines)",
+    )
     p.add_argument("--directions", nargs="*", help="fwd and/or bwd (for the PyTorch baselines bwd = fwd+bwd)")
     p.add_argument("--device", default="cuda", help="CUDA device (default: the current one)")
     quick = "{} cold / {} warm / {} wall calls instead of {} / {} / {}".format(*QUICK_REPS, *FULL_REPS)
@@ -55,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also time every call unqueued (each call's kernels may start on an idle\n"
         "device) and after the device idled: what separates warm from cold times",
+    )
+    p.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="build and call every row once, time nothing: fills the compile caches\non disk for a later run",
+    )
+    p.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="render the report and chart of a recorded run again (next to FILE; no GPU)",
     )
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--source-digest", action="store_true", help="print the package's source digest and exit")
@@ -77,6 +91,20 @@ def _check_backends(tokens, device) -> list[str]:
         reason = dispatch.unavailable_reason(name) or dispatch.backend_module(name).device_unsupported_reason(device)
         raise UsageError(f"backend {name!r} cannot run on {device}: {reason}")
     return chosen
+
+
+def _render(path: Path) -> int:
+    """The markdown and the chart of a JSON record, written beside it (``bench_latest.json`` -> ``.md``, ``.png``)."""
+    import json
+
+    from .report import format_markdown, meta_of
+    from .run import BenchResult, write_outputs
+
+    records = json.loads(path.read_text())
+    result = BenchResult(records=records, markdown=format_markdown(records, meta_of(records)), meta={})
+    for kind, out in write_outputs(result, path.parent, path.stem, records_too=False).items():
+        print(f"wrote {kind}: {out}", file=sys.stderr)
+    return 0
 
 
 def _check_out(path: str) -> Path:
@@ -114,12 +142,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         print(_listing())
         return 0
+    if args.from_json:
+        try:
+            return _render(Path(args.from_json))
+        except (OSError, ValueError, KeyError) as exc:
+            return parser.fail(UsageError(f"cannot render {args.from_json!r}: {exc}"))
     try:
         device, backends, out = _validate(args)
     except (ValueError, UsageError) as exc:
         return parser.fail(exc)
     reps = tuple(args.reps) if args.reps else (QUICK_REPS if args.quick else FULL_REPS)
-    method = Method(reps=reps, clean_cold=args.clean_cold, timing_probe=args.timing_probe, budget_s=args.budget_s)
+    method = Method(reps, args.clean_cold, args.timing_probe, args.budget_s, args.compile_only)
     result = run_bench(
         args.cases, backends, args.directions, tail=args.tail, method=method, quick=args.quick, out_dir=out,
         name=args.name, progress=not args.quiet, device=device, commit=args.commit,

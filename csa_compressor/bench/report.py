@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from .cases import CASES, CUDNN_FRONTEND_H200, KERNEL_BACKENDS, TORCH_TAIL, Case, floor_us, is_baseline
 
-__all__ = ["RECORD_FIELDS", "combined", "format_markdown", "make_record", "ours_backend"]
+__all__ = ["RECORD_FIELDS", "combined", "format_markdown", "make_record", "meta_of", "ours_backend"]
 
 RECORD_FIELDS = (
     "device", "date", "commit", "versions", "case", "seqlens", "head_dim", "ratio", "coff", "tail", "rope_dim",
@@ -55,6 +55,13 @@ def make_record(meta: dict, case: Case, backend: str, direction: str, copy_bytes
         "timer": meta.get("timer"),
         "host_wall_us": meta.get("host_wall_us"),  # the same wall of events alone and of one eager op, this run
     }
+
+
+def meta_of(records: Sequence[dict]) -> dict:
+    """The run's facts as the records carry them (to render a report again from a JSON record)."""
+    first = records[0] if records else {}
+    keys = ("device", "date", "commit", "source_digest", "copy_tb_s", "reps", "timer", "host_wall_us")
+    return {k: first[k] for k in keys if first.get(k) is not None}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -145,11 +152,13 @@ def _header(meta: dict) -> list[str]:
         )
     if meta.get("reps"):
         cold, warm, wall = meta["reps"]
+        # Records of the earlier method carry no "timer": their calls were timed as the host issued them.
+        queued = "queued behind other device work" if meta.get("timer") == "queued" else "unqueued"
         lines.append(
             f"Kernel time = device time per call (torch.profiler), mean of {cold} cold (L2 flushed) / {warm} warm "
-            "calls, queued behind other device work; wall = CUDA events around one call on an idle device, median "
-            f"of {wall}, and host = the caller's time per call back to back, both measured before the run's first "
-            "profiler session. Microseconds."
+            f"calls, {queued}; wall = CUDA events around one call on an idle device, median of {wall}, and host = "
+            "the caller's time per call back to back, both measured before the run's first profiler session. "
+            "Microseconds."
         )
     if meta.get("sm_clock_mhz"):
         clocks = " / ".join(f"{mhz:.0f}" for mhz in meta["sm_clock_mhz"])
@@ -162,8 +171,8 @@ def _header(meta: dict) -> list[str]:
             + " (the events' own cost, and one eager elementwise op)."
         )
     lines.append(
-        '"cudnn-frontend" columns quote cudnn-frontend 1.32\'s CuTe-DSL kernels measured on an H200 by the same '
-        "method; they are not re-measured here."
+        '"cudnn-frontend" columns quote cudnn-frontend 1.32\'s CuTe-DSL kernels measured on an H200 with this '
+        "profiler method, cold, unqueued; they are not re-measured here."
     )
     return [*lines, ""]
 

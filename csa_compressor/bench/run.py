@@ -51,12 +51,14 @@ class NoGPUError(RuntimeError):
 @dataclass(frozen=True)
 class Method:
     """How the bench measures: timed calls per measurement, extra figures, and a time budget in seconds after
-    which it starts no new measurement (the ones left are recorded as skipped)."""
+    which it starts no new measurement (the ones left are recorded as skipped). ``compile_only``: build and call
+    every row once and time nothing (it fills the compile caches on disk for a later run)."""
 
     reps: tuple[int, int, int] = FULL_REPS
     clean_cold: bool = False
     timing_probe: bool = False
     budget_s: float | None = None
+    compile_only: bool = False
 
 
 @dataclass
@@ -274,6 +276,14 @@ def run_bench(
     meta["sm_clock_mhz"] = [timer.sm_clock_mhz()]
     log(f"{meta['device']}: copy rate {rate / 1e12:.2f} TB/s, SM clock {meta['sm_clock_mhz'][0]:.0f} MHz, "
         f"reps {method.reps}, {len(case_list)} cases x {', '.join(backend_list)}")  # fmt: skip
+    if method.compile_only:
+        for case in case_list:
+            t0 = time.perf_counter()
+            for job in _build_jobs(case, backend_list, direction_list, device, log):
+                if job.fn is not None:
+                    timer.warm_up(job.fn, calls=1)
+            log(f"[compile] {case.name}: {time.perf_counter() - t0:.1f} s ({budget})")
+        return BenchResult(records=[], markdown="", meta=meta)
     jobs = _pass_walls(case_list, backend_list, direction_list, timer, method.reps, budget, device, log)
     records = _pass_kernels(jobs, meta, rate, timer, method, budget, log)
     meta["sm_clock_mhz"].append(timer.sm_clock_mhz())
@@ -291,11 +301,14 @@ def default_name(device_name: str, date_iso: str) -> str:
     return f"bench_{slug}_{stamp}Z"
 
 
-def write_outputs(result: BenchResult, out_dir: Path, stem: str) -> dict[str, Path]:
-    """``stem``.json (the records), .md (the report) and .png (the chart)."""
+def write_outputs(result: BenchResult, out_dir: Path, stem: str, records_too: bool = True) -> dict[str, Path]:
+    """``stem``.json (the records, unless not ``records_too``), .md (the report) and .png (the chart)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{stem}.json", "markdown": out_dir / f"{stem}.md", "chart": out_dir / f"{stem}.png"}
-    paths["json"].write_text(json.dumps(result.records, indent=1) + "\n")
+    if records_too:
+        paths["json"].write_text(json.dumps(result.records, indent=1) + "\n")
+    else:
+        del paths["json"]
     paths["markdown"].write_text(result.markdown + "\n")
     msg = draw_chart(result.records, paths["chart"])
     if msg:
