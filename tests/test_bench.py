@@ -229,11 +229,17 @@ class _Event:
         self.is_user_annotation, self.kernels, self.cpu_children = annotation, list(kernels), []
 
 
-def _profile(calls, kernel_us, gap_us=0.0, cold=True, spin_us=100.0):
-    """Events of one profiled loop: the queue spin, then per call (flush under its range,) the kernel."""
+SPIN = "at::cuda::(anonymous namespace)::spin_kernel(long)"
+
+
+def _profile(calls, kernel_us, gap_us=0.0, cold=True, spin_us=100.0, spin_before_us=0.0):
+    """Events of one profiled loop: the queue spin, then per call (a spin,) (the flush under its range,) the kernel."""
     kernel = namedtuple("Kernel", "name device duration")
-    events, t = [_Event("at::cuda::(anonymous namespace)::spin_kernel(long)", 0.0, spin_us)], spin_us
+    events, t = [_Event(SPIN, 0.0, spin_us)], spin_us
     for _ in range(calls):
+        if spin_before_us:
+            events.append(_Event(SPIN, t, spin_before_us))
+            t += spin_before_us
         if cold:
             events.append(_Event(bench_timer.FLUSH_RANGE, 0.0, 1.0, DeviceType.CPU, True, [kernel("fill", 0, 30.0)]))
             events.append(_Event(bench_timer.FLUSH_RANGE, t, 30.0, annotation=True))
@@ -246,9 +252,9 @@ def _profile(calls, kernel_us, gap_us=0.0, cold=True, spin_us=100.0):
 
 
 def test_split_profile_finds_the_flush_and_the_spin():
-    acts, flush_us, spin = bench_timer.split_profile(_profile(3, 2.0), calls=3, cold=True)
-    assert flush_us == pytest.approx(90.0) and spin.duration_us == pytest.approx(100.0)
-    measured = [a for a in acts if a is not spin]
+    acts, flush_us, spins = bench_timer.split_profile(_profile(3, 2.0), calls=3, cold=True)
+    assert flush_us == pytest.approx(90.0) and [s.duration_us for s in spins] == [100.0]
+    measured = [a for a in acts if a is not spins[0]]
     assert kernel_us_per_call(measured, 3, flush_us) == pytest.approx(2.0)
     # No kernel attached to the flush range: the float64 fills are found by name.
     events = [e for e in _profile(2, 2.0) if e.device_type == DeviceType.CUDA]
@@ -269,8 +275,8 @@ class _ScriptedTimer(bench.Timer):
     def host_us(self, fn, calls):
         return 10.0
 
-    def _profile(self, fn, calls, cold, clean, queue_us, idle_before_us):
-        self.queues.append(queue_us)
+    def _profile(self, fn, calls, loop):
+        self.queues.append(loop.queue_us)
         return self.profiles.pop(0)
 
 
@@ -282,6 +288,12 @@ def test_timer_queues_the_calls_and_times_again_when_the_queue_ran_dry():
     assert (result.us, result.idle_us, result.queued) == (pytest.approx(2.0), 0.0, True)
     cold = _ScriptedTimer([_profile(2, 5.0, gap_us=1.0)]).kernel(lambda: None, 2, cold=True, host_us=40.0)
     assert cold.us == pytest.approx(5.0) and cold.idle_us == pytest.approx(1.0) and cold.max_gap_us == 1.0
+
+
+def test_timer_leaves_out_the_spins_before_each_call():
+    timer = _ScriptedTimer([_profile(3, 2.5, cold=False, spin_before_us=40.0)])
+    result = timer.kernel(lambda: None, 3, cold=False, spin_before_us=40.0)
+    assert result.us == pytest.approx(2.5) and result.idle_us == 0.0 and result.queued  # the spins are busy time
 
 
 def test_timer_unqueued_and_after_idle_have_no_spin():
@@ -579,6 +591,9 @@ class _FakeTimer:
     def sm_clock_mhz(self):
         return 1980.0
 
+    def spin_wakeup_us(self):
+        return 6.5, 5.0
+
     def warm_up(self, fn):
         fn()
 
@@ -644,6 +659,8 @@ def test_run_bench_times_every_wall_before_any_kernel(fake_gpu, monkeypatch):
     assert ("64+9-d16-r4-c2-tail", "reference", "fwd") not in recs  # no fused tail in the reference
     assert set(result.records[0]["host_wall_us"]) == {"events only", "x.add_(1)"}
     assert result.meta["sm_clock_mhz"] == [1980.0, 1980.0] and result.meta["timer"] == "queued"
+    assert fwd["kernel_us_warm_after_spin"] == 2.0 and fwd["spin_wakeup_us"] == {"after idle": 6.5, "queued": 5.0}
+    assert "one short spin kernel takes 6.50 us" in result.markdown
 
 
 def test_run_bench_skips_the_fused_tail_and_what_the_budget_leaves(fake_gpu, monkeypatch):
@@ -683,7 +700,9 @@ def test_run_bench_smoke_on_gpu(tmp_path):
         assert rec.get("error") is None and rec.get("wall_error") is None, rec
         assert rec["kernel_us_cold"] > 0 and rec["kernel_us_warm"] > 0 and rec["wall_us"] > 0 and rec["host_us"] > 0
         assert rec["kernel_us_cold_unqueued"] > 0 and rec["kernel_us_warm_after_idle"] > 0
+        assert rec["kernel_us_warm_after_spin"] > 0
     assert all(1000 < mhz < 3000 for mhz in result.meta["sm_clock_mhz"])
+    assert all(v > 0 for v in result.meta["spin_wakeup_us"].values())
     assert (tmp_path / "smoke.json").exists() and (tmp_path / "smoke.md").exists() and (tmp_path / "smoke.png").exists()
 
 

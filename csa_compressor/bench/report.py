@@ -23,6 +23,7 @@ PROBE_FIELDS = (
     ("kernel_us_warm", "warm"),
     ("kernel_us_warm_unqueued", "warm unqueued"),
     ("kernel_us_warm_after_idle", "warm after idle"),
+    ("kernel_us_warm_after_spin", "warm after spin"),
     ("idle_us_cold_unqueued", "idle / call, cold unqueued"),
     ("idle_us_warm_unqueued", "idle / call, warm unqueued"),
 )
@@ -54,13 +55,14 @@ def make_record(meta: dict, case: Case, backend: str, direction: str, copy_bytes
         "reps": meta.get("reps"),
         "timer": meta.get("timer"),
         "host_wall_us": meta.get("host_wall_us"),  # the same wall of events alone and of one eager op, this run
+        **({"spin_wakeup_us": meta["spin_wakeup_us"]} if meta.get("spin_wakeup_us") else {}),
     }
 
 
 def meta_of(records: Sequence[dict]) -> dict:
     """The run's facts as the records carry them (to render a report again from a JSON record)."""
     first = records[0] if records else {}
-    keys = ("device", "date", "commit", "source_digest", "copy_tb_s", "reps", "timer", "host_wall_us")
+    keys = ("device", "date", "commit", "source_digest", "copy_tb_s", "reps", "timer", "host_wall_us", "spin_wakeup_us")
     return {k: first[k] for k in keys if first.get(k) is not None}
 
 
@@ -163,6 +165,12 @@ def _header(meta: dict) -> list[str]:
     if meta.get("sm_clock_mhz"):
         clocks = " / ".join(f"{mhz:.0f}" for mhz in meta["sm_clock_mhz"])
         lines.append(f"SM clock under a spin kernel at the start / end of the run: {clocks} MHz.")
+    wake = meta.get("spin_wakeup_us")
+    if wake:
+        lines.append(
+            f"Timing probe: one short spin kernel takes {wake['after idle']:.2f} us (CUDA events) on a device idle "
+            f"before it and {wake['queued']:.2f} us queued behind another."
+        )
     host = meta.get("host_wall_us")
     if host:
         lines.append(

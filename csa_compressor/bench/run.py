@@ -39,8 +39,10 @@ FULL_REPS = (10, 20, 20)
 QUICK_REPS = (3, 5, 5)
 # Pass 1 (compiling and walls) starts no new case after this share of the time budget.
 _PASS1_SHARE = 0.6
-# --timing-probe: how long the device idles before each call of the "warm after idle" figure.
+# --timing-probe: how long the device idles before each call of the "warm after idle" figure, and the spin kernel
+# before each call of "warm after spin" (about the flush's length, so that the call follows a kernel as a cold one).
 PROBE_IDLE_US = 50.0
+PROBE_SPIN_US = 40.0
 BUDGET_SKIP = "past the time budget"
 
 
@@ -152,6 +154,8 @@ def _kernel_figures(rec: dict, job: Job, timer: Timer, method: Method) -> str:
             ("kernel_us_warm_unqueued", lambda: timer.kernel(job.fn, warm_calls, cold=False, queued=False)),
             ("kernel_us_warm_after_idle",
              lambda: timer.kernel(job.fn, warm_calls, cold=False, idle_before_us=PROBE_IDLE_US)),
+            ("kernel_us_warm_after_spin",
+             lambda: timer.kernel(job.fn, warm_calls, cold=False, host_us=job.host, spin_before_us=PROBE_SPIN_US)),
         ]  # fmt: skip
     for key, measure in extras:
         try:  # an extra figure: its failure leaves the measured ones standing
@@ -274,6 +278,8 @@ def run_bench(
     rate = timer.copy_rate(reps=5 if quick else 10)
     meta = _meta(device, rate, timer, method, commit)
     meta["sm_clock_mhz"] = [timer.sm_clock_mhz()]
+    if method.timing_probe:
+        meta["spin_wakeup_us"] = dict(zip(("after idle", "queued"), timer.spin_wakeup_us(), strict=True))
     log(f"{meta['device']}: copy rate {rate / 1e12:.2f} TB/s, SM clock {meta['sm_clock_mhz'][0]:.0f} MHz, "
         f"reps {method.reps}, {len(case_list)} cases x {', '.join(backend_list)}")  # fmt: skip
     if method.compile_only:

@@ -17,6 +17,7 @@ Everything here but ``Timer`` is pure arithmetic on profiler events, tested on t
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -60,6 +61,18 @@ class DeviceActivity:
     @property
     def end_us(self) -> float:
         return self.start_us + self.duration_us
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """What a profiled loop does around the calls: the flush (``cold``, ``clean``), a spin ahead of them all
+    (``queue_us``), and before every call a wait on an idle device or a spin kernel."""
+
+    cold: bool
+    clean: bool = False
+    queue_us: float = 0.0
+    idle_before_us: float | None = None
+    spin_before_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -133,9 +146,9 @@ def is_annotation(event) -> bool:
     return isinstance(kind, str) and "annotation" in kind.lower()
 
 
-def split_profile(events, calls: int, cold: bool) -> tuple[list[DeviceActivity], float, DeviceActivity | None]:
-    """``(device activities, flush us, spin)`` of a profile: the flush's device time by its range (by its kernel's
-    name where the profiler attached no kernel to the range), the queue spin by its kernel's name."""
+def split_profile(events, calls: int, cold: bool) -> tuple[list[DeviceActivity], float, list[DeviceActivity]]:
+    """``(device activities, flush us, spins)`` of a profile: the flush's device time by its range (by its kernel's
+    name where the profiler attached no kernel to the range), the timer's spin kernels by their name."""
     from torch.autograd import DeviceType
 
     range_names = {e.name for e in events if e.device_type != DeviceType.CUDA and is_annotation(e)}
@@ -154,8 +167,8 @@ def split_profile(events, calls: int, cold: bool) -> tuple[list[DeviceActivity],
         if len(fills) != calls:
             raise RuntimeError("could not find the L2 flush kernels in the profile; cold time would include them")
         flush_us = sum(a.duration_us for a in fills)
-    spin = next((a for a in activities if _SPIN_KERNEL_HINT in a.name and not a.is_user_annotation), None)
-    return activities, flush_us, spin
+    spins = [a for a in activities if _SPIN_KERNEL_HINT in a.name and not a.is_user_annotation]
+    return activities, flush_us, spins
 
 
 def _busy_wait(us: float) -> None:
@@ -268,24 +281,26 @@ class Timer:
         starts up (the first case's cold time then came out below its warm time)."""
         if not self._profiler_primed:
             self._profiler_primed = True
-            self._profile(self.flush, 2, cold=False, clean=False, queue_us=0.0, idle_before_us=None)
+            self._profile(self.flush, 2, _Loop(cold=False))
 
-    def _profile(self, fn, calls, cold, clean, queue_us, idle_before_us):
+    def _profile(self, fn, calls: int, loop: _Loop):
         from torch.profiler import ProfilerActivity, profile, record_function
 
         torch = self.torch
         torch.cuda.synchronize(self.device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            if queue_us > 0:
+            if loop.queue_us > 0:
                 with record_function(SPIN_RANGE):
-                    self.spin(queue_us)
+                    self.spin(loop.queue_us)
             for _ in range(calls):
-                if idle_before_us is not None:
+                if loop.idle_before_us is not None:
                     torch.cuda.synchronize(self.device)
-                    _busy_wait(idle_before_us)
-                if cold:
+                    _busy_wait(loop.idle_before_us)
+                if loop.spin_before_us is not None:
+                    self.spin(loop.spin_before_us)
+                if loop.cold:
                     with record_function(FLUSH_RANGE):
-                        self.flush(clean)
+                        self.flush(loop.clean)
                 fn()
             torch.cuda.synchronize(self.device)
         return list(prof.events())
@@ -300,6 +315,7 @@ class Timer:
         queued: bool = True,
         host_us: float | None = None,
         idle_before_us: float | None = None,
+        spin_before_us: float | None = None,
     ) -> KernelTime:
         """Kernel time of ``calls`` calls of ``fn``, cold (each after the L2 flush; ``clean``: a flush that leaves
         clean lines) or warm.
@@ -309,28 +325,52 @@ class Timer:
         still ran dry, the calls are timed once more behind a longer spin. A kernel that starts on an idle device
         measures longer than one queued behind other work, by a fixed amount per call: timed unqueued, warm calls
         of a host-bound callable carry that cost and cold ones (queued behind their flush) do not.
-        ``idle_before_us``: instead, synchronise and leave the device idle that long before every call.
+        For the timing probe instead: ``idle_before_us`` synchronises and leaves the device idle that long before
+        every call; ``spin_before_us`` puts a spin kernel of that length (no memory traffic) before every call.
         """
         self._prime_profiler()
         if cold and clean and self.read_buf is None:
             self.flush(clean=True)  # the read buffer's allocation and first reduction stay outside the profile
-        queue_us = 0.0
+        loop = _Loop(cold, clean, 0.0, idle_before_us, spin_before_us)
         if queued and idle_before_us is None:
             per_call = self.host_us(fn, 3) if host_us is None else host_us
             queue_us = calls * (per_call * _QUEUE_HOST_FACTOR + (_QUEUE_MARGIN_US if cold else 0.0))
-        result = self._kernel_once(fn, calls, cold, clean, queue_us, idle_before_us)
-        if queue_us > 0 and result.max_gap_us > DRY_GAP_US:
-            result = self._kernel_once(fn, calls, cold, clean, 4 * queue_us, idle_before_us)
+            loop = dataclasses.replace(loop, queue_us=queue_us)
+        result = self._kernel_once(fn, calls, loop)
+        if loop.queue_us > 0 and result.max_gap_us > DRY_GAP_US:
+            result = self._kernel_once(fn, calls, dataclasses.replace(loop, queue_us=4 * loop.queue_us))
         return result
 
-    def _kernel_once(self, fn, calls, cold, clean, queue_us, idle_before_us) -> KernelTime:
-        events = self._profile(fn, calls, cold, clean, queue_us, idle_before_us)
-        activities, flush_us, spin = split_profile(events, calls, cold)
-        if queue_us > 0 and spin is None:
+    def _kernel_once(self, fn, calls: int, loop: _Loop) -> KernelTime:
+        activities, flush_us, spins = split_profile(self._profile(fn, calls, loop), calls, loop.cold)
+        if loop.queue_us > 0 and not spins:
             raise RuntimeError("could not find the queue's spin kernel in the profile")
-        measured = [a for a in activities if a is not spin]
-        idle, longest = device_idle(measured)
-        return KernelTime(kernel_us_per_call(measured, calls, flush_us), idle / calls, longest, queue_us > 0)
+        # The sum leaves out every spin; the idle time counts the per-call spins as busy, the queue's lead-in not.
+        queue_spin = min(spins, key=lambda a: a.start_us) if loop.queue_us > 0 else None
+        idle, longest = device_idle([a for a in activities if a is not queue_spin])
+        measured = [a for a in activities if all(a is not s for s in spins)]
+        return KernelTime(kernel_us_per_call(measured, calls, flush_us), idle / calls, longest, loop.queue_us > 0)
+
+    def spin_wakeup_us(self, cycles: int = 20_000, idle_us: float = 200.0, reps: int = 7) -> tuple[float, float]:
+        """CUDA-event time of one short spin kernel started on a device idle for ``idle_us``, and of the same
+        spin queued behind another: a difference is a device-side cost of starting after idleness (clocks, power
+        state), seen without the profiler. Medians, us."""
+        torch = self.torch
+        after_idle, queued = [], []
+        for _ in range(reps):
+            for record in (after_idle, queued):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(self.device)
+                if record is after_idle:
+                    _busy_wait(idle_us)
+                else:
+                    self.spin(100.0)  # the events below queue behind this spin
+                e0.record()
+                torch.cuda._sleep(cycles)
+                e1.record()
+                e1.synchronize()
+                record.append(e0.elapsed_time(e1) * 1e3)
+        return statistics.median(after_idle), statistics.median(queued)
 
     def kernel_us(self, fn: Callable[[], object], calls: int, cold: bool, clean: bool = False) -> float:
         """``kernel(...).us`` with the default (queued) method."""
