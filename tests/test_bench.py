@@ -320,29 +320,33 @@ def tail_pack():
 
 
 def test_make_tail_positions_and_tables(tail_pack):
-    _, _, tail = tail_pack
+    _, _, tail_case = tail_pack
     # Rows 0-9 of segment 0, 10-11 of segment 1, 12-15 of segment 2: position j * ratio within the segment.
     expected = [4 * j for j in range(10)] + [0, 4] + [0, 4, 8, 12]
-    assert tail.positions.tolist() == expected and tail.rope_dim == 16
-    assert tail.rope_cos.shape == (40, 8) and tail.rope_cos.dtype == torch.float32
+    tail = tail_case.tail
+    assert tail_case.positions.tolist() == expected and tail.rope_dim == 16 and tail.rope_interleaved
+    assert tail.rope_cos.shape == (37, 8) and tail.rope_cos.dtype == torch.float32  # up to the last row's position
     assert torch.allclose(tail.rope_cos[3, 0], torch.tensor(3.0).cos()) and tail.rope_sin[0].abs().max() == 0
-    assert set(tail.kwargs()) == set(bench.TAIL_ARGS) and tail.kwargs()["position_start"] is None
+    assert tail.norm_weight.shape == (16,) and tail.norm_weight.dtype == torch.float32
+    kwargs = tail_case.kwargs()
+    assert set(kwargs) == set(bench.TAIL_ARGS) and kwargs["position_start"] is None
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_torch_tail_is_rmsnorm_then_rope(tail_pack, interleaved):
-    _, pack, tail = tail_pack
+    from csa_compressor.tail import Tail
+
+    _, pack, tail_case = tail_pack
     inv_freq = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
     table = torch.arange(40, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cos, sin = table.cos().float(), table.sin().float()
-    tail = bench_calls.Tail(tail.norm_weight, cos, sin, 8, tail.positions, 1e-6, interleaved)
+    tail = Tail(tail_case.tail.norm_weight, 1e-6, table.cos().float(), table.sin().float(), 8, interleaved)
     out = torch.randn(pack.total_comp, 16).to(torch.bfloat16)
-    y = bench.torch_tail(out, tail)
+    y = bench.torch_tail(out, bench_calls.TailCase(tail, tail_case.positions))
     x = out.double()
     normed = (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * tail.norm_weight.double()).to(torch.bfloat16)
     assert torch.equal(y[:, :8], normed[:, :8])  # the columns before the rotated ones: the norm alone
     rot = normed[:, 8:].double()
-    angle = tail.positions.double()[:, None] * inv_freq[None, :]
+    angle = tail_case.positions.double()[:, None] * inv_freq[None, :]
     pairs = torch.complex(rot[:, 0::2], rot[:, 1::2]) if interleaved else torch.complex(rot[:, :4], rot[:, 4:])
     turned = pairs * torch.polar(torch.ones_like(angle), angle)
     want = (
@@ -374,14 +378,16 @@ def test_fused_tail_is_skipped_until_the_wrappers_take_it(tail_pack, monkeypatch
 
 
 def test_unfused_tail_chains_agree(tail_pack):
-    """(a) our pooling + PyTorch's tail and the eager chain compute the same forward and gradients (the norm
-    weight's included), within the reference pooling's own rounding."""
+    """(a) our pooling + PyTorch's tail and the eager (upstream) chain compute the same forward and gradients (the
+    norm weight's included), within the roundings they differ by; the tail changes the pooling's output."""
     case, pack, tail = tail_pack
     ours, _ = bench_calls.callables("reference+torch tail", pack, case, tail)
     eager, _ = bench_calls.callables("eager", pack, case, tail)
     assert set(ours) == set(eager) == {"fwd", "fwd+bwd"}
     out_a, out_e = ours["fwd"](), eager["fwd"]()
     assert out_a.shape == (pack.total_comp, 16) and (out_a.float() - out_e.float()).abs().max() < 0.05
+    pooled, _ = bench_calls.callables("eager", pack, case.pooling, None)
+    assert (pooled["fwd"]().float() - out_e.float()).abs().max() > 0.1
     grads_a, grads_e = ours["fwd+bwd"](), eager["fwd+bwd"]()
     assert len(grads_a) == 4 and grads_a[3].shape == (16,)
     for a, e in zip(grads_a, grads_e, strict=True):

@@ -12,7 +12,7 @@ floor, beside cudnn-frontend's published figures. Modules:
 - ``env``: the sources' digest, the commit and the versions a run records; ``cli``: the command line.
 """
 
-from .calls import TAIL_ARGS, fused_tail_missing, make_tail, torch_tail
+from .calls import TAIL_ARGS, TailCase, fused_tail_missing, make_tail, torch_tail
 from .cases import (
     BASELINES,
     CASES,
@@ -54,6 +54,7 @@ __all__ = [
     "KernelTime",
     "Method",
     "NoGPUError",
+    "TailCase",
     "Timer",
     "copy_rate",
     "default_name",

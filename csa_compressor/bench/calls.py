@@ -8,6 +8,7 @@ our kernel backends then run the fused tail, which needs wrappers that take the 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import time
@@ -16,12 +17,10 @@ from dataclasses import dataclass
 
 from .cases import BASELINES, TORCH_TAIL, Case
 
-__all__ = ["TAIL_ARGS", "Tail", "callables", "fused_tail_missing", "make_tail", "torch_tail"]
+__all__ = ["TAIL_ARGS", "TailCase", "callables", "fused_tail_missing", "make_tail", "torch_tail"]
 
 # The fused tail's arguments of the wrappers, the classes and compressor_pool.
 TAIL_ARGS = ("norm_weight", "norm_eps", "rope_cos", "rope_sin", "rope_dim", "rope_interleaved", "position_start")
-NORM_EPS = 1e-6
-ROPE_BASE = 10000.0
 _fresh_ids = itertools.count()
 
 
@@ -41,79 +40,47 @@ def fused_tail_missing() -> str | None:
     return None
 
 
-@dataclass
-class Tail:
-    """The RMSNorm and RoPE inputs of a tail case; ``positions``: each output row's position (for the eager tail)."""
+@dataclass(frozen=True)
+class TailCase:
+    """A tail case's inputs: the tail's arguments (``csa_compressor.tail.Tail``, named as in the API) and each
+    output row's position, computed once per pack as a model does once per batch."""
 
-    norm_weight: object
-    rope_cos: object
-    rope_sin: object
-    rope_dim: int
+    tail: object
     positions: object
-    norm_eps: float = NORM_EPS
-    rope_interleaved: bool = True
 
-    def kwargs(self, norm_weight=None) -> dict:
-        """The wrappers' tail arguments (``position_start`` None: each segment's rows start at position 0)."""
-        return dict(
-            norm_weight=self.norm_weight if norm_weight is None else norm_weight,
-            norm_eps=self.norm_eps,
-            rope_cos=self.rope_cos,
-            rope_sin=self.rope_sin,
-            rope_dim=self.rope_dim,
-            rope_interleaved=self.rope_interleaved,
-            position_start=None,
-        )
+    def kwargs(self) -> dict:
+        return {f.name: getattr(self.tail, f.name) for f in dataclasses.fields(self.tail)}
+
+    def with_weight(self, norm_weight) -> TailCase:
+        return dataclasses.replace(self, tail=dataclasses.replace(self.tail, norm_weight=norm_weight))
 
 
-def make_tail(case: Case, pack) -> Tail:
-    """DeepSeek-style tail inputs: a bf16 norm weight near 1, cos / sin tables of the standard frequencies, and row
-    ``j`` of each segment at position ``j * ratio`` (padding rows at 0)."""
-    import torch
+def make_tail(case: Case, pack) -> TailCase:
+    """The tail of a DeepSeek-style compressor: an fp32 norm weight near 1, RoPE tables of base 10000 on the last
+    ``case.rope_dim`` columns, interleaved pairs, each segment's rows from position 0."""
+    from ..tail import random_tail, row_positions
 
-    device = pack.kv.device
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    weight = (1.0 + 0.1 * torch.randn(case.head_dim, generator=gen)).to(torch.bfloat16).to(device)
-    half = case.rope_dim // 2
-    max_position = max(case.seqlens)
-    inv_freq = ROPE_BASE ** (-torch.arange(half, dtype=torch.float64) / max(half, 1))
-    angles = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cos, sin = (f(angles).to(torch.float32).to(device) for f in (torch.cos, torch.sin))
-    cu_comp = pack.cu_seqlens_comp.to(torch.int64).cpu()
-    rows = torch.arange(pack.total_comp, dtype=torch.int64)
-    segment = (torch.searchsorted(cu_comp, rows, right=True) - 1).clamp(0, len(case.seqlens) - 1)
-    real = rows < cu_comp[-1]
-    positions = torch.where(real, (rows - cu_comp[segment]) * case.ratio, torch.zeros_like(rows))
-    return Tail(weight, cos, sin, case.rope_dim, positions.to(device))
+    tail = random_tail(pack, rope_dim=case.rope_dim, interleaved=True, seed=1)
+    return TailCase(tail, row_positions(pack.cu_seqlens_comp, pack.total_comp, case.ratio, tail.position_start))
 
 
-def torch_tail(out, tail: Tail, norm_weight=None):
-    """PyTorch's RMSNorm (fp32, rounded to the output's dtype), then RoPE on the last ``rope_dim`` columns in eager
-    ops: the chain a model runs after the pooling today."""
-    import torch
+def torch_tail(out, tail_case: TailCase):
+    """PyTorch's RMSNorm on the pooled bf16 rows (in fp32, rounded), then RoPE in eager fp32 ops (rounded): the
+    chain a model runs after the pooling today, with the rotation of the upstream reference."""
     import torch.nn.functional as F
 
-    d, rd = out.shape[-1], tail.rope_dim
-    weight = tail.norm_weight if norm_weight is None else norm_weight
-    y = F.rms_norm(out.float(), (d,), weight.float(), tail.norm_eps).to(out.dtype)
-    if rd == 0:
-        return y
-    cos, sin = tail.rope_cos[tail.positions], tail.rope_sin[tail.positions]
-    x = y[:, d - rd :].float()
-    if tail.rope_interleaved:
-        a, b = x[:, 0::2], x[:, 1::2]
-        rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(1)
-    else:
-        a, b = x.chunk(2, dim=-1)
-        rotated = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-    return torch.cat((y[:, : d - rd], rotated.to(out.dtype)), dim=-1)
+    from .. import tail as tail_ops
+
+    tail = tail_case.tail
+    y = F.rms_norm(out.float(), (out.shape[-1],), tail.norm_weight.float(), tail.norm_eps).to(out.dtype)
+    return tail_ops._rotate(y.float(), tail, tail_case.positions, out_dtype=out.dtype) if tail.has_rope else y
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Kernel backends: the two wrapper calls, as autograd runs them
 
 
-def _kernel_callables(backend: str, pack, case: Case, tail: Tail | None):
+def _kernel_callables(backend: str, pack, case: Case, tail: TailCase | None):
     """fwd and bwd wrapper calls; long windows (where autograd saves the softmax statistics) hand the forward's
     statistics to the backward, as autograd does."""
     from .. import api
@@ -151,60 +118,81 @@ def _fresh_function(fn):
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _autograd_pair(chain, pack, tail: Tail | None):
-    """{"fwd", "fwd+bwd"} of ``chain(kv, score, ape, norm_weight)``: the forward under no_grad, and the forward on
-    leaves (the norm weight among them for tail cases) followed by ``torch.autograd.grad``."""
+def _autograd_pair(make_chain, pack, tail_case: TailCase | None):
+    """{"fwd", "fwd+bwd"} of the chains ``make_chain(tail_case)(kv, score, ape)``: the forward under no_grad, and
+    the forward on leaves (the norm weight among them for tail cases) followed by ``torch.autograd.grad``."""
     import torch
 
-    inputs = [pack.kv, pack.score, pack.ape] + ([tail.norm_weight] if tail is not None else [])
+    inputs = (pack.kv, pack.score, pack.ape)
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    forward_chain, backward_chain = make_chain(tail_case), make_chain(tail_case)
+    if tail_case is not None:
+        weight = tail_case.tail.norm_weight.detach().clone().requires_grad_(True)
+        backward_chain, leaves = make_chain(tail_case.with_weight(weight)), [*leaves, weight]
     grad_out = pack.grad_out
 
     def fwd():
         with torch.no_grad():
-            return chain(*inputs)
+            return forward_chain(*inputs)
 
     def fwd_bwd():
-        return torch.autograd.grad(chain(*leaves), leaves, grad_out)
+        return torch.autograd.grad(backward_chain(*leaves[:3]), leaves, grad_out)
 
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
-def _eager_chain(pack, case: Case, tail: Tail | None):
-    """The eager region, followed for tail cases by PyTorch's tail."""
-    from ..reference import eager_region
+def _eager_chains(pack, case: Case):
+    """Chains of the eager region; for tail cases the upstream pooling + RMSNorm + RoPE chain of the references."""
+    from .. import reference
+    from .. import tail as tail_ops
 
     offsets = (pack.cu_seqlens, pack.cu_seqlens_comp)
-    ratio, coff, total_comp = case.ratio, case.coff, pack.total_comp
+    pool = dict(ratio=case.ratio, coff=case.coff, total_comp=pack.total_comp)
 
-    def chain(kv, score, ape, norm_weight=None):
-        out = eager_region(kv, score, ape, *offsets, ratio=ratio, coff=coff, total_comp=total_comp)
-        return out if tail is None else torch_tail(out, tail, norm_weight)
+    def make(tail_case: TailCase | None):
+        if tail_case is None:
 
-    return _fresh_function(chain)
+            def chain(kv, score, ape):
+                return reference.eager_region(kv, score, ape, *offsets, **pool)
+
+        else:
+
+            def chain(kv, score, ape):
+                return tail_ops.eager_region(kv, score, ape, *offsets, tail_case.tail, **pool)
+
+        return _fresh_function(chain)
+
+    return make
 
 
-def _pool_then_torch_tail(backend: str, pack, case: Case, tail: Tail):
+def _pool_then_torch_tail(backend: str, pack, case: Case, tail_case: TailCase):
     """Our pooling (the autograd op on ``backend``), then PyTorch's tail: the unfused chain the fused tail replaces."""
     from ..autograd import compressor_pool
 
     offsets = (pack.cu_seqlens, pack.cu_seqlens_comp)
 
-    def chain(kv, score, ape, norm_weight):
-        out = compressor_pool(kv, score, ape, *offsets, case.ratio, case.coff, pack.total_comp, backend)
-        return torch_tail(out, tail, norm_weight)
+    def make(tc: TailCase):
+        def chain(kv, score, ape):
+            out = compressor_pool(kv, score, ape, *offsets, case.ratio, case.coff, pack.total_comp, backend)
+            return torch_tail(out, tc)
 
-    return _autograd_pair(chain, pack, tail)
+        return chain
+
+    return _autograd_pair(make, pack, tail_case)
 
 
-def _compiled_pair(chain, pack, tail: Tail | None, log):
-    """torch.compile of ``chain`` (static shapes, as a training step with fixed sizes would compile): fullgraph,
+def _compiled_pair(make_chain, pack, tail_case: TailCase | None, log):
+    """torch.compile of the chains (static shapes, as a training step with fixed sizes would compile): fullgraph,
     or the default mode when fullgraph fails on this torch; returns the pair, compiled, and a note."""
     import torch
 
     notes = []
     for fullgraph in (True, False):
-        calls = _autograd_pair(torch.compile(chain, fullgraph=fullgraph, dynamic=False), pack, tail)
+
+        def compiled(tc, fullgraph=fullgraph):
+            return torch.compile(make_chain(tc), fullgraph=fullgraph, dynamic=False)
+
+        calls = _autograd_pair(compiled, pack, tail_case)
         t0 = time.perf_counter()
         try:
             for fn in calls.values():
@@ -221,15 +209,15 @@ def _compiled_pair(chain, pack, tail: Tail | None, log):
     raise AssertionError("unreachable")
 
 
-def callables(backend: str, pack, case: Case, tail: Tail | None, log=lambda msg: None):
+def callables(backend: str, pack, case: Case, tail: TailCase | None, log=lambda msg: None):
     """``(calls, note)``: the direction -> callable map of one row of the matrix, and a note for the record.
     Raises ``Skip`` when the installed package cannot run the row (the fused tail not there yet)."""
     if backend.endswith(TORCH_TAIL):
         return _pool_then_torch_tail(backend[: -len(TORCH_TAIL)], pack, case, tail), None
     if backend == "eager":
-        return _autograd_pair(_eager_chain(pack, case, tail), pack, tail), None
+        return _autograd_pair(_eager_chains(pack, case), pack, tail), None
     if backend == "torch.compile":
-        return _compiled_pair(_eager_chain(pack, case, tail), pack, tail, log)
+        return _compiled_pair(_eager_chains(pack, case), pack, tail, log)
     assert backend not in BASELINES
     return _kernel_callables(backend, pack, case, tail), None
 
