@@ -11,7 +11,7 @@
 #   STAGES       stages to run ["install tests sanitize bench"]
 #   BUDGET_S     the whole session's budget in seconds [560]
 #   TESTS_TIMEOUT  the test suite's limit [300]; PYTEST_ARGS extra pytest arguments [""]
-#   SANITIZE_TIMEOUT  each of the four sanitizer runs' limit [90]; SANITIZE_BACKENDS ["cute triton"]
+#   SANITIZE_TIMEOUT  each of the four sanitizer runs' limit [70]; SANITIZE_BACKENDS ["cute triton"]
 #   BENCH_ARGS   extra arguments of the bench, e.g. "--tail off", "--timing-probe", "--cases 0 3" [""]
 #   RUN_COMMIT   the commit the bench records (the device copy's .git may be stale or missing) [git rev-parse]
 # Comes back under $OUT (at most 8 files): summary.md, session.log, pytest.log, sanitize.log, bench.log and the
@@ -43,7 +43,7 @@ sanitize() {  # every backend x tool in turn, one log
     for backend in ${SANITIZE_BACKENDS:-cute triton}; do
         for tool in memcheck racecheck; do
             echo "==== $tool $backend"
-            timeout "${SANITIZE_TIMEOUT:-90}" compute-sanitizer --tool "$tool" --report-api-errors no \
+            timeout "${SANITIZE_TIMEOUT:-70}" compute-sanitizer --tool "$tool" --report-api-errors no \
                 --error-exitcode 9 python3 tests/sanitize_cases.py --backend "$backend" 2>&1
             echo "==== $tool $backend rc=$?"
         done

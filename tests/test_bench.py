@@ -714,8 +714,8 @@ def test_run_bench_smoke_on_gpu(tmp_path):
 
 @pytest.mark.gpu
 def test_queued_kernel_time_has_no_idle_gaps():
-    """The queue spin covers the host's enqueueing: a host-bound call (a wrapper of a tiny kernel) is timed with
-    the device busy throughout, and unqueued with idle gaps between calls."""
+    """The queue spin covers the host's enqueueing: a host-bound call (twenty tiny kernels) is timed with the
+    device busy, and unqueued with idle gaps between its kernels (relative: other processes may share the GPU)."""
     timer = bench.Timer(torch.device("cuda"))
     x = torch.zeros(1 << 10, device="cuda")
 
@@ -726,8 +726,8 @@ def test_queued_kernel_time_has_no_idle_gaps():
     timer.warm_up(call)
     queued = timer.kernel(call, 10, cold=False)
     unqueued = timer.kernel(call, 10, cold=False, queued=False)
-    assert queued.queued and queued.max_gap_us <= bench_timer.DRY_GAP_US
-    assert unqueued.idle_us > queued.idle_us
+    assert queued.queued and not unqueued.queued
+    assert unqueued.idle_us > 2 * queued.idle_us
 
 
 @pytest.mark.gpu

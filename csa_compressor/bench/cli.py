@@ -129,7 +129,7 @@ def _validate(args):
     if device.type != "cuda":
         raise UsageError(f"the bench times CUDA kernels; --device {args.device!r} is not a CUDA device")
     backends = _check_backends(args.backends, device)
-    out = None if args.no_write else _check_out(args.out)
+    out = None if args.no_write or args.compile_only else _check_out(args.out)
     return device, backends, out
 
 
@@ -157,7 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.cases, backends, args.directions, tail=args.tail, method=method, quick=args.quick, out_dir=out,
         name=args.name, progress=not args.quiet, device=device, commit=args.commit,
     )  # fmt: skip
-    print(result.markdown)
+    if result.markdown:
+        print(result.markdown)
     for kind, path in result.paths.items():
         print(f"wrote {kind}: {path}", file=sys.stderr)
     return 1 if any(r.get("error") for r in result.records) else 0
