@@ -684,6 +684,20 @@ def test_run_bench_skips_the_fused_tail_and_what_the_budget_leaves(fake_gpu, mon
     assert not any(r.get("error") for r in result.records)
 
 
+def test_run_bench_compile_only_calls_each_row_once_and_times_nothing(fake_gpu, monkeypatch):
+    called = []
+
+    def callables(backend, pack, case, tail, log=None):
+        return {d: (lambda d=d: called.append((backend, d))) for d in ("fwd", "bwd", "fwd+bwd")}, None
+
+    monkeypatch.setattr(bench_run, "callables", callables)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    result = bench.run_bench([Case((64,), 16, 4, 1)], ["reference", "eager"], out_dir=None, progress=False,
+                             device="cpu", method=bench.Method(compile_only=True))  # fmt: skip
+    assert sorted(called) == [("eager", "fwd"), ("eager", "fwd+bwd"), ("reference", "bwd"), ("reference", "fwd")]
+    assert result.records == [] and fake_gpu == []  # no timer made, no wall, no profile
+
+
 def test_run_bench_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("checks the error on a machine without a GPU")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
+import re
 import time
 import types
 from dataclasses import dataclass
@@ -21,7 +21,6 @@ __all__ = ["TAIL_ARGS", "TailCase", "callables", "fused_tail_missing", "make_tai
 
 # The fused tail's arguments of the wrappers, the classes and compressor_pool.
 TAIL_ARGS = ("norm_weight", "norm_eps", "rope_cos", "rope_sin", "rope_dim", "rope_interleaved", "position_start")
-_fresh_ids = itertools.count()
 
 
 class Skip(Exception):
@@ -110,25 +109,30 @@ def _kernel_callables(backend: str, pack, case: Case, tail: TailCase | None):
 # Baselines: forward without autograd, forward + autograd backward
 
 
-def _fresh_function(fn):
-    """A copy of ``fn`` with a code object of its own. Dynamo caches compiled graphs per code object, so every
-    case's chain compiles into its own cache entries: they stay valid while later cases compile (no reset between
-    cases, so both passes of the bench use one compilation) and never reach the recompile limit."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_fresh_ids)}")
+def _fresh_function(fn, tag: str):
+    """A copy of ``fn`` with a code object of its own, named by ``tag``. Dynamo caches compiled graphs per code
+    object, so every case's chain compiles into its own cache entries: they stay valid while later cases compile
+    (no reset between cases, so both passes of the bench use one compilation) and never reach the recompile limit.
+    The name depends on the case and the chain's role only, so that a separate process compiling a few cases
+    (``--compile-only``) produces the graphs the full run then finds in the compile caches on disk."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{re.sub(r'[^0-9a-zA-Z]+', '_', tag)}")
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _autograd_pair(make_chain, pack, tail_case: TailCase | None):
-    """{"fwd", "fwd+bwd"} of the chains ``make_chain(tail_case)(kv, score, ape)``: the forward under no_grad, and
-    the forward on leaves (the norm weight among them for tail cases) followed by ``torch.autograd.grad``."""
+    """{"fwd", "fwd+bwd"} of the chains ``make_chain(tail_case, role)(kv, score, ape)``: the forward under no_grad
+    (role "fwd"), and the forward on leaves (the norm weight among them for tail cases) followed by
+    ``torch.autograd.grad`` (role "bwd")."""
     import torch
 
     inputs = (pack.kv, pack.score, pack.ape)
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    forward_chain, backward_chain = make_chain(tail_case), make_chain(tail_case)
+    forward_chain = make_chain(tail_case, "fwd")
     if tail_case is not None:
         weight = tail_case.tail.norm_weight.detach().clone().requires_grad_(True)
-        backward_chain, leaves = make_chain(tail_case.with_weight(weight)), [*leaves, weight]
+        backward_chain, leaves = make_chain(tail_case.with_weight(weight), "bwd"), [*leaves, weight]
+    else:
+        backward_chain = make_chain(None, "bwd")
     grad_out = pack.grad_out
 
     def fwd():
@@ -141,15 +145,16 @@ def _autograd_pair(make_chain, pack, tail_case: TailCase | None):
     return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
-def _eager_chains(pack, case: Case):
-    """Chains of the eager region; for tail cases the upstream pooling + RMSNorm + RoPE chain of the references."""
+def _eager_chains(pack, case: Case, kind: str):
+    """Chains of the eager region; for tail cases the upstream pooling + RMSNorm + RoPE chain of the references.
+    ``kind``: "eager" or "compile", part of the chains' names."""
     from .. import reference
     from .. import tail as tail_ops
 
     offsets = (pack.cu_seqlens, pack.cu_seqlens_comp)
     pool = dict(ratio=case.ratio, coff=case.coff, total_comp=pack.total_comp)
 
-    def make(tail_case: TailCase | None):
+    def make(tail_case: TailCase | None, role: str):
         if tail_case is None:
 
             def chain(kv, score, ape):
@@ -160,7 +165,7 @@ def _eager_chains(pack, case: Case):
             def chain(kv, score, ape):
                 return tail_ops.eager_region(kv, score, ape, *offsets, tail_case.tail, **pool)
 
-        return _fresh_function(chain)
+        return _fresh_function(chain, f"{kind}_{case.name}_{role}")
 
     return make
 
@@ -171,7 +176,7 @@ def _pool_then_torch_tail(backend: str, pack, case: Case, tail_case: TailCase):
 
     offsets = (pack.cu_seqlens, pack.cu_seqlens_comp)
 
-    def make(tc: TailCase):
+    def make(tc: TailCase, role: str):
         def chain(kv, score, ape):
             out = compressor_pool(kv, score, ape, *offsets, case.ratio, case.coff, pack.total_comp, backend)
             return torch_tail(out, tc)
@@ -189,8 +194,8 @@ def _compiled_pair(make_chain, pack, tail_case: TailCase | None, log):
     notes = []
     for fullgraph in (True, False):
 
-        def compiled(tc, fullgraph=fullgraph):
-            return torch.compile(make_chain(tc), fullgraph=fullgraph, dynamic=False)
+        def compiled(tc, role, fullgraph=fullgraph):
+            return torch.compile(make_chain(tc, role), fullgraph=fullgraph, dynamic=False)
 
         calls = _autograd_pair(compiled, pack, tail_case)
         t0 = time.perf_counter()
@@ -215,9 +220,9 @@ def callables(backend: str, pack, case: Case, tail: TailCase | None, log=lambda 
     if backend.endswith(TORCH_TAIL):
         return _pool_then_torch_tail(backend[: -len(TORCH_TAIL)], pack, case, tail), None
     if backend == "eager":
-        return _autograd_pair(_eager_chains(pack, case), pack, tail), None
+        return _autograd_pair(_eager_chains(pack, case, "eager"), pack, tail), None
     if backend == "torch.compile":
-        return _compiled_pair(_eager_chains(pack, case), pack, tail, log)
+        return _compiled_pair(_eager_chains(pack, case, "compile"), pack, tail, log)
     assert backend not in BASELINES
     return _kernel_callables(backend, pack, case, tail), None
 
