@@ -185,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("run", "all"):
         p = sub.choices[name] if name in sub.choices else sub.add_parser(name)
         p.add_argument("--rounds", type=int, default=2, help="runs per side, alternating (default 2: A B B A)")
-        p.add_argument("--bench", default="--tail off", help="arguments of every bench run (default: %(default)s)")
+        p.add_argument(
+            "--bench",
+            default="--tail off --backends cute triton",
+            help="arguments of every bench run (default: %(default)s)",
+        )
         p.add_argument("--timeout-s", type=float, default=900, help="limit of one bench run")
     sub.add_parser("compare")
     p = sub.add_parser("cubins")

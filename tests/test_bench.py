@@ -695,7 +695,7 @@ def test_run_bench_compile_only_calls_each_row_once_and_times_nothing(fake_gpu, 
     result = bench.run_bench([Case((64,), 16, 4, 1)], ["reference", "eager"], out_dir=None, progress=False,
                              device="cpu", method=bench.Method(compile_only=True))  # fmt: skip
     assert sorted(called) == [("eager", "fwd"), ("eager", "fwd+bwd"), ("reference", "bwd"), ("reference", "fwd")]
-    assert result.records == [] and fake_gpu == []  # no timer made, no wall, no profile
+    assert result.records == [] and fake_gpu == []  # no wall, no kernel timing
 
 
 def test_run_bench_without_gpu():
