@@ -37,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m csa_compressor bench", description=_DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
     p.add_argument("--cases", nargs="*", help="case names (e.g. 3x8192-d512-r4-c2) or indices from --list; default all")
-    p.add_argument("--tail", choices=TAIL_MODES, default="on", help="also time the cases with the RMSNorm + RoPE tail")
+    p.add_argument(
+        "--tail",
+        choices=TAIL_MODES,
+        default="on",
+        help="the cases with the RMSNorm + RoPE tail too (on, default), not (off), alone (only)",
+    )
     p.add_argument(
         "--backends",
         nargs="*",
