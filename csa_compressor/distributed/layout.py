@@ -29,7 +29,10 @@ def _host_offsets(cu_seqlens) -> tuple[list[int] | None, str | None]:
     """``cu_seqlens`` as host ints (one device-to-host copy for a device tensor), or the reason it is bad."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            return None, f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            return (
+                None,
+                f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}",
+            )
         cu = cu_seqlens.tolist()
     else:
         try:
@@ -71,7 +74,9 @@ def _normalise(pieces) -> list[tuple[int, int]]:
 
 
 def _contiguous_pieces(total: int, world_size: int) -> list[list[tuple[int, int]]]:
-    return [[(r * total // world_size, (r + 1) * total // world_size - r * total // world_size)] for r in range(world_size)]
+    return [
+        [(r * total // world_size, (r + 1) * total // world_size - r * total // world_size)] for r in range(world_size)
+    ]
 
 
 def _balanced_pieces(cu: list[int], world_size: int) -> list[list[tuple[int, int]]]:
@@ -241,9 +246,11 @@ class CPLayout:
 
 
 def summaries_error(summaries: list[dict]) -> str | None:
-    """What is wrong with the gathered layouts of a group, the same text on every rank; None if nothing."""
+    """What is wrong with the gathered layouts of a group, the same text on every rank; None if nothing.
+
+    The layouts first (their own errors, ranks, offsets, coverage), then the call's arguments.
+    """
     errors = [f"rank {q}: {s['error']}" for q, s in enumerate(summaries) if s["error"]]
-    errors += [f"rank {q}: {s['call']['error']}" for q, s in enumerate(summaries) if s["call"].get("error")]
     if errors:
         return "; ".join(errors)
     size = len(summaries)
@@ -259,9 +266,16 @@ def summaries_error(summaries: list[dict]) -> str | None:
                 f"cu_seqlens differs between ranks: rank 0 has {first['tokens']} tokens in {first['segments']} "
                 f"segments, rank {q} {s['tokens']} tokens in {s['segments']} segments (or other offsets)"
             )
+    message = _coverage_error(summaries)
+    if message is not None:
+        return message
+    errors = [f"rank {q}: {s['call']['error']}" for q, s in enumerate(summaries) if s["call"].get("error")]
+    if errors:
+        return "; ".join(errors)
+    for q, s in enumerate(summaries[1:], 1):
         if s["call"] != first["call"]:
             return f"ranks disagree on the call: rank 0 {first['call']}, rank {q} {s['call']}"
-    return _coverage_error(summaries)
+    return None
 
 
 def _coverage_error(summaries: list[dict]) -> str | None:

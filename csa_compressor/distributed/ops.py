@@ -10,6 +10,7 @@ layout and configuration, so a call makes no host synchronisation.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,27 @@ from .layout import CPLayout, _error, validation_requested
 from .plan import RankPlan, build_plan, expand_runs
 
 __all__ = ["compressor_pool_cp", "gather_rows"]
+
+_is_compiling = torch.compiler.is_compiling
+_DISABLED: dict = {}
+
+
+def _eager_under_compile(fn):
+    """``fn`` as it is in eager mode; under ``torch.compile`` it runs eagerly behind a graph break
+    (``torch.compiler.disable``, made on first use: importing this module must not import torch._dynamo,
+    which costs seconds). Its host-side plan and collectives are outside what a graph can hold."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _is_compiling():
+            disabled = _DISABLED.get(fn)
+            if disabled is None:
+                disabled = _DISABLED[fn] = torch.compiler.disable(fn)
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
 
 # torch 2.13 renamed the tensor forms of the two collectives; older releases have only the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,6 +87,7 @@ class DevicePlan:
     # gather_rows: every rank's rows padded to max_rows; gather_src maps global rows to gathered rows.
     max_rows: int
     gather_src: torch.Tensor | None  # None: the gathered rows are already in global order
+    no_rows: torch.Tensor  # int32 [0, 0]: the offsets of a call with no row
 
 
 def _op_pack(pack, out_pos, n_local: int, device) -> _OpPack | None:
@@ -153,6 +176,7 @@ def device_plan(plan: RankPlan, device: torch.device) -> DevicePlan:
         perm=perm,
         max_rows=max_rows,
         gather_src=None if gather_src is None else gather_src.to(device),
+        no_rows=torch.zeros(2, dtype=torch.int32, device=device),
     )
 
 
@@ -244,7 +268,8 @@ class _PoolCP(torch.autograd.Function):
                     buf.index_copy_(0, op.dst, out)  # extras land on the dump row
             result = buf[: dp.n_local] if dp.dump else buf
         ctx.save_for_backward(kv, score, ape, kv_b, score_b, *saved_stats)
-        ctx.dp, ctx.ratio, ctx.coff, ctx.backend, ctx.group, ctx.reduce_ape = dp, ratio, coff, backend, group, reduce_ape
+        ctx.dp, ctx.group, ctx.reduce_ape = dp, group, reduce_ape
+        ctx.ratio, ctx.coff, ctx.backend = ratio, coff, backend
         return result
 
     @staticmethod
@@ -331,7 +356,7 @@ class _ReduceApeGrad(torch.autograd.Function):
         return grad, None
 
 
-@torch.compiler.disable
+@_eager_under_compile
 def compressor_pool_cp(
     kv_local: torch.Tensor,
     score_local: torch.Tensor,
@@ -357,15 +382,11 @@ def compressor_pool_cp(
     validate = validation_requested(validate)
     dp = _device_plan(layout, kv_local, score_local, ape, ratio, coff, group, validate)
     single = group is None or dp.plan.world_size == 1
-    if dp.plain and (single or not reduce_ape_grad):
-        # No halo and no row to place: the single-GPU op on the rank's tokens as they are.
-        if dp.interior is None:
-            d = kv_local.shape[1] // coff
-            out = kv_local.new_zeros((0, d)) + 0 * (kv_local.sum() + score_local.sum() + ape.sum())
-            return out, dp.rows
-        op = dp.interior
-        out = compressor_pool(kv_local, score_local, ape, op.cu, op.cc, ratio, coff, op.rows, backend)
-        return out, dp.rows
+    if dp.plain and not dp.exchange and (single or not reduce_ape_grad):
+        # No halo on any rank and no row to place: the single-GPU op on the rank's tokens as they are.
+        # No row here: the op with no rows, so that the gradients are zeros rather than None.
+        cu, cc, n = (dp.interior.cu, dp.interior.cc, dp.interior.rows) if dp.interior else (dp.no_rows, dp.no_rows, 0)
+        return compressor_pool(kv_local, score_local, ape, cu, cc, ratio, coff, n, backend), dp.rows
     out = _PoolCP.apply(kv_local, score_local, ape, dp, ratio, coff, backend, group, reduce_ape_grad and not single)
     return out, dp.rows
 
@@ -391,15 +412,20 @@ class _GatherRows(torch.autograd.Function):
             padded[:n] = out_local
         gathered = out_local.new_empty((world * m, out_local.shape[1]))
         _all_gather_tensor(gathered, padded.contiguous(), group=group)
-        return gathered if dp.gather_src is None else gathered.index_select(0, dp.gather_src)
+        if dp.gather_src is None:  # the owners' rows follow each other in global order
+            return gathered[: dp.plan.total_rows]
+        return gathered.index_select(0, dp.gather_src)
 
     @staticmethod
     def backward(ctx, grad_all):
         dp, group = ctx.dp, ctx.group
         world, m = dp.plan.world_size, dp.max_rows
         grad_all = grad_all.contiguous()
-        if dp.gather_src is None:
+        if dp.gather_src is None and grad_all.shape[0] == world * m:
             grad_gathered = grad_all
+        elif dp.gather_src is None:
+            grad_gathered = grad_all.new_zeros((world * m, grad_all.shape[1]))
+            grad_gathered[: grad_all.shape[0]] = grad_all
         else:
             grad_gathered = grad_all.new_zeros((world * m, grad_all.shape[1]))
             grad_gathered.index_copy_(0, dp.gather_src, grad_all)
@@ -408,7 +434,7 @@ class _GatherRows(torch.autograd.Function):
         return grad[: dp.n_local], None, None
 
 
-@torch.compiler.disable
+@_eager_under_compile
 def gather_rows(out_local: torch.Tensor, rows: torch.Tensor, layout: CPLayout, group=None) -> torch.Tensor:
     """Every rank's ``out_local`` in global row order: ``(layout.total_comp(ratio), d)`` on every rank.
 

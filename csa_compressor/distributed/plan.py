@@ -65,8 +65,9 @@ def _first_real(jstart: int, coff: int) -> int:
 def _boundary_segment(cu, b: int, gs: int, ge: int, ratio: int, coff: int):
     """The rows of the piece ``[gs, ge)`` that start inside segment ``b`` whose window begins before ``gs``.
 
-    Returns ``(A, E, jstart)``: the local segment's global token range (``A`` is the start of group
-    ``jstart``) or None when there are no such rows.
+    Returns ``(A, E, jstart, first)``: the local segment's global token range (``A`` is the start of group
+    ``jstart``) and the first of those rows, or None when there are none. With coff 2 the segment starts one
+    group early (the first row's previous group), which is an extra row, or a row another piece owns.
     """
     start = cu[b]
     groups = (cu[b + 1] - start) // ratio
@@ -77,7 +78,7 @@ def _boundary_segment(cu, b: int, gs: int, ge: int, ratio: int, coff: int):
     if not rows:
         return None
     jstart = rows[0] - _first_real(rows[0], coff)
-    return start + jstart * ratio, start + (rows[-1] + 1) * ratio, jstart
+    return start + jstart * ratio, start + (rows[-1] + 1) * ratio, jstart, rows[0]
 
 
 def _segments_of(cu, gs: int, ge: int):
@@ -182,11 +183,10 @@ def _boundary_runs(cu, pieces, token_map: _TokenMap, ratio: int, coff: int, pack
         seg = _boundary_segment(cu, b, gs, gs + length, ratio, coff)
         if seg is None:
             continue
-        a, e, jstart = seg
+        a, e, jstart, first = seg
         runs.extend(token_map.runs(a, e))
         if pack is not None:
-            first = _first_real(jstart, coff)
-            pack.add(e - a, (e - a) // ratio, first, cc[b] + jstart + first)
+            pack.add(e - a, (e - a) // ratio, first - jstart, cc[b] + first)
     return runs
 
 
@@ -217,8 +217,12 @@ def build_plan(cu, all_pieces, rank: int, ratio: int, coff: int) -> RankPlan:
         recv[src].append((pos, count))
         pos += count
     row_owner_runs = [
-        [run for gs, length in pieces for run in owned_row_runs(cu, cc, gs, gs + length, ratio)] for pieces in all_pieces
+        [run for gs, length in pieces for run in owned_row_runs(cu, cc, gs, gs + length, ratio)]
+        for pieces in all_pieces
     ]
+    produced = sum(r[1] for pack in (interior, boundary) for r in pack.row_runs)
+    if produced != sum(c for _, c in row_owner_runs[rank]):
+        raise RuntimeError(f"csa_compressor.distributed: internal error, rank {rank} plans {produced} rows")
     return RankPlan(
         rank=rank,
         world_size=world,
