@@ -71,6 +71,7 @@ class DevicePlan:
     """A ``RankPlan`` as device tensors and the host ints the collectives take."""
 
     plan: RankPlan
+    group_id: int  # id() of the process group the plan was checked on
     interior: _OpPack | None  # None: no real row comes from the rank's own tokens
     boundary: _OpPack | None
     n_local: int
@@ -90,19 +91,46 @@ class DevicePlan:
     no_rows: torch.Tensor  # int32 [0, 0]: the offsets of a call with no row
 
 
-def _op_pack(pack, out_pos, n_local: int, device) -> _OpPack | None:
+def _op_pack_host(pack, out_pos, n_local: int) -> dict | None:
+    """The host tensors of one op call (see ``_OpPack``), or None when it produces no real row."""
     if not pack.row_runs:
         return None
     ops = expand_runs([r[0] for r in pack.row_runs], [r[1] for r in pack.row_runs])
     dst = torch.full((pack.rows,), n_local, dtype=torch.int64)
     dst[ops] = expand_runs([out_pos(r[2]) for r in pack.row_runs], [r[1] for r in pack.row_runs])
     is_extra = dst == n_local
-    extra = torch.nonzero(is_extra).flatten() if bool(is_extra.any()) else None
-    src = torch.where(is_extra, torch.zeros_like(dst), dst)
-    cu = torch.tensor(pack.cu, dtype=torch.int32)
-    cc = torch.tensor(pack.cc, dtype=torch.int32)
-    to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return _OpPack(to(cu), to(cc), pack.rows, to(dst), to(src), to(extra))
+    return {
+        "cu": torch.tensor(pack.cu, dtype=torch.int32),
+        "cc": torch.tensor(pack.cc, dtype=torch.int32),
+        "dst": dst,
+        "src": torch.where(is_extra, torch.zeros_like(dst), dst),
+        "extra": torch.nonzero(is_extra).flatten() if bool(is_extra.any()) else None,
+        "in_order": pack.rows == n_local and bool(torch.equal(dst, torch.arange(n_local))),
+    }
+
+
+def _op_pack(dev: dict, prefix: str, pack: dict | None) -> _OpPack | None:
+    if pack is None:
+        return None
+    names = ("cu", "cc", "dst", "src", "extra")
+    cu, cc, dst, src, extra = (dev[f"{prefix}_{name}"] for name in names)
+    return _OpPack(cu, cc, len(pack["dst"]), dst, src, extra)
+
+
+def _to_device(tensors: dict, device: torch.device) -> dict:
+    """The host tensors on ``device`` in one asynchronous copy through pinned memory (a copy from pageable
+    memory would synchronise the stream), each converted back to its dtype."""
+    names = [k for k, t in tensors.items() if t is not None]
+    if device.type != "cuda" or not names:
+        return {k: None if t is None else t.to(device) for k, t in tensors.items()}
+    flat = torch.cat([tensors[k].reshape(-1).to(torch.int64) for k in names])
+    staged = flat.pin_memory().to(device, non_blocking=True)
+    out, pos = dict.fromkeys(tensors), 0
+    for k in names:
+        n = tensors[k].numel()
+        out[k] = staged[pos : pos + n].to(tensors[k].dtype)
+        pos += n
+    return out
 
 
 def _row_position(runs):
@@ -134,49 +162,45 @@ def _gather_src(plan: RankPlan, max_rows: int) -> torch.Tensor | None:
     return None if torch.equal(src, torch.arange(src.numel())) else src
 
 
-def device_plan(plan: RankPlan, device: torch.device) -> DevicePlan:
+def device_plan(plan: RankPlan, device: torch.device, group_id: int) -> DevicePlan:
     n_local = sum(c for _, c in plan.rows)
     out_pos = _row_position(plan.rows)
-    interior = _op_pack(plan.interior, out_pos, n_local, device)
-    boundary = _op_pack(plan.boundary, out_pos, n_local, device)
-    plain = boundary is None and (
-        interior is None or (interior.rows == n_local and interior.extra is None and bool(torch.equal(
-            interior.dst.cpu(), torch.arange(n_local))))
-    )  # fmt: skip
-    dump = any(p is not None and p.extra is not None for p in (interior, boundary))
-    pack_local = send_idx = perm = None
-    send_splits = [sum(c for _, c in runs) for runs in plan.send]
-    recv_splits = [sum(c for _, c in runs) for runs in plan.recv]
-    if boundary is not None and not plan.exchange:
-        pack_local = expand_runs([r[1] for r in plan.pack_sources], [r[2] for r in plan.pack_sources]).to(device)
+    packs = {"int": _op_pack_host(plan.interior, out_pos, n_local), "b": _op_pack_host(plan.boundary, out_pos, n_local)}
+    host = {f"{p}_{k}": v for p, pack in packs.items() if pack for k, v in pack.items() if k != "in_order"}
+    if packs["b"] is not None and not plan.exchange:
+        host["pack_local"] = expand_runs([r[1] for r in plan.pack_sources], [r[2] for r in plan.pack_sources])
     if plan.exchange:
         flat = [run for runs in plan.send for run in runs]
-        send_idx = expand_runs([r[0] for r in flat], [r[1] for r in flat]).to(device)
+        host["send_idx"] = expand_runs([r[0] for r in flat], [r[1] for r in flat])
         recv_runs = [run for runs in plan.recv for run in runs]  # in receive-buffer order
         pack_pos = expand_runs([r[0] for r in recv_runs], [r[1] for r in recv_runs])
         perm = torch.empty_like(pack_pos)
         perm[pack_pos] = torch.arange(pack_pos.numel())
-        perm = perm.to(device)
-    rows = expand_runs([s for s, _ in plan.rows], [c for _, c in plan.rows]).to(device)
+        host["perm"] = perm
+    host["rows"] = expand_runs([s for s, _ in plan.rows], [c for _, c in plan.rows])
     max_rows = max(plan.rows_per_rank)
-    gather_src = _gather_src(plan, max_rows)
+    host["gather_src"] = _gather_src(plan, max_rows)
+    host["no_rows"] = torch.zeros(2, dtype=torch.int32)
+    dev = _to_device(host, device)
+    op = {p: _op_pack(dev, p, pack) for p, pack in packs.items()}
     return DevicePlan(
         plan=plan,
-        interior=interior,
-        boundary=boundary,
+        group_id=group_id,
+        interior=op["int"],
+        boundary=op["b"],
         n_local=n_local,
-        rows=rows,
-        plain=plain,
-        dump=dump,
+        rows=dev["rows"],
+        plain=packs["b"] is None and (packs["int"] is None or packs["int"]["in_order"]),
+        dump=any(p is not None and p["extra"] is not None for p in packs.values()),
         exchange=plan.exchange,
-        pack_local=pack_local,
-        send_idx=send_idx,
-        send_splits=send_splits,
-        recv_splits=recv_splits,
-        perm=perm,
+        pack_local=dev.get("pack_local"),
+        send_idx=dev.get("send_idx"),
+        send_splits=[sum(c for _, c in runs) for runs in plan.send],
+        recv_splits=[sum(c for _, c in runs) for runs in plan.recv],
+        perm=dev.get("perm"),
         max_rows=max_rows,
-        gather_src=None if gather_src is None else gather_src.to(device),
-        no_rows=torch.zeros(2, dtype=torch.int32, device=device),
+        gather_src=dev["gather_src"],
+        no_rows=dev["no_rows"],
     )
 
 
@@ -338,7 +362,7 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate)
     all_pieces = layout.checked_pieces(group, kv.device, call, validate)
     if dp is None:
         rank = dist.get_rank(group) if group is not None else 0
-        dp = device_plan(build_plan(list(layout._cu), all_pieces, rank, ratio, coff), kv.device)
+        dp = device_plan(build_plan(list(layout._cu), all_pieces, rank, ratio, coff), kv.device, id(group))
         layout._plans[key] = dp
     return dp
 
@@ -443,6 +467,8 @@ def gather_rows(out_local: torch.Tensor, rows: torch.Tensor, layout: CPLayout, g
     """
     group = _resolve_group(group)
     dp = _plan_of(layout, rows)
+    if dp.group_id != id(group):
+        raise _error("gather_rows must run on the process group that compressor_pool_cp used")
     if out_local.dim() != 2 or out_local.shape[0] != dp.n_local:
         raise _error(f"out_local must be ({dp.n_local}, head_dim) for these rows, got {tuple(out_local.shape)}")
     if group is None or dp.plan.world_size == 1:
