@@ -8,6 +8,7 @@ result needs no gather to the parent: ``ok`` per case and rank, and a message wh
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import random
@@ -264,9 +265,12 @@ def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
     return {"ok": False, "problems": [f"no ValueError (got {tuple(out.shape)} rows {rows.numel()})"]}
 
 
-def main(rank: int, worlds, kind: str, store_path: str, result_dir: str, only) -> None:
-    """One rank of the largest world: every suite of ``worlds`` in turn, each on a group of the first ranks."""
+def main(rank: int, worlds, kind: str, store_path: str, result_dir: str, only, stack_after_s: float) -> None:
+    """One rank of the largest world: every suite of ``worlds`` in turn, each on a group of the first ranks.
+    A rank still running after ``stack_after_s`` writes its stack to ``stack<rank>.txt`` (for a hang)."""
     torch.set_num_threads(1)
+    stack_file = open(os.path.join(result_dir, f"stack{rank}.txt"), "w")  # left open: the dump may come at any time
+    faulthandler.dump_traceback_later(stack_after_s, file=stack_file)
     results: dict[int, dict] = {w: {} for w in worlds}
     try:
         size = max(worlds)
@@ -318,7 +322,8 @@ def launch(worlds=(2, 3, 4), kind: str = "gloo", timeout_s: float = 100.0, only=
     size = max(worlds)
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=main, args=(r, tuple(worlds), kind, store, tmp, only)) for r in range(size)]
+        args = (tuple(worlds), kind, store, tmp, only, max(1.0, timeout_s - 5.0))
+        procs = [ctx.Process(target=main, args=(r, *args)) for r in range(size)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -336,5 +341,9 @@ def launch(worlds=(2, 3, 4), kind: str = "gloo", timeout_s: float = 100.0, only=
                     per_rank.append(pickle.load(f))
             else:
                 why = "hung (killed at the timeout)" if r in hung else f"exited {procs[r].exitcode} without results"
+                stack = os.path.join(tmp, f"stack{r}.txt")
+                if os.path.exists(stack):
+                    with open(stack) as f:
+                        why += "; its stack:\n" + f.read()[-3000:]
                 per_rank.append({w: {"<timeout>": {"ok": False, "problems": [f"rank {r} {why}"]}} for w in worlds})
         return {w: [per_rank[r][w] for r in range(w)] for w in worlds}

@@ -13,7 +13,7 @@ import torch
 
 from csa_compressor import compressor_pool
 from csa_compressor.distributed import CPLayout, compressor_pool_cp, gather_rows
-from csa_compressor.distributed.plan import build_plan
+from csa_compressor.distributed.plan import build_plan, expand_runs
 from csa_compressor.testing import make_pack
 
 from . import cp_worker
@@ -104,14 +104,10 @@ def test_world_of_one_matches_plain_op(ratio, coff, split):
     torch.testing.assert_close(grads[2], ref_grads[2], rtol=1e-6, atol=1e-6)
 
 
-def _halo_runs(plan):
-    return [(src, count) for src, _, count in plan.pack_sources]
-
-
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2), (2, 1)])
 def test_plan_moves_only_the_halo(ratio, coff):
-    """Random splits: each boundary pack holds at most coff*ratio - 1 tokens of other pieces per piece
-    boundary, plus at most coff*ratio of its own piece per boundary; every row is planned exactly once."""
+    """Random splits: per piece boundary a rank receives at most coff*ratio - 1 tokens from other ranks and
+    packs at most 2*coff*ratio - 1 tokens and coff rows; every row is planned exactly once."""
     rng = random.Random(ratio * 10 + coff)
     seqlens = [rng.randint(1, 5 * ratio) for _ in range(6)]
     cu = [0]
@@ -119,15 +115,22 @@ def test_plan_moves_only_the_halo(ratio, coff):
         cu.append(cu[-1] + s)
     world = 3
     pieces = cp_worker._random_pieces(cu[-1], world, rng, 9, None)
-    normal = [CPLayout.from_pieces(cu, p).pieces for p in pieces]
+    normal = [list(CPLayout.from_pieces(cu, p).pieces) for p in pieces]
     rows_seen = []
-    for rank in range(world):
-        plan = build_plan(cu, [list(p) for p in normal], rank, ratio, coff)
+    plans = [build_plan(cu, normal, rank, ratio, coff) for rank in range(world)]
+    # Every rank takes the same collective decisions, and what q sends r is what r receives from q.
+    assert len({plan.exchange for plan in plans}) == 1
+    crossing = any(plan.recv_splits[q] for plan in plans for q in range(world) if q != plan.rank)
+    assert plans[0].exchange == crossing
+    for q in range(world):
+        for r in range(world):
+            assert plans[q].send_splits[r] == plans[r].recv_splits[q]
+    for rank, plan in enumerate(plans):
         boundaries = len(normal[rank])
-        assert plan.boundary.rows <= coff * boundaries
-        tokens = sum(count for _, count in _halo_runs(plan))
-        assert tokens <= boundaries * (2 * coff * ratio - 1)
-        rows_seen += [r for start, count in plan.rows for r in range(start, start + count)]
+        assert plan.boundary is None or plan.boundary.rows <= coff * boundaries
+        assert plan.pack_local.numel() <= boundaries * (2 * coff * ratio - 1)
+        assert sum(plan.recv_splits) - plan.recv_splits[rank] <= boundaries * (coff * ratio - 1)
+        rows_seen += expand_runs(plan.row_first, plan.row_count).tolist()
     assert sorted(rows_seen) == list(range(sum(s // ratio for s in seqlens)))
 
 

@@ -25,27 +25,26 @@ def _error(message: str) -> ValueError:
     return ValueError(f"{_PREFIX}: {message}")
 
 
-def _host_offsets(cu_seqlens) -> tuple[list[int] | None, str | None]:
-    """``cu_seqlens`` as host ints (one device-to-host copy for a device tensor), or the reason it is bad."""
+def _host_offsets(cu_seqlens) -> tuple[torch.Tensor | None, str | None]:
+    """``cu_seqlens`` as a host int64 tensor (one device-to-host copy for a device tensor), or why it is bad."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-            return (
-                None,
-                f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}",
-            )
-        cu = cu_seqlens.tolist()
+            shape = tuple(cu_seqlens.shape)
+            return None, f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} of shape {shape}"
+        cu = cu_seqlens.detach().to("cpu", torch.int64)
     else:
         try:
-            cu = [int(x) for x in cu_seqlens]
+            cu = torch.tensor([int(x) for x in cu_seqlens], dtype=torch.int64)
         except (TypeError, ValueError):
             return None, f"cu_seqlens must be a 1-D integer tensor or sequence, got {type(cu_seqlens).__name__}"
-    if len(cu) < 2:
-        return None, f"cu_seqlens must have at least 2 entries, got {len(cu)}"
-    if cu[0] != 0:
-        return None, f"cu_seqlens[0] must be 0, got {cu[0]}"
-    for b in range(len(cu) - 1):
-        if cu[b + 1] < cu[b]:
-            return None, f"cu_seqlens must be non-decreasing; segment {b} has length {cu[b + 1] - cu[b]}"
+    if cu.numel() < 2:
+        return None, f"cu_seqlens must have at least 2 entries, got {cu.numel()}"
+    if int(cu[0]) != 0:
+        return None, f"cu_seqlens[0] must be 0, got {int(cu[0])}"
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths < 0).any()):
+        b = int(torch.nonzero(lengths < 0)[0])
+        return None, f"cu_seqlens must be non-decreasing; segment {b} has length {int(lengths[b])}"
     return cu, None
 
 
@@ -60,44 +59,36 @@ def _rank_error(rank, world_size) -> str | None:
     return None
 
 
-def _normalise(pieces) -> list[tuple[int, int]]:
-    """Drop empty pieces and merge pieces that follow each other both locally and globally."""
-    out: list[tuple[int, int]] = []
-    for start, length in pieces:
-        if length == 0:
-            continue
-        if out and out[-1][0] + out[-1][1] == start:
-            out[-1] = (out[-1][0], out[-1][1] + length)
-        else:
-            out.append((start, length))
-    return out
+def _normalise(pieces: torch.Tensor) -> torch.Tensor:
+    """``(n, 2)`` pieces without the empty ones, neighbours that follow each other both locally and globally
+    merged into one."""
+    pieces = pieces[pieces[:, 1] > 0]
+    if pieces.shape[0] < 2:
+        return pieces
+    start, length = pieces[:, 0], pieces[:, 1]
+    new = torch.ones_like(start, dtype=torch.bool)
+    new[1:] = start[1:] != start[:-1] + length[:-1]
+    group = torch.cumsum(new.to(torch.int64), 0) - 1
+    merged = torch.zeros(int(group[-1]) + 1, dtype=torch.int64).index_add_(0, group, length)
+    return torch.stack([start[new], merged], 1)
 
 
-def _contiguous_pieces(total: int, world_size: int) -> list[list[tuple[int, int]]]:
-    return [
-        [(r * total // world_size, (r + 1) * total // world_size - r * total // world_size)] for r in range(world_size)
-    ]
+def _balanced_pieces(cu: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    chunk = (cu[1:] - cu[:-1]) // (2 * world_size)
+    starts = torch.stack([cu[:-1] + rank * chunk, cu[:-1] + (2 * world_size - 1 - rank) * chunk], 1)
+    return torch.stack([starts.reshape(-1), chunk.repeat_interleave(2)], 1)
 
 
-def _balanced_pieces(cu: list[int], world_size: int) -> list[list[tuple[int, int]]]:
-    chunks = 2 * world_size
-    pieces: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]
-    for b in range(len(cu) - 1):
-        chunk = (cu[b + 1] - cu[b]) // chunks
-        for r in range(world_size):
-            pieces[r] += [(cu[b] + r * chunk, chunk), (cu[b] + (chunks - 1 - r) * chunk, chunk)]
-    return pieces
-
-
-def _pieces_error(pieces, total: int) -> str | None:
+def _pieces_error(pieces, total: int) -> tuple[torch.Tensor | None, str | None]:
     try:
-        pairs = [(int(s), int(n)) for s, n in pieces]
+        table = torch.tensor([(int(s), int(n)) for s, n in pieces], dtype=torch.int64).reshape(-1, 2)
     except (TypeError, ValueError):
-        return "pieces must be a sequence of (global_token_start, length) pairs of ints"
-    for start, length in pairs:
-        if start < 0 or length < 0 or start + length > total:
-            return f"piece (start={start}, length={length}) is not inside the pack's {total} tokens"
-    return None
+        return None, "pieces must be a sequence of (global_token_start, length) pairs of ints"
+    bad = (table[:, 0] < 0) | (table[:, 1] < 0) | (table.sum(1) > total)
+    if bool(bad.any()):
+        start, length = table[int(torch.nonzero(bad)[0])].tolist()
+        return None, f"piece (start={start}, length={length}) is not inside the pack's {total} tokens"
+    return table, None
 
 
 class CPLayout:
@@ -108,13 +99,12 @@ class CPLayout:
     (empty pieces dropped, neighbours merged), ``local_tokens`` the rows ``kv_local`` must have.
     """
 
-    def __init__(self, kind: str, cu, rank, world_size, pieces, all_pieces=None, error=None):
+    def __init__(self, kind: str, cu, rank, world_size, pieces, error=None):
         self.kind = kind
         self.rank, self.world_size = rank, world_size
-        self._cu = tuple(cu) if cu is not None else (0, 0)
         self._error = error
-        self._pieces = tuple(_normalise(pieces)) if error is None else ()
-        self._all_pieces = [_normalise(p) for p in all_pieces] if all_pieces is not None and error is None else None
+        self._cu = cu if error is None else torch.zeros(2, dtype=torch.int64)  # host int64
+        self._pieces_t = _normalise(pieces) if error is None else torch.zeros(0, 2, dtype=torch.int64)
         self._checked: dict[int, tuple[object, list]] = {}  # id(group) -> (group, every rank's pieces)
         self._plans: dict[tuple, object] = {}  # (ratio, coff, id(group), device) -> DevicePlan
 
@@ -123,8 +113,11 @@ class CPLayout:
         """Rank ``r`` holds the global tokens ``[r*T//world, (r+1)*T//world)``, ``T = cu_seqlens[-1]``."""
         cu, error = _host_offsets(cu_seqlens)
         error = error or _rank_error(rank, world_size)
-        all_pieces = _contiguous_pieces(cu[-1], world_size) if error is None else None
-        return cls("contiguous", cu, rank, world_size, all_pieces[rank] if all_pieces else (), all_pieces, error)
+        if error is not None:
+            return cls("contiguous", cu, rank, world_size, None, error)
+        total = int(cu[-1])
+        start, end = rank * total // world_size, (rank + 1) * total // world_size
+        return cls("contiguous", cu, rank, world_size, torch.tensor([[start, end - start]]))
 
     @classmethod
     def load_balanced(cls, cu_seqlens, rank: int, world_size: int) -> CPLayout:
@@ -133,15 +126,16 @@ class CPLayout:
         cu, error = _host_offsets(cu_seqlens)
         error = error or _rank_error(rank, world_size)
         if error is None:
-            for b in range(len(cu) - 1):
-                if (cu[b + 1] - cu[b]) % (2 * world_size):
-                    error = (
-                        f"load_balanced needs every sequence length divisible by 2*world_size = {2 * world_size}; "
-                        f"sequence {b} has {cu[b + 1] - cu[b]} tokens"
-                    )
-                    break
-        all_pieces = _balanced_pieces(cu, world_size) if error is None else None
-        return cls("load_balanced", cu, rank, world_size, all_pieces[rank] if all_pieces else (), all_pieces, error)
+            lengths = cu[1:] - cu[:-1]
+            bad = torch.nonzero(lengths % (2 * world_size)).flatten()
+            if bad.numel():
+                b = int(bad[0])
+                error = (
+                    f"load_balanced needs every sequence length divisible by 2*world_size = {2 * world_size}; "
+                    f"sequence {b} has {int(lengths[b])} tokens"
+                )
+        pieces = _balanced_pieces(cu, rank, world_size) if error is None else None
+        return cls("load_balanced", cu, rank, world_size, pieces, error)
 
     @classmethod
     def from_pieces(cls, cu_seqlens, pieces, rank: int | None = None, world_size: int | None = None) -> CPLayout:
@@ -149,9 +143,11 @@ class CPLayout:
         other ranks' pieces are learnt by the first call's collective; ``rank`` / ``world_size`` default to
         the process group's."""
         cu, error = _host_offsets(cu_seqlens)
-        error = error or _rank_error(rank, world_size) or _pieces_error(pieces, cu[-1])
-        pairs = [(int(s), int(n)) for s, n in pieces] if error is None else ()
-        return cls("from_pieces", cu, rank, world_size, pairs, None, error)
+        error = error or _rank_error(rank, world_size)
+        table = None
+        if error is None:
+            table, error = _pieces_error(pieces, int(cu[-1]))
+        return cls("from_pieces", cu, rank, world_size, table, error)
 
     # ------------------------------------------------------------------ properties
 
@@ -160,37 +156,37 @@ class CPLayout:
             raise _error(self._error)
 
     @property
-    def cu_seqlens(self) -> tuple[int, ...]:
-        """The global pack's offsets, host ints."""
+    def cu_seqlens(self) -> torch.Tensor:
+        """The global pack's offsets, a host int64 tensor (a copy)."""
         self._ok()
-        return self._cu
+        return self._cu.clone()
 
     @property
     def total_tokens(self) -> int:
         self._ok()
-        return self._cu[-1]
+        return int(self._cu[-1])
 
     @property
     def pieces(self) -> tuple[tuple[int, int], ...]:
         self._ok()
-        return self._pieces
+        return tuple(tuple(p) for p in self._pieces_t.tolist())
 
     @property
     def local_tokens(self) -> int:
         self._ok()
-        return sum(length for _, length in self._pieces)
+        return int(self._pieces_t[:, 1].sum())
 
     def total_comp(self, ratio: int) -> int:
         """Rows of the global output at ``ratio`` (what ``gather_rows`` returns)."""
         self._ok()
-        return sum((self._cu[b + 1] - self._cu[b]) // ratio for b in range(len(self._cu) - 1))
+        return int(torch.div(self._cu[1:] - self._cu[:-1], ratio, rounding_mode="floor").sum())
 
     def local_token_index(self, device=None) -> torch.Tensor:
         """The global token index of every local token, int64, in local order."""
         from .plan import expand_runs
 
         self._ok()
-        return expand_runs([s for s, _ in self._pieces], [n for _, n in self._pieces]).to(device)
+        return expand_runs(self._pieces_t[:, 0], self._pieces_t[:, 1]).to(device)
 
     def select_local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global ``(T, ...)`` tensor, in local order (a copy)."""
@@ -200,29 +196,29 @@ class CPLayout:
         if self._error is not None:
             return f"CPLayout({self.kind}, invalid: {self._error})"
         return (
-            f"CPLayout({self.kind}, rank={self.rank}, world_size={self.world_size}, tokens={self._cu[-1]}, "
-            f"segments={len(self._cu) - 1}, local_tokens={self.local_tokens}, pieces={len(self._pieces)})"
+            f"CPLayout({self.kind}, rank={self.rank}, world_size={self.world_size}, tokens={self.total_tokens}, "
+            f"segments={self._cu.numel() - 1}, local_tokens={self.local_tokens}, pieces={self._pieces_t.shape[0]})"
         )
 
     # ------------------------------------------------------------------ validation
 
     def _summary(self, call) -> dict:
-        digest = hashlib.blake2b(array("q", self._cu).tobytes(), digest_size=16).hexdigest()
+        digest = hashlib.blake2b(array("q", self._cu.tolist()).tobytes(), digest_size=16).hexdigest()
         return {
             "error": self._error,
             "kind": self.kind,
             "rank": self.rank,
             "world_size": self.world_size,
             "digest": digest,
-            "tokens": self._cu[-1],
-            "segments": len(self._cu) - 1,
-            "pieces": self._pieces,
+            "tokens": int(self._cu[-1]),
+            "segments": self._cu.numel() - 1,
+            "pieces": self._pieces_t,
             "call": call,
         }
 
-    def checked_pieces(self, group, device: torch.device, call: dict, validate: bool) -> list:
-        """Every rank's pieces, gathered and checked on the first call on ``group`` (and on every call with
-        ``validate``); raises the same ValueError on every rank when anything disagrees."""
+    def checked_pieces(self, group, device: torch.device, call: dict, validate: bool) -> list[torch.Tensor]:
+        """Every rank's pieces (``(n, 2)`` int64), gathered and checked on the first call on ``group`` (and on
+        every call with ``validate``); raises the same ValueError on every rank when anything disagrees."""
         key = id(group)
         hit = self._checked.get(key)
         if hit is not None and not validate:
@@ -240,7 +236,7 @@ class CPLayout:
         message = summaries_error(summaries)
         if message is not None:
             raise _error(message)
-        all_pieces = [list(s["pieces"]) for s in summaries]
+        all_pieces = [s["pieces"] for s in summaries]
         self._checked[key] = (group, all_pieces)
         return all_pieces
 
@@ -280,17 +276,26 @@ def summaries_error(summaries: list[dict]) -> str | None:
 
 def _coverage_error(summaries: list[dict]) -> str | None:
     kinds = ", ".join(f"rank {q} {s['kind']}" for q, s in enumerate(summaries))
-    spans = sorted((start, start + length, q) for q, s in enumerate(summaries) for start, length in s["pieces"])
+    table = torch.cat([s["pieces"] for s in summaries])
+    owner = torch.cat([torch.full((s["pieces"].shape[0],), q) for q, s in enumerate(summaries)])
+    order = torch.argsort(table[:, 0], stable=True)
+    start, end, owner = table[order, 0], table[order].sum(1), owner[order]
+    previous_end = torch.cat([torch.zeros(1, dtype=torch.int64), end[:-1]])
     total = summaries[0]["tokens"]
-    pos, holder = 0, None
-    for start, end, q in spans:
-        if start < pos:
-            return f"layouts disagree: global tokens [{start}, {min(pos, end)}) are held by rank {holder} and rank {q} ({kinds})"
-        if start > pos:
-            return f"layouts disagree: global tokens [{pos}, {start}) are held by no rank ({kinds})"
-        pos, holder = end, q
-    if pos < total:
-        return f"layouts disagree: global tokens [{pos}, {total}) are held by no rank ({kinds})"
+    overlap = torch.nonzero(start < previous_end).flatten()
+    if overlap.numel():
+        i = int(overlap[0])
+        span = f"[{int(start[i])}, {min(int(previous_end[i]), int(end[i]))})"
+        return f"layouts disagree: global tokens {span} are held by rank {int(owner[i - 1])} and rank {int(owner[i])} ({kinds})"
+    gap = torch.nonzero(start > previous_end).flatten()
+    if gap.numel():
+        i = int(gap[0])
+        return (
+            f"layouts disagree: global tokens [{int(previous_end[i])}, {int(start[i])}) are held by no rank ({kinds})"
+        )
+    covered = int(end[-1]) if end.numel() else 0
+    if covered < total:
+        return f"layouts disagree: global tokens [{covered}, {total}) are held by no rank ({kinds})"
     return None
 
 

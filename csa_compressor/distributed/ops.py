@@ -9,7 +9,6 @@ layout and configuration, so a call makes no host synchronisation.
 
 from __future__ import annotations
 
-import bisect
 import functools
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from .. import api
 from ..api import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
 from ..autograd import compressor_pool
 from .layout import CPLayout, _error, validation_requested
-from .plan import RankPlan, build_plan, expand_runs
+from .plan import OpPlan, RankPlan, build_plan
 
 __all__ = ["compressor_pool_cp", "gather_rows"]
 
@@ -91,32 +90,6 @@ class DevicePlan:
     no_rows: torch.Tensor  # int32 [0, 0]: the offsets of a call with no row
 
 
-def _op_pack_host(pack, out_pos, n_local: int) -> dict | None:
-    """The host tensors of one op call (see ``_OpPack``), or None when it produces no real row."""
-    if not pack.row_runs:
-        return None
-    ops = expand_runs([r[0] for r in pack.row_runs], [r[1] for r in pack.row_runs])
-    dst = torch.full((pack.rows,), n_local, dtype=torch.int64)
-    dst[ops] = expand_runs([out_pos(r[2]) for r in pack.row_runs], [r[1] for r in pack.row_runs])
-    is_extra = dst == n_local
-    return {
-        "cu": torch.tensor(pack.cu, dtype=torch.int32),
-        "cc": torch.tensor(pack.cc, dtype=torch.int32),
-        "dst": dst,
-        "src": torch.where(is_extra, torch.zeros_like(dst), dst),
-        "extra": torch.nonzero(is_extra).flatten() if bool(is_extra.any()) else None,
-        "in_order": pack.rows == n_local and bool(torch.equal(dst, torch.arange(n_local))),
-    }
-
-
-def _op_pack(dev: dict, prefix: str, pack: dict | None) -> _OpPack | None:
-    if pack is None:
-        return None
-    names = ("cu", "cc", "dst", "src", "extra")
-    cu, cc, dst, src, extra = (dev[f"{prefix}_{name}"] for name in names)
-    return _OpPack(cu, cc, len(pack["dst"]), dst, src, extra)
-
-
 def _to_device(tensors: dict, device: torch.device) -> dict:
     """The host tensors on ``device`` in one asynchronous copy through pinned memory (a copy from pageable
     memory would synchronise the stream), each converted back to its dtype."""
@@ -133,73 +106,65 @@ def _to_device(tensors: dict, device: torch.device) -> dict:
     return out
 
 
-def _row_position(runs):
-    """global row -> position among the ascending ``runs`` (each op run lies inside one of them)."""
-    starts = [s for s, _ in runs]
-    offsets, total = [], 0
-    for _, count in runs:
-        offsets.append(total)
-        total += count
-
-    def position(row: int) -> int:
-        i = bisect.bisect_right(starts, row) - 1
-        return offsets[i] + row - starts[i]
-
-    return position
+def _expand_on_device(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+    """``cat(arange(s, s + c))`` on the runs' device; ``total`` (their summed count, a host int) spares a
+    synchronisation."""
+    device = starts.device
+    run = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=total)
+    offsets = torch.cumsum(counts, 0) - counts
+    return starts[run] + torch.arange(total, device=device) - offsets[run]
 
 
-def _gather_src(plan: RankPlan, max_rows: int) -> torch.Tensor | None:
-    starts, counts, dests = [], [], []
-    for q, runs in enumerate(plan.row_owner_runs):
-        pos = q * max_rows
-        for start, count in sorted(runs):
-            starts.append(start)
-            counts.append(count)
-            dests.append(pos)
-            pos += count
-    order = sorted(range(len(starts)), key=starts.__getitem__)
-    src = expand_runs([dests[i] for i in order], [counts[i] for i in order])
-    return None if torch.equal(src, torch.arange(src.numel())) else src
+def _op_host(op: OpPlan | None, prefix: str) -> dict:
+    if op is None:
+        return {}
+    names = ("cu", "cc", "op_first", "position", "count", "extra")
+    return {f"{prefix}_{name}": getattr(op, name) for name in names}
+
+
+def _op_pack(dev: dict, prefix: str, op: OpPlan | None, n_local: int) -> _OpPack | None:
+    """The device tensors of one op call; ``dst`` / ``src`` are expanded from the runs on the device."""
+    if op is None:
+        return None
+    total = int(op.count.sum())
+    ops = _expand_on_device(dev[f"{prefix}_op_first"], dev[f"{prefix}_count"], total)
+    dst = torch.full((op.rows,), n_local, dtype=torch.int64, device=ops.device)
+    dst[ops] = _expand_on_device(dev[f"{prefix}_position"], dev[f"{prefix}_count"], total)
+    src = torch.where(dst == n_local, torch.zeros_like(dst), dst)
+    return _OpPack(dev[f"{prefix}_cu"], dev[f"{prefix}_cc"], op.rows, dst, src, dev[f"{prefix}_extra"])
 
 
 def device_plan(plan: RankPlan, device: torch.device, group_id: int) -> DevicePlan:
-    n_local = sum(c for _, c in plan.rows)
-    out_pos = _row_position(plan.rows)
-    packs = {"int": _op_pack_host(plan.interior, out_pos, n_local), "b": _op_pack_host(plan.boundary, out_pos, n_local)}
-    host = {f"{p}_{k}": v for p, pack in packs.items() if pack for k, v in pack.items() if k != "in_order"}
-    if packs["b"] is not None and not plan.exchange:
-        host["pack_local"] = expand_runs([r[1] for r in plan.pack_sources], [r[2] for r in plan.pack_sources])
+    n_local = plan.n_local
+    host = {"row_first": plan.row_first, "row_count": plan.row_count, "no_rows": torch.zeros(2, dtype=torch.int32)}
+    host |= {"gather_dest": plan.gather_dest, "gather_count": plan.gather_count}
+    host |= _op_host(plan.interior, "int") | _op_host(plan.boundary, "b")
+    if plan.boundary is not None and not plan.exchange:
+        host["pack_local"] = plan.pack_local
     if plan.exchange:
-        flat = [run for runs in plan.send for run in runs]
-        host["send_idx"] = expand_runs([r[0] for r in flat], [r[1] for r in flat])
-        recv_runs = [run for runs in plan.recv for run in runs]  # in receive-buffer order
-        pack_pos = expand_runs([r[0] for r in recv_runs], [r[1] for r in recv_runs])
-        perm = torch.empty_like(pack_pos)
-        perm[pack_pos] = torch.arange(pack_pos.numel())
-        host["perm"] = perm
-    host["rows"] = expand_runs([s for s, _ in plan.rows], [c for _, c in plan.rows])
-    max_rows = max(plan.rows_per_rank)
-    host["gather_src"] = _gather_src(plan, max_rows)
-    host["no_rows"] = torch.zeros(2, dtype=torch.int32)
+        host["send_idx"], host["perm"] = plan.send_idx, plan.perm
     dev = _to_device(host, device)
-    op = {p: _op_pack(dev, p, pack) for p, pack in packs.items()}
+    interior, boundary = _op_pack(dev, "int", plan.interior, n_local), _op_pack(dev, "b", plan.boundary, n_local)
+    gather_src = None
+    if plan.gather_dest is not None:
+        gather_src = _expand_on_device(dev["gather_dest"], dev["gather_count"], plan.total_rows)
     return DevicePlan(
         plan=plan,
         group_id=group_id,
-        interior=op["int"],
-        boundary=op["b"],
+        interior=interior,
+        boundary=boundary,
         n_local=n_local,
-        rows=dev["rows"],
-        plain=packs["b"] is None and (packs["int"] is None or packs["int"]["in_order"]),
-        dump=any(p is not None and p["extra"] is not None for p in packs.values()),
+        rows=_expand_on_device(dev["row_first"], dev["row_count"], n_local),
+        plain=boundary is None and (interior is None or plan.interior.in_order),
+        dump=any(p is not None and p.extra is not None for p in (interior, boundary)),
         exchange=plan.exchange,
         pack_local=dev.get("pack_local"),
         send_idx=dev.get("send_idx"),
-        send_splits=[sum(c for _, c in runs) for runs in plan.send],
-        recv_splits=[sum(c for _, c in runs) for runs in plan.recv],
+        send_splits=plan.send_splits,
+        recv_splits=plan.recv_splits,
         perm=dev.get("perm"),
-        max_rows=max_rows,
-        gather_src=dev["gather_src"],
+        max_rows=max(plan.rows_per_rank),
+        gather_src=gather_src,
         no_rows=dev["no_rows"],
     )
 
@@ -362,7 +327,7 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate)
     all_pieces = layout.checked_pieces(group, kv.device, call, validate)
     if dp is None:
         rank = dist.get_rank(group) if group is not None else 0
-        dp = device_plan(build_plan(list(layout._cu), all_pieces, rank, ratio, coff), kv.device, id(group))
+        dp = device_plan(build_plan(layout._cu, all_pieces, rank, ratio, coff), kv.device, id(group))
         layout._plans[key] = dp
     return dp
 
