@@ -82,6 +82,7 @@ def suite(world: int, kind: str) -> list:
         ]
     if world == 4:
         cases.append(Case("w4-r4c2-empty-rank", _t(9, 2, 6), 4, 2, "pieces", seed=90, empty_rank=1, cuts=7))
+    cases += _random_cases(world, 5)
     bad = [
         Bad("cu-differs", "cu_seqlens differs between ranks"),
         Bad("overlap", "are held by rank"),
@@ -95,6 +96,23 @@ def suite(world: int, kind: str) -> list:
     ]
     # A good case after the bad ones: the group is still in step.
     return [*cases, *bad, Case(f"w{world}-after-errors", _t(17, 11), 4, 2, "pieces", seed=99)]
+
+
+def _random_cases(world: int, count: int) -> list[Case]:
+    """Random packs (segments shorter than ratio included), configurations and layouts."""
+    rng = random.Random(7919 * world)
+    cases = []
+    for i in range(count):
+        ratio, coff = rng.choice([(4, 2), (128, 1), (128, 2), (2, 1), (4, 1)])
+        layout = rng.choice(["contiguous", "load_balanced", "pieces"])
+        seqlens = [rng.randint(1, 3 * ratio) for _ in range(rng.randint(1, 5))]
+        if layout == "load_balanced":
+            seqlens = [-(-n // (2 * world)) * 2 * world for n in seqlens]
+        empty = rng.choice([None, rng.randrange(world)])
+        cases.append(Case(f"w{world}-random{i}-r{ratio}c{coff}-{layout}", tuple(seqlens), ratio, coff, layout,
+                          head_dim=rng.choice([3, 4, 6, 8]), seed=rng.randrange(1 << 16), empty_rank=empty,
+                          cuts=rng.randint(1, 3 * world)))  # fmt: skip
+    return cases
 
 
 def _nccl_suite(world: int) -> list:
