@@ -105,6 +105,7 @@ class CPLayout:
         self._error = error
         self._cu = cu if error is None else torch.zeros(2, dtype=torch.int64)  # host int64
         self._pieces_t = _normalise(pieces) if error is None else torch.zeros(0, 2, dtype=torch.int64)
+        self._local_tokens = int(self._pieces_t[:, 1].sum())
         self._checked: dict[int, tuple[object, list]] = {}  # id(group) -> (group, every rank's pieces)
         self._plans: dict[tuple, object] = {}  # (ratio, coff, id(group), device) -> DevicePlan
 
@@ -174,7 +175,7 @@ class CPLayout:
     @property
     def local_tokens(self) -> int:
         self._ok()
-        return int(self._pieces_t[:, 1].sum())
+        return self._local_tokens
 
     def total_comp(self, ratio: int) -> int:
         """Rows of the global output at ``ratio`` (what ``gather_rows`` returns)."""

@@ -88,6 +88,7 @@ class DevicePlan:
     max_rows: int
     gather_src: torch.Tensor | None  # None: the gathered rows are already in global order
     no_rows: torch.Tensor  # int32 [0, 0]: the offsets of a call with no row
+    signature: tuple = ()  # shapes, dtypes and devices of the arguments last checked with this plan
 
 
 def _to_device(tensors: dict, device: torch.device) -> dict:
@@ -314,35 +315,36 @@ def _resolve_group(group):
     return group  # None when there is no process group: a world of one rank
 
 
+def _signature(kv, score, ape) -> tuple:
+    return (kv.shape, score.shape, ape.shape, kv.dtype, score.dtype, ape.dtype, kv.device, score.device, ape.device)
+
+
 def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate) -> DevicePlan:
-    key = (ratio, coff, id(group), kv.device)
+    """The plan of this call. Hot path: one dict lookup and a comparison with the arguments the plan was
+    last used with; the first call on a group, a new configuration or new argument shapes take the checks
+    (and the first call on a group, or ``validate``, the collective check of every rank's layout)."""
+    device = getattr(kv, "device", None)
+    key = (ratio, coff, id(group), device)
     dp = layout._plans.get(key)
     if dp is not None and not validate:
+        signature = _signature(kv, score, ape)
+        if signature == dp.signature:
+            return dp
         error = _call_error(layout, kv, score, ape, ratio, coff)
         if error is not None:
             raise _error(error)
+        dp.signature = signature
         return dp
-    call = {"ratio": ratio, "coff": coff, "width": getattr(kv, "shape", (0, 0))[-1], "dtype": str(kv.dtype)}
-    call["error"] = _call_error(layout, kv, score, ape, ratio, coff)
-    all_pieces = layout.checked_pieces(group, kv.device, call, validate)
+    error = _call_error(layout, kv, score, ape, ratio, coff)
+    call = {"ratio": ratio, "coff": coff, "width": kv.shape[-1] if error is None else None, "error": error}
+    call["dtype"] = str(getattr(kv, "dtype", None))
+    all_pieces = layout.checked_pieces(group, device if error is None else torch.device("cpu"), call, validate)
     if dp is None:
         rank = dist.get_rank(group) if group is not None else 0
-        dp = device_plan(build_plan(layout._cu, all_pieces, rank, ratio, coff), kv.device, id(group))
+        dp = device_plan(build_plan(layout._cu, all_pieces, rank, ratio, coff), device, id(group))
         layout._plans[key] = dp
+    dp.signature = _signature(kv, score, ape)
     return dp
-
-
-class _ReduceApeGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ape, group):
-        ctx.group = group
-        return ape.view_as(ape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 @_eager_under_compile
