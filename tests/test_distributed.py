@@ -5,8 +5,10 @@ comparing its rows and gradients with the single-process op on the whole pack, b
 this process: the host plan, the layouts, a world of one rank without a process group.
 """
 
+import importlib.util
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +134,35 @@ def test_plan_moves_only_the_halo(ratio, coff):
         assert sum(plan.recv_splits) - plan.recv_splits[rank] <= boundaries * (coff * ratio - 1)
         rows_seen += expand_runs(plan.row_first, plan.row_count).tolist()
     assert sorted(rows_seen) == list(range(sum(s // ratio for s in seqlens)))
+
+
+def _cp_bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cp_bench.py"
+    spec = importlib.util.spec_from_file_location("cp_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2)])
+@pytest.mark.parametrize("kind", ["contiguous", "load_balanced"])
+def test_halo_formula_of_the_docs(ratio, coff, kind):
+    """docs/distributed.md's halo formula (benchmarks/cp_bench.py) is what the plan receives from other
+    ranks, for Megatron's two THD splits (chunks of at least coff*ratio tokens)."""
+    formula = _cp_bench().halo_tokens_formula
+    rng = random.Random(ratio + coff)
+    for world in (2, 3, 4):
+        seqlens = [2 * world * rng.randint(coff * ratio, 4 * ratio) + (kind == "contiguous") * rng.randint(0, 9)
+                   for _ in range(3)]  # fmt: skip
+        cu = [0]
+        for n in seqlens:
+            cu.append(cu[-1] + n)
+        build = CPLayout.contiguous if kind == "contiguous" else CPLayout.load_balanced
+        layouts = [build(cu, rank, world) for rank in range(world)]
+        pieces = [layout._pieces_t for layout in layouts]
+        for rank, layout in enumerate(layouts):
+            plan = build_plan(cu, pieces, rank, ratio, coff)
+            assert formula(cu, layout.pieces, ratio, coff) == sum(plan.recv_splits) - plan.recv_splits[rank]
 
 
 def test_layouts():
