@@ -6,6 +6,7 @@ this process: the host plan, the layouts, a world of one rank without a process 
 """
 
 import importlib.util
+import os
 import random
 import re
 from pathlib import Path
@@ -209,6 +210,26 @@ def test_gather_rows_needs_the_returned_rows():
 
 
 # ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_nccl_two_gpus_match_single_gpu():
+    """Issue 28 point 1: one process per GPU with NCCL, cute and triton, contiguous / load-balanced / ragged
+    splits at full head_dim: gathered rows and kv/score gradients bitwise, grad_ape within 1e-6 relative, bad
+    layouts a ValueError on both ranks (tests/cp_worker.py, ``_nccl_suite``)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    per_rank = cp_worker.launch((2,), "nccl", timeout_s=float(os.environ.get("CP_NCCL_TIMEOUT", "400")))[2]
+    problems = [
+        f"rank {rank} {name}: {result['problems']}"
+        for rank, results in enumerate(per_rank)
+        for name, result in results.items()
+        if not result["ok"]
+    ]
+    seconds = {name: round(result.get("seconds", 0.0), 1) for name, result in per_rank[0].items()}
+    print("case seconds on rank 0:", seconds)
+    assert not problems, "\n".join(problems)
+    assert len(per_rank[0]) == len(cp_worker.suite(2, "nccl"))
 
 
 @pytest.mark.gpu
