@@ -23,7 +23,9 @@ nvidia-smi topo -m >>"$LOGS/gpu.txt" 2>&1
 python3 -c "import torch, triton, cutlass; print('torch', torch.__version__, 'triton', triton.__version__, 'cutlass-dsl', cutlass.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$LOGS/gpu.txt"
 
 PYTEST="python3 -m pytest -q -ra -p no:cacheprovider -s"
-# 1. CP correctness over NCCL (both GPUs; each rank compiles its kernels once).
+# 1. CP correctness over NCCL (both GPUs; each rank compiles its kernels once). The test kills its rank
+#    processes (and reports their stacks) at CP_NCCL_TIMEOUT, before the shell's timeout would orphan them.
+export CP_NCCL_TIMEOUT=${CP_NCCL_TIMEOUT:-230}
 timeout ${CP_TEST_TIMEOUT:-250} $PYTEST tests/test_distributed.py -k nccl >"$LOGS/cp_nccl_tests.log" 2>&1
 echo "rc=$?" >>"$LOGS/cp_nccl_tests.log"
 # 2. The two-GPU benchmark.

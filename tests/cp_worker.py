@@ -346,7 +346,7 @@ def launch(worlds=(2, 3, 4), kind: str = "gloo", timeout_s: float = 100.0, only=
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         args = (tuple(worlds), kind, store, tmp, only, max(1.0, timeout_s - 5.0))
-        procs = [ctx.Process(target=main, args=(r, *args)) for r in range(size)]
+        procs = [ctx.Process(target=main, args=(r, *args), daemon=True) for r in range(size)]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
