@@ -230,6 +230,15 @@ def test_gather_rows_needs_the_returned_rows():
         compressor_pool_cp(p.kv[:11], p.score[:11], p.ape, layout, ratio=4, coff=2)
 
 
+def test_docs_examples_run():
+    """docs/distributed.md's Python blocks, as a docs test runs them (the two-rank one forks its ranks)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        exec(compile(block, "docs/distributed.md", "exec"), {})
+
+
 # ---------------------------------------------------------------- GPU
 
 
