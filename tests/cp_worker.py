@@ -94,6 +94,7 @@ def suite(world: int, kind: str) -> list:
         Bad("indivisible", "divisible by 2*world_size"),
         Bad("bad-cu-one-rank", "non-decreasing"),
         Bad("validate-per-call", "kv_local has"),
+        Bad("second-config", "kv_local has"),
     ]
     # A good case after the bad ones: the group is still in step.
     return [*cases, *bad, Case(f"w{world}-after-errors", _t(17, 11), 4, 2, "pieces", seed=99)]
@@ -274,18 +275,25 @@ def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
     elif bad.name == "bad-cu-one-rank":
         wrong = torch.tensor([0, seqlens[0] + 3, seqlens[0]], dtype=torch.int32, device=device)
         layout = CPLayout.contiguous(wrong if rank == 0 else cu, rank, world)
-    else:  # kv-rows, validate-per-call
+    else:  # kv-rows, validate-per-call, second-config
         layout = CPLayout.contiguous(cu, rank, world)
         validate = bad.name == "validate-per-call"
     local = layout.local_tokens if layout._error is None else 4
     kv = torch.randn(local, 2 * width, device=device).to(torch.bfloat16)
     ape = torch.zeros(4, 2 * width, device=device)
-    if validate:  # a good first call, then a bad one on the last rank, checked because validate=True
-        compressor_pool_cp(kv, kv, ape, layout, ratio=4, coff=2, group=group, validate=True)
-    if bad.name in ("kv-rows", "validate-per-call") and rank == world - 1:
+    ratio, coff = 4, 2
+    if bad.name in ("validate-per-call", "second-config"):
+        # A good first call; then a bad one on the last rank, checked because validate=True, or because it
+        # is the first call of another configuration (ratio 2, coff 1).
+        compressor_pool_cp(kv, kv, ape, layout, ratio=4, coff=2, group=group, validate=validate)
+        if bad.name == "second-config":
+            ratio, coff, ape = 2, 1, torch.zeros(2, 2 * width, device=device)
+    if bad.name in ("kv-rows", "validate-per-call", "second-config") and rank == world - 1:
         kv = kv[:-1]
     try:
-        out, rows = compressor_pool_cp(kv, kv, ape, layout, ratio=4, coff=2, group=group, validate=validate or None)
+        out, rows = compressor_pool_cp(
+            kv, kv, ape, layout, ratio=ratio, coff=coff, group=group, validate=validate or None
+        )
     except ValueError as exc:
         message = str(exc)
         return {"ok": bad.expect in message, "problems": [] if bad.expect in message else [message], "message": message}

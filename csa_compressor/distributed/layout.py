@@ -4,7 +4,8 @@ A layout is built on the host once per batch: its constructors read ``cu_seqlens
 device-to-host copy, the only synchronisation a layout costs). Construction never raises for bad values:
 a problem is recorded and reported by the first collective call, on every rank, so that one rank's error
 cannot leave the others waiting in a collective. The first call on a process group (and every call in the
-validation mode) gathers every rank's layout summary with one small ``all_gather_object`` and checks it.
+validation mode) gathers every rank's layout summary with one small ``all_gather_object`` and checks it;
+the first call of each further (ratio, coff) gathers and checks the call's arguments.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class CPLayout:
         self._cu = cu if error is None else torch.zeros(2, dtype=torch.int64)  # host int64
         self._pieces_t = _normalise(pieces) if error is None else torch.zeros(0, 2, dtype=torch.int64)
         self._local_tokens = int(self._pieces_t[:, 1].sum())
-        self._checked: dict[int, tuple[object, list]] = {}  # id(group) -> (group, every rank's pieces)
+        # id(group) -> (group, every rank's pieces, the (ratio, coff) whose first call was checked)
+        self._checked: dict[int, tuple[object, list, set]] = {}
         self._plans: dict[tuple, object] = {}  # (ratio, coff, id(group), device) -> DevicePlan
 
     @classmethod
@@ -218,28 +220,49 @@ class CPLayout:
         }
 
     def checked_pieces(self, group, device: torch.device, call: dict, validate: bool) -> list[torch.Tensor]:
-        """Every rank's pieces (``(n, 2)`` int64), gathered and checked on the first call on ``group`` (and on
-        every call with ``validate``); raises the same ValueError on every rank when anything disagrees."""
+        """Every rank's pieces (``(n, 2)`` int64), gathered and checked by the first call on ``group``; the
+        first call of each (ratio, coff) on it (and every call with ``validate``) gathers and checks the call's
+        arguments too. Raises the same ValueError on every rank when anything disagrees."""
         key = id(group)
         hit = self._checked.get(key)
-        if hit is not None and not validate:
+        config = (call["ratio"], call["coff"])
+        if hit is not None and not validate and config in hit[2]:
             return hit[1]
-        if group is None:  # no process group: one rank, nothing to gather
-            summaries = [self._summary(call)]
-        else:
-            summaries = [None] * dist.get_world_size(group)
-            # all_gather_object moves the pickles through the current CUDA device with NCCL.
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    dist.all_gather_object(summaries, self._summary(call), group=group)
-            else:
-                dist.all_gather_object(summaries, self._summary(call), group=group)
-        message = summaries_error(summaries)
+        full = hit is None or validate  # the layouts too, not only the call
+        summary = self._summary(call) if full else {"error": None, "call": call}
+        summaries = _gather(summary, group, device)
+        message = summaries_error(summaries) if full else _call_summaries_error(summaries)
         if message is not None:
             raise _error(message)
-        all_pieces = [s["pieces"] for s in summaries]
-        self._checked[key] = (group, all_pieces)
-        return all_pieces
+        if full:
+            hit = self._checked[key] = (group, [s["pieces"] for s in summaries], set())
+        hit[2].add(config)
+        return hit[1]
+
+
+def _gather(summary: dict, group, device: torch.device) -> list[dict]:
+    """Every rank's ``summary`` (one ``all_gather_object``; no process group: a world of one rank)."""
+    if group is None:
+        return [summary]
+    summaries = [None] * dist.get_world_size(group)
+    if device.type == "cuda":  # with NCCL, all_gather_object moves the pickles through the current device
+        with torch.cuda.device(device):
+            dist.all_gather_object(summaries, summary, group=group)
+    else:
+        dist.all_gather_object(summaries, summary, group=group)
+    return summaries
+
+
+def _call_summaries_error(summaries: list[dict]) -> str | None:
+    """What is wrong with the call's arguments on any rank, or where ranks disagree on it."""
+    errors = [f"rank {q}: {s['call']['error']}" for q, s in enumerate(summaries) if s["call"].get("error")]
+    if errors:
+        return "; ".join(errors)
+    first = summaries[0]
+    for q, s in enumerate(summaries[1:], 1):
+        if s["call"] != first["call"]:
+            return f"ranks disagree on the call: rank 0 {first['call']}, rank {q} {s['call']}"
+    return None
 
 
 def summaries_error(summaries: list[dict]) -> str | None:
@@ -263,16 +286,7 @@ def summaries_error(summaries: list[dict]) -> str | None:
                 f"cu_seqlens differs between ranks: rank 0 has {first['tokens']} tokens in {first['segments']} "
                 f"segments, rank {q} {s['tokens']} tokens in {s['segments']} segments (or other offsets)"
             )
-    message = _coverage_error(summaries)
-    if message is not None:
-        return message
-    errors = [f"rank {q}: {s['call']['error']}" for q, s in enumerate(summaries) if s["call"].get("error")]
-    if errors:
-        return "; ".join(errors)
-    for q, s in enumerate(summaries[1:], 1):
-        if s["call"] != first["call"]:
-            return f"ranks disagree on the call: rank 0 {first['call']}, rank {q} {s['call']}"
-    return None
+    return _coverage_error(summaries) or _call_summaries_error(summaries)
 
 
 def _coverage_error(summaries: list[dict]) -> str | None:
