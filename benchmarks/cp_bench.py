@@ -15,10 +15,11 @@ Two GPUs (issue 28, on nvidia-h200-x2)::
 
     python3 benchmarks/cp_bench.py --world 2 --out $OUT/cp_two_gpus
 
-spawns one process per GPU (NCCL) and measures, for 2x8192 and 2x65536-token packs split over the two
-GPUs (contiguous and load-balanced): the CP op forward and forward+backward, ``gather_rows`` forward and
-backward, the single-GPU op on one rank's share (a pack of half the tokens), the NCCL kernels' own time in
-the halo exchange (profiler), and the bytes the exchange moved against the formula of docs/distributed.md.
+spawns one process per GPU (NCCL) and measures, for a sequence of 2x8192 and one of 2x65536 tokens split
+over the two GPUs (contiguous, load-balanced, and cut so that a group straddles the ranks): the CP op
+forward and forward+backward (with and without ``gather_rows``), the single-GPU op on one rank's share (a
+sequence of half the tokens), the NCCL kernels' own time in the halo exchange and in ``gather_rows``
+(profiler), and the bytes the exchange moved against the formula of docs/distributed.md.
 
 Both write ``<out>/cp_bench.json`` (records) and ``<out>/cp_bench.md`` (tables) and print the tables.
 """
@@ -42,12 +43,15 @@ ONE_GPU_CASES = (  # name, seqlens, head_dim, ratio, coff
     ("1x8192-d128-r128-c1", (8192,), 128, 128, 1),
     ("1x65536-d512-r128-c2", (65536,), 512, 128, 2),
 )
-TWO_GPU_CASES = (
-    ("2x8192-d512-r4-c2", (8192, 8192), 512, 4, 2),
-    ("2x8192-d512-r128-c1", (8192, 8192), 512, 128, 1),
-    ("2x65536-d512-r4-c2", (65536, 65536), 512, 4, 2),
-    ("2x65536-d512-r128-c1", (65536, 65536), 512, 128, 1),
+TWO_GPU_CASES = (  # one sequence of world x share tokens
+    ("2x8192-d512-r4-c2", (16384,), 512, 4, 2),
+    ("2x8192-d512-r128-c1", (16384,), 512, 128, 1),
+    ("2x65536-d512-r4-c2", (131072,), 512, 4, 2),
+    ("2x65536-d512-r128-c1", (131072,), 512, 128, 1),
 )
+# contiguous: the sequence cut in the middle (a group boundary); load_balanced: Transformer Engine's
+# 2*world chunks; straddling: cut one token after the middle, so that a group straddles the ranks.
+TWO_GPU_LAYOUTS = ("contiguous", "load_balanced", "straddling")
 
 
 def halo_tokens_formula(cu: list[int], pieces, ratio: int, coff: int) -> int:
@@ -196,8 +200,12 @@ def _two_gpu_case(case, layout_kind: str, backend: str, rank: int, world: int, d
 
     name, seqlens, head_dim, ratio, coff = case
     pack = make_pack(seqlens, head_dim, ratio, coff, device=device, seed=2)
-    build = CPLayout.contiguous if layout_kind == "contiguous" else CPLayout.load_balanced
-    layout = build(pack.cu_seqlens, rank, world)
+    if layout_kind == "straddling":
+        cuts = [0] + [q * sum(seqlens) // world + 1 for q in range(1, world)] + [sum(seqlens)]
+        layout = CPLayout.from_pieces(pack.cu_seqlens, [(cuts[rank], cuts[rank + 1] - cuts[rank])])
+    else:
+        build = CPLayout.contiguous if layout_kind == "contiguous" else CPLayout.load_balanced
+        layout = build(pack.cu_seqlens, rank, world)
     share = make_pack(tuple(s // world for s in seqlens), head_dim, ratio, coff, device=device, seed=3)
     fns = _callables(pack, layout, backend)
     op_only = _callables(pack, layout, backend, gather=False)
@@ -258,7 +266,7 @@ def _rank_main(rank: int, world: int, backends, store: str, result: str) -> None
     timer = _timer(device)
     runs, records = [], []
     for case in TWO_GPU_CASES:
-        for layout_kind in ("contiguous", "load_balanced"):
+        for layout_kind in TWO_GPU_LAYOUTS:
             for backend in backends:
                 try:
                     runs.append(_two_gpu_case(case, layout_kind, backend, rank, world, device))
