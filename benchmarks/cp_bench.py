@@ -193,20 +193,27 @@ def _synced_wall(fn, calls: int, group) -> float:
     return statistics.median(times)
 
 
+_PACKS: dict = {}
+
+
 def _two_gpu_case(case, layout_kind: str, backend: str, rank: int, world: int, device):
     """The record's constant part and the callables of one case (the measurements come later)."""
     from csa_compressor.distributed import CPLayout
     from csa_compressor.testing import make_pack
 
     name, seqlens, head_dim, ratio, coff = case
-    pack = make_pack(seqlens, head_dim, ratio, coff, device=device, seed=2)
+    if name not in _PACKS:  # the same packs for every layout and backend of a case (building one takes seconds)
+        _PACKS.clear()
+        share = tuple(s // world for s in seqlens)
+        _PACKS[name] = (make_pack(seqlens, head_dim, ratio, coff, device=device, seed=2),
+                        make_pack(share, head_dim, ratio, coff, device=device, seed=3))  # fmt: skip
+    pack, share = _PACKS[name]
     if layout_kind == "straddling":
         cuts = [0] + [q * sum(seqlens) // world + 1 for q in range(1, world)] + [sum(seqlens)]
         layout = CPLayout.from_pieces(pack.cu_seqlens, [(cuts[rank], cuts[rank + 1] - cuts[rank])])
     else:
         build = CPLayout.contiguous if layout_kind == "contiguous" else CPLayout.load_balanced
         layout = build(pack.cu_seqlens, rank, world)
-    share = make_pack(tuple(s // world for s in seqlens), head_dim, ratio, coff, device=device, seed=3)
     fns = _callables(pack, layout, backend)
     op_only = _callables(pack, layout, backend, gather=False)
     share_fns = _callables(share, CPLayout.contiguous(share.cu_seqlens, 0, 1), backend)
