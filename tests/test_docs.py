@@ -93,7 +93,8 @@ def test_performance_tables_agree():
 def test_no_lab_notebook_in_user_pages():
     """Run ids, rounds, A/B talk and internal document names stay out of the README and the user docs."""
     banned = re.compile(
-        r"\b\d{8}T\d{4}Z\b|T\d{4}Z\b|\bround\b|\brounds\b|\bA/B\b|\bSPEC\b|\bthe seed\b|\bseed's\b|NOTES_cute"
+        r"\bT\d{4}Z\b|\d{8}T\d{4}Z|\b\w+(?:st|nd|rd|th) round\b|\bround \d+\b|\bA/B\b|\bSPEC\b|\bthe seed\b"
+        r"|\bseed's\b|NOTES_cute|_h200_\d{8}"
     )
     for page in PAGES:
         if page.name in ("history.md",):
