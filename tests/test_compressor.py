@@ -36,7 +36,7 @@ def _eager_rope(x, positions, rope_dim, theta, interleaved):
     if rope_dim == 0:
         return x
     inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-    angles = (positions.double()[:, None] * inv_freq[None, :]).float()
+    angles = (positions.double()[:, None] * inv_freq[None, :]).float().to(x.device)
     keep, rot = x[:, : x.shape[1] - rope_dim], x[:, x.shape[1] - rope_dim :]
     if interleaved:
         pairs = torch.view_as_complex(rot.reshape(rot.shape[0], -1, 2).contiguous())
@@ -178,7 +178,7 @@ def test_matches_eager_module_gpu(case):
     ratio, coff, learned_ape, head_dim, rope_dim, interleaved, seqlens = case
     module = Compressor(
         64, head_dim * 8, ratio, coff=coff, rope_dim=rope_dim * 4, rope_interleaved=interleaved,
-        learned_ape=learned_ape, max_position=1024, device="cuda",
+        learned_ape=learned_ape, max_position=4096, device="cuda",
     )  # fmt: skip
     x, cu = _pack(tuple(s * 4 for s in seqlens), 64, padding=5, seed=3)
     x, cu = x.cuda(), cu.cuda()
