@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .autograd import compressor_pool
+from .tail import row_positions
 from .thd import compute_cu_seqlens_comp
 
 __all__ = ["Compressor", "rope_tables"]
@@ -32,23 +33,6 @@ def rope_tables(
     inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=device) / rope_dim)
     angles = torch.arange(max_position, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
     return torch.cos(angles).float(), torch.sin(angles).float()
-
-
-def _row_positions(
-    cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int, position_start: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per output row: its position (``position_start[b] + j * ratio``; 0 for padding rows) and ``is_real``.
-
-    Device-side, no host synchronisation (CUDA graphs, ``torch.compile``).
-    """
-    comp = cu_seqlens_comp.to(torch.int64)
-    rows = torch.arange(total_comp, device=comp.device, dtype=torch.int64)
-    segment = (torch.searchsorted(comp, rows, right=True) - 1).clamp_(0, max(comp.numel() - 2, 0))
-    positions = (rows - comp[segment]) * ratio
-    if position_start is not None:
-        positions = positions + position_start.to(device=comp.device, dtype=torch.int64)[segment]
-    is_real = rows < comp[-1]
-    return torch.where(is_real, positions, torch.zeros_like(positions)), is_real
 
 
 def _norm_rope(
@@ -201,7 +185,8 @@ class Compressor(nn.Module):
             total_comp=total_comp,
             backend=self.backend,
         )
-        positions, is_real = _row_positions(cu_seqlens_comp, total_comp, self.ratio, position_start)
+        positions = row_positions(cu_seqlens_comp, total_comp, self.ratio, position_start)
+        is_real = torch.arange(total_comp, device=positions.device) < cu_seqlens_comp[-1]
         return _norm_rope(
             pooled,
             is_real,
