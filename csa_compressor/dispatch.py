@@ -23,7 +23,7 @@ __all__ = [
 
 ENV_VAR = "CSA_COMPRESSOR_BACKEND"
 _CHOICES = ("auto", *BACKENDS)
-# "auto" preference on CUDA, fastest first (measured on H200: benchmarks/results/).
+# "auto" preference on CUDA, fastest first.
 _AUTO_ORDER_CUDA = ("cute", "triton", "reference")
 
 

@@ -17,6 +17,8 @@ pass waits on L2 rather than DRAM. Exact zeros as the short-window backward (``Z
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -26,7 +28,16 @@ from .configs import BackwardLongConfig, launch_bound
 from .ptx import ex2, prefetch_l2
 from .reduce import ApeReduce
 from .softmax import LOG2E, online_fold
-from .window import WindowSlots, bf16_registers, find_segment, register_slots, registers, store_vector, vec_view
+from .window import (
+    Segments,
+    WindowSlots,
+    bf16_registers,
+    find_segment,
+    register_slots,
+    registers,
+    store_vector,
+    vec_view,
+)
 from .zeros import ZeroStores
 
 
@@ -44,14 +55,16 @@ class BackwardLongWindow:
         self.reduce = ApeReduce(c.reduce)
 
     @cute.jit
-    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
-                 cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, gape: cute.Pointer,
-                 ws: cute.Pointer, stats: cute.Pointer, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32,
-                 num_ctas: Int32, stream: cuda.CUstream):  # fmt: skip
+    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
+                 segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
         """Host function: the main kernel over ``[num_ctas, column_chunks]`` CTAs, then the grad_ape reduction;
         ``stats`` is not read."""
         cfg = self.config
-        self.kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta).launch(
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
+        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
             grid=[num_ctas, cfg.tiles, 1],
             block=[cfg.threads, 1, 1],
             smem=cfg.smem_bytes,
@@ -59,7 +72,7 @@ class BackwardLongWindow:
             min_blocks_per_mp=launch_bound(cfg.threads),
             preferred_smem_carveout=cfg.carveout,
         )
-        self.reduce.launch(ws, gape, num_ctas, stream)
+        self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
@@ -76,9 +89,8 @@ class BackwardLongWindow:
         col_ok = Boolean(True)
         if cutlass.const_expr(not cfg.columns_exact):
             col_ok = c < cfg.head_dim
-        cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
-        cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
-        nreal = cuc_t[B]
+        seg = Segments(cu, cuc, B)
+        nreal = seg.cuc[B]
         smem = cutlass.memory.SmemAllocator()
         sm_dape = smem.allocate_tensor(Float32, cute.make_layout(cfg.window * cw), byte_alignment=16)
         shared = [
@@ -98,16 +110,16 @@ class BackwardLongWindow:
             registers(width, BFloat16),
             *(registers(width) for _ in range(6)),  # gf, vm, vl, va, dvo, dlo
         )
-        coords = (tidx, tc, g, c, col_ok)
+        th = SimpleNamespace(tidx=tidx, tc=tc, g=g, c=c, col_ok=col_ok)
+        io = SimpleNamespace(kv=kv, score=score, ape=ape, gout=gout, gkv=gkv, gsc=gsc)
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
         for r in cutlass.range(row_begin, row_lim):
-            self.row(kv, score, ape, gout, gkv, gsc, cu_t, cuc_t, B, r, row_lim, regs, zero,
-                     (sm_dape, *shared, sm_res), coords)  # fmt: skip
+            self.row(io, seg, r, row_lim, regs, zero, (sm_dape, *shared, sm_res), th)
         # Exact zeros: segments with no row (seqlen < ratio) and token-capacity padding.
         if col_ok:
-            self.zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, g, cfg.slot_groups, c)
+            self.zeros.unowned(gkv, gsc, zero, seg, T, bx, gdx, g, cfg.slot_groups, c)
         # This CTA's grad_ape slab: each thread copies the entries it owns.
         if col_ok:
             for k in cutlass.range_constexpr(spg):
@@ -118,12 +130,14 @@ class BackwardLongWindow:
                 )
 
     @cute.jit
-    def row(self, kv, score, ape, gout, gkv, gsc, cu_t, cuc_t, B, r, row_lim, regs, zero, smem, coords):
+    def row(self, io, seg, r, row_lim, regs, zero, smem, th):
         """Both passes over row ``r`` and the exact zeros a segment's last row owns."""
         cfg = self.config
+        kv, score, ape = io.kv, io.score, io.ape
+        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
         kvb, scb, apf, gb = regs[:4]
         vm, vl, va = regs[5:8]
-        tidx, tc, g, c, col_ok = coords
+        g, c, col_ok = th.g, th.c, th.col_ok
         b = find_segment(cuc_t, B, r)
         j = r - cuc_t[b]
         t0 = cu_t[b] + j * cfg.ratio
@@ -133,7 +147,7 @@ class BackwardLongWindow:
         active = col_ok
         gb.fill(0.0)
         if active:
-            gb.store(vec_view(gout, r * cfg.head_dim + c, cfg.vector_width).load())
+            gb.store(vec_view(io.gout, r * cfg.head_dim + c, cfg.vector_width).load())
         # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
         self.slots.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
         for bi in cutlass.range_constexpr(cfg.batches):
@@ -143,14 +157,14 @@ class BackwardLongWindow:
             online_fold(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi, cfg.vector_width, cfg.slots_per_batch)
         # The second pass's first batch is in flight during the combine.
         self.slots.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
-        self.combine(smem, vm, vl, va, tidx, tc, g)
+        self.combine(smem, vm, vl, va, th.tidx, th.tc, g)
         if cutlass.const_expr(cfg.prefetch_next_row):
-            self.prefetch_row(kv, score, cu_t, cuc_t, B, r + 1, row_lim, g, tc, c, col_ok)
-        self.gradients(kv, score, ape, gkv, gsc, regs, smem[0], smem[4], t0, first, active, coords)
+            self.prefetch_row(io, seg, r + 1, row_lim, th)
+        self.gradients(io, regs, smem, t0, first, active, th)
         # Exact zeros owned by a segment's last row.
         if active & last:
             spg = cfg.slots_per_batch * cfg.batches
-            self.zeros.segment_tail(gkv, gsc, zero, t0, seg_end, g * spg, spg, c)
+            self.zeros.segment_tail(io.gkv, io.gsc, zero, t0, seg_end, g * spg, spg, c)
 
     @cute.jit
     def combine(self, smem, vm, vl, va, tidx, tc, g):
@@ -181,16 +195,17 @@ class BackwardLongWindow:
         cute.arch.sync_threads()
 
     @cute.jit
-    def prefetch_row(self, kv, score, cu_t, cuc_t, B, rn, row_lim, g, tc, c, col_ok):
+    def prefetch_row(self, io, seg, rn, row_lim, th):
         """Row ``rn``'s window of the thread's slots into L2, one prefetch per 128-byte line of the CTA's columns:
         DRAM stays busy during this row's second pass."""
         cfg = self.config
         line_threads = max(1, 128 // (2 * cfg.vector_width))  # column threads per 128-byte line
         spg = cfg.slots_per_batch * cfg.batches
-        if (rn < row_lim) & col_ok & (tc % line_threads == 0):
-            bn = find_segment(cuc_t, B, rn)
-            jn = rn - cuc_t[bn]
-            t0n = cu_t[bn] + jn * cfg.ratio
+        g, c = th.g, th.c
+        if (rn < row_lim) & th.col_ok & (th.tc % line_threads == 0):
+            bn = find_segment(seg.cuc, seg.count, rn)
+            jn = rn - seg.cuc[bn]
+            t0n = seg.cu[bn] + jn * cfg.ratio
             for k in cutlass.range_constexpr(spg):
                 s = g * spg + k
                 half = s // cfg.ratio
@@ -199,17 +214,18 @@ class BackwardLongWindow:
                     okn = (half == 1) | (jn != 0)
                 if okn:
                     off = (t0n - (cfg.coff - 1) * cfg.ratio + s) * (cfg.coff * cfg.head_dim) + half * cfg.head_dim + c
-                    prefetch_l2(kv + off)
-                    prefetch_l2(score + off)
+                    prefetch_l2(io.kv + off)
+                    prefetch_l2(io.score + off)
 
     @cute.jit
-    def gradients(self, kv, score, ape, gkv, gsc, regs, sm_dape, sm_res, t0, first, active, coords):
+    def gradients(self, io, regs, smem, t0, first, active, th):
         """Pass 2: the row's statistics into registers, then per slot dv and dlogit, stored right away, and dlogit
         added to the slot's grad_ape entries in shared memory."""
         cfg = self.config
         width, cw, batch = cfg.vector_width, cfg.columns_per_cta, cfg.slots_per_batch
         kvb, scb, apf, gb, gf, vm, vl, va, dvo, dlo = regs
-        _, tc, g, c, col_ok = coords
+        sm_dape, sm_res = smem[0], smem[4]
+        tc, g, c = th.tc, th.g, th.c
         gf.store(gb.load().to(Float32))
         for i in cutlass.range_constexpr(width):
             vm[i] = sm_res[tc * width + i]
@@ -217,8 +233,9 @@ class BackwardLongWindow:
             va[i] = gf[i] * sm_res[2 * cw + tc * width + i]  # S = g * sum p*v
         for bi in cutlass.range_constexpr(cfg.batches):
             if cutlass.const_expr(bi + 1 < cfg.batches):
-                self.slots.issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
-            self.slots.load_ape(ape, apf, bi, g, c, col_ok)
+                self.slots.issue(io.kv, io.score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0,
+                                 first)  # fmt: skip
+            self.slots.load_ape(io.ape, apf, bi, g, c, th.col_ok)
             kvf, scf = kvb[bi % 2], scb[bi % 2]
             for k in cutlass.range_constexpr(batch):
                 s = self.slots.slot(g, bi, k)
@@ -233,7 +250,7 @@ class BackwardLongWindow:
                     valid = active & ((half == 1) | (not first))
                 if valid:
                     off = (t0 - (cfg.coff - 1) * cfg.ratio + s) * (cfg.coff * cfg.head_dim) + half * cfg.head_dim + c
-                    store_vector(gkv, off, width, dvo.load().to(BFloat16))
-                    store_vector(gsc, off, width, dlo.load().to(BFloat16))
+                    store_vector(io.gkv, off, width, dvo.load().to(BFloat16))
+                    store_vector(io.gsc, off, width, dlo.load().to(BFloat16))
                     sv = vec_view(sm_dape.iterator, s * cw + tc * width, width)
                     sv.store(sv.load() + dlo.load())

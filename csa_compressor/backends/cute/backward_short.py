@@ -33,6 +33,7 @@ from .reduce import ApeReduce
 from .softmax import LOG2E, exact_probabilities, torch_order_sum
 from .window import (
     NEG_INF,
+    Segments,
     WindowSlots,
     bf16_registers,
     find_segment,
@@ -85,14 +86,16 @@ class BackwardShortWindow:
         self.reduce = ApeReduce(c.reduce)
 
     @cute.jit
-    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
-                 cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, gape: cute.Pointer,
-                 ws: cute.Pointer, stats: cute.Pointer, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32,
-                 num_ctas: Int32, stream: cuda.CUstream):  # fmt: skip
+    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
+                 segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
         """Host function: the main kernel over ``[num_ctas, column_chunks]`` CTAs, then the grad_ape reduction;
         ``stats`` is not read."""
         cfg = self.config
-        self.kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta).launch(
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
+        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
             grid=[num_ctas, cfg.tiles, 1],
             block=[cfg.threads, 1, 1],
             smem=cfg.smem_bytes,
@@ -100,7 +103,7 @@ class BackwardShortWindow:
             min_blocks_per_mp=launch_bound(cfg.threads),
             preferred_smem_carveout=cfg.carveout,
         )
-        self.reduce.launch(ws, gape, num_ctas, stream)
+        self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
@@ -118,19 +121,19 @@ class BackwardShortWindow:
         col_ok = Boolean(True)
         if cutlass.const_expr(not cfg.columns_exact):
             col_ok = c < cfg.head_dim
-        cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
-        cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
-        nreal = cuc_t[B]
+        seg = Segments(cu, cuc, B)
+        nreal = seg.cuc[B]
         smem = self.allocate_shared()
         regs = _Registers(cfg)
         self.slots.load_ape(ape, regs.apf, 0, g, c, col_ok)  # the same for every row of the thread
         regs.allocate_row(cfg)
         th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok)
-        self.rows(kv, score, ape, gout, gkv, gsc, cu_t, cuc_t, B, N, nreal, rows_per_cta, regs, smem, th)
+        io = SimpleNamespace(kv=kv, score=score, gout=gout, gkv=gkv, gsc=gsc)
+        self.rows(io, seg, N, nreal, rows_per_cta, regs, smem, th)
         # Exact zeros: segments with no group (seqlen < ratio) and token-capacity padding.
         if col_ok:
             lanes = cfg.row_lanes * cfg.slot_groups  # threads sharing one column vector
-            self.zeros.unowned(gkv, gsc, regs.zero, cu_t, cuc_t, B, T, bx, gdx, lane, lanes, c)
+            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, bx, gdx, lane, lanes, c)
         self.write_slab(ws, regs.dap, smem[0], tidx, g, rl, c, col_ok, bx)
 
     def allocate_shared(self):
@@ -149,7 +152,7 @@ class BackwardShortWindow:
         return sm_red, sm_a, sm_b, sm_res
 
     @cute.jit
-    def rows(self, kv, score, ape, gout, gkv, gsc, cu_t, cuc_t, B, N, nreal, rows_per_cta, regs, smem, th):
+    def rows(self, io, seg, N, nreal, rows_per_cta, regs, smem, th):
         """The CTA's row range, row lanes side by side, the next row's loads issued before the current row's math."""
         cfg = self.config
         R = cfg.row_lanes
@@ -160,18 +163,15 @@ class BackwardShortWindow:
         row_lim = cutlass.min(cutlass.min(row_end, N), nreal)
         n_iter = rows_per_cta // R
         r0 = row_begin + rl
-        active, t0, first, last, seg_end = self.load_row(
-            kv, score, gout, cu_t, cuc_t, B, regs.kvb[0], regs.scb[0], regs.gbb[0], r0, col_ok & (r0 < row_lim), g, c
-        )
+        active, t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), g, c)
         for jp in cutlass.range((n_iter + 1) // 2):
             for ph in cutlass.range_constexpr(2):
                 rn = row_begin + (2 * jp + ph + 1) * R + rl
                 n_active, n_t0, n_first, n_last, n_seg_end = self.load_row(
-                    kv, score, gout, cu_t, cuc_t, B, regs.kvb[1 - ph], regs.scb[1 - ph], regs.gbb[1 - ph], rn,
-                    col_ok & (rn < row_lim), g, c,
-                )  # fmt: skip
+                    io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim), g, c
+                )
                 row = (active, t0, first, last, seg_end)
-                self.compute_row(gkv, gsc, regs, ph, smem, row, th)
+                self.compute_row(io.gkv, io.gsc, regs, ph, smem, row, th)
                 active = n_active
                 t0 = n_t0
                 first = n_first
@@ -179,8 +179,11 @@ class BackwardShortWindow:
                 seg_end = n_seg_end
 
     @cute.jit
-    def load_row(self, kv, score, gout, cu_t, cuc_t, B, kvf, scf, gb, r, ok, g, c):
-        """Row layout of row r and every DRAM load of the thread's window slots (issued, not waited for)."""
+    def load_row(self, io, seg, regs, buf: cutlass.Constexpr, r, ok, g, c):
+        """Row layout of row r and every DRAM load of the thread's window slots into buffer set ``buf`` (issued,
+        not waited for)."""
+        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
+        kvf, scf, gb = regs.kvb[buf], regs.scb[buf], regs.gbb[buf]
         active = ok
         t0 = Int32(0)
         first = Boolean(True)
@@ -193,10 +196,10 @@ class BackwardShortWindow:
             first = j == 0
             last = r == cuc_t[b + 1] - 1
             seg_end = cu_t[b + 1]
-        self.load_window(kv, score, kvf, scf, active, t0, first, g, c)
+        self.load_window(io.kv, io.score, kvf, scf, active, t0, first, g, c)
         gb.fill(0.0)
         if active:
-            gb.store(vec_view(gout, r * self.config.head_dim + c, self.config.vector_width).load())
+            gb.store(vec_view(io.gout, r * self.config.head_dim + c, self.config.vector_width).load())
         return active, t0, first, last, seg_end
 
     @cute.jit

@@ -22,6 +22,8 @@ segments without rows and the token-capacity padding.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -32,6 +34,7 @@ from .ptx import ex2
 from .reduce import ApeReduce
 from .softmax import LOG2E
 from .window import (
+    Segments,
     WindowSlots,
     bf16_registers,
     find_segment,
@@ -60,17 +63,19 @@ class BackwardWithStats:
         self.reduce = None if c.whole_tile else ApeReduce(c.reduce)
 
     @cute.jit
-    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
-                 cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, gape: cute.Pointer,
-                 ws: cute.Pointer, stats: cute.Pointer, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32,
-                 num_ctas: Int32, stream: cuda.CUstream):  # fmt: skip
+    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
+                 segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
         """Host function: the main kernel over ``[num_ctas, tiles]`` CTAs, then the grad_ape reduction (the
-        whole-tile form writes grad_ape itself and leaves ``ws`` unused)."""
+        whole-tile form writes grad_ape itself and leaves ``slabs`` unused)."""
         cfg = self.config
-        slabs = ws
+        partials = slabs
         if cutlass.const_expr(cfg.whole_tile):
-            slabs = gape
-        self.kernel(kv, score, ape, cu, cuc, gout, gkv, gsc, slabs, stats, B, N, T, rows_per_cta).launch(
+            partials = grad_ape  # one row range: its slab is grad_ape itself
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, partials, stats)
+        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
             grid=[num_ctas, cfg.tiles, 1],
             block=[cfg.threads, 1, 1],
             smem=cfg.smem_bytes,
@@ -79,7 +84,7 @@ class BackwardWithStats:
             preferred_smem_carveout=cfg.carveout,
         )
         if cutlass.const_expr(not cfg.whole_tile):
-            self.reduce.launch(ws, gape, num_ctas, stream)
+            self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
@@ -100,51 +105,49 @@ class BackwardWithStats:
         col_ok = Boolean(True)
         if cutlass.const_expr(not cfg.columns_exact):
             col_ok = c < cfg.head_dim
-        cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
-        cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
-        nreal = real_rows(cu_t, cuc_t, B)
-        zero = registers(width, BFloat16)
-        zero.fill(0.0)
-        window = (
-            bf16_registers(sg, width),
-            bf16_registers(sg, width),
-            bf16_registers(sg, width),
-            bf16_registers(sg, width),
-        )  # fmt: skip  (current kv, current score, next kv, next score)
-        apf = register_slots(sg, width)
-        dape = register_slots(sg, width)
+        seg = Segments(cu, cuc, B)
+        nreal = real_rows(seg.cu, seg.cuc, B)
+        regs = SimpleNamespace(zero=registers(width, BFloat16))
+        regs.zero.fill(0.0)
+        # The current row step's kv and score, and the next step's.
+        regs.window = tuple(bf16_registers(sg, width) for _ in range(4))
+        regs.apf = register_slots(sg, width)
+        regs.dape = register_slots(sg, width)
         for k in cutlass.range_constexpr(sg):
-            dape[k].fill(0.0)
-        step = (registers(width, BFloat16), *(registers(width) for _ in range(5)))  # gb, vm, vl, vo, dvo, dlo
-        self.slots.load_ape(ape, apf, 0, gg, c, col_ok)
+            regs.dape[k].fill(0.0)
+        # grad_out, max, 1/sum, out, dv, dlogit of the current row step.
+        regs.step = (registers(width, BFloat16), *(registers(width) for _ in range(5)))
+        self.slots.load_ape(ape, regs.apf, 0, gg, c, col_ok)
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
         row_first = row_begin + rl
-        ahead = self.first_loads(kv, score, gout, stats, cu_t, cuc_t, B, window, row_first, row_lim, gg, c, col_ok)
-        coords = (gg, c, col_ok)
+        io = SimpleNamespace(kv=kv, score=score, gout=gout, stats=stats, gkv=gkv, gsc=gsc)
+        th = SimpleNamespace(gg=gg, c=c, col_ok=col_ok)
+        regs.ahead = self.first_loads(io, seg, regs.window, row_first, row_lim, th)
         for r in cutlass.range(row_first, row_lim, lanes):
-            self.row_step(kv, score, gout, stats, gkv, gsc, cu_t, cuc_t, B, r, row_lim, window, ahead, step, apf,
-                          dape, zero, coords)  # fmt: skip
+            self.row_step(io, seg, r, row_lim, regs, th)
         # Exact zeros: segments with no row and token-capacity padding (the first slot chunk's CTAs).
         if col_ok & (bz == 0):
-            self.zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, rl * groups + gl, groups * lanes, c)
-        self.write_slab(ws, dape, tc, gl, rl, gg, c, col_ok, bx)
+            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, bx, gdx, rl * groups + gl, groups * lanes, c)
+        self.write_slab(ws, regs.dape, tc, gl, rl, gg, c, col_ok, bx)
 
     @cute.jit
-    def first_loads(self, kv, score, gout, stats, cu_t, cuc_t, B, window, row_first, row_lim, gg, c, col_ok):
+    def first_loads(self, io, seg, window, row_first, row_lim, th):
         """Registers for the next row step's grad_out and statistics, and the loads of the thread's first row."""
         cfg = self.config
         _, _, nxt_kv, nxt_sc = window
+        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
+        gg, c, col_ok = th.gg, th.c, th.col_ok
         ahead = (registers(cfg.vector_width, BFloat16), *(registers(cfg.vector_width) for _ in range(3)))
         for t in ahead:
             t.fill(0.0)
         if row_first < row_lim:
             b0 = find_segment(cuc_t, B, row_first)
             j0 = row_first - cuc_t[b0]
-            self.slots.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[b0] + j0 * cfg.ratio, j0 == 0)
+            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[b0] + j0 * cfg.ratio, j0 == 0)
             if col_ok:
-                self.load_row_inputs(gout, stats, row_first, c, ahead)
+                self.load_row_inputs(io.gout, io.stats, row_first, c, ahead)
         return ahead
 
     @cute.jit
@@ -161,17 +164,18 @@ class BackwardWithStats:
         o_dst.store(vec_view(stats, base + 2 * d, width).load())
 
     @cute.jit
-    def row_step(self, kv, score, gout, stats, gkv, gsc, cu_t, cuc_t, B, r, row_lim, window, ahead, step, apf,
-                 dape, zero, coords):  # fmt: skip
+    def row_step(self, io, seg, r, row_lim, regs, th):
         """Row ``r``: its registers from the step ahead, the next step's loads issued, then the gradients."""
         cfg = self.config
-        cur_kv, cur_sc, nxt_kv, nxt_sc = window
-        gg, c, col_ok = coords
+        cur_kv, cur_sc, nxt_kv, nxt_sc = regs.window
+        ahead = regs.ahead
+        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
+        gg, c, col_ok = th.gg, th.c, th.col_ok
         lanes = cfg.row_lanes
         for k in cutlass.range_constexpr(cfg.slots_per_group):
             cur_kv[k].store(nxt_kv[k].load())
             cur_sc[k].store(nxt_sc[k].load())
-        for dst, src in zip(step[:4], ahead, strict=True):  # grad_out, max, 1/sum, out
+        for dst, src in zip(regs.step[:4], ahead, strict=True):  # grad_out, max, 1/sum, out
             dst.store(src.load())
         b = find_segment(cuc_t, B, r)
         j = r - cuc_t[b]
@@ -182,23 +186,24 @@ class BackwardWithStats:
             bn = find_segment(cuc_t, B, r + lanes)
             jn = r + lanes - cuc_t[bn]
             t0n = cu_t[bn] + jn * cfg.ratio
-            self.slots.issue(kv, score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, jn == 0)
+            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, jn == 0)
             if col_ok:
-                self.load_row_inputs(gout, stats, r + lanes, c, ahead)
-        self.gradients(gkv, gsc, window, step, apf, dape, t0, first, coords)
+                self.load_row_inputs(io.gout, io.stats, r + lanes, c, ahead)
+        self.gradients(io.gkv, io.gsc, regs, t0, first, th)
         # Exact zeros owned by a segment's last row (this thread's slots and columns).
         if col_ok & (r == cuc_t[b + 1] - 1):
-            self.zeros.segment_tail(gkv, gsc, zero, t0, cu_t[b + 1], gg * cfg.slots_per_group,
+            self.zeros.segment_tail(io.gkv, io.gsc, regs.zero, t0, cu_t[b + 1], gg * cfg.slots_per_group,
                                     cfg.slots_per_group, c)  # fmt: skip
 
     @cute.jit
-    def gradients(self, gkv, gsc, window, step, apf, dape, t0, first, coords):
+    def gradients(self, gkv, gsc, regs, t0, first, th):
         """dv and dlogit of the thread's slots and columns of one row, stored at once; dlogit into grad_ape."""
         cfg = self.config
         width = cfg.vector_width
-        cur_kv, cur_sc, _, _ = window
-        gb, vm, vl, vo, dvo, dlo = step
-        gg, c, col_ok = coords
+        cur_kv, cur_sc, _, _ = regs.window
+        gb, vm, vl, vo, dvo, dlo = regs.step
+        apf, dape = regs.apf, regs.dape
+        gg, c, col_ok = th.gg, th.c, th.col_ok
         gw = widen_plain(gb, width)
         for k in cutlass.range_constexpr(cfg.slots_per_group):
             s = gg * cfg.slots_per_group + k

@@ -3,13 +3,13 @@ with a TVM-FFI entry point (called with integer pointers, Python ints and the st
 
 Host function signatures (``kind`` of the kernel class):
 
-- ``forward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, B, N, stream)``;
-- ``backward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ws,
-  stats, B, N, T, rows_per_cta, num_ctas, stream)``,
+- ``forward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, stream)``;
+- ``backward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, slabs,
+  stats, segments, total_comp, tokens, rows_per_cta, num_ctas, stream)``,
 
-with 16-byte aligned global pointers, ``B = len(cu_seqlens) - 1`` segments, ``N = total_comp`` rows, ``T``
-tokens; ``stats`` is the softmax statistics ``(N, 3, head_dim)`` fp32 where the kernel uses them (any value
-elsewhere), ``ws`` the grad_ape slabs of the persistent backward grid (``rows_per_cta``, ``num_ctas``).
+with 16-byte aligned global pointers, ``segments = len(cu_seqlens) - 1``, ``tokens`` the rows of kv; ``stats`` is
+the softmax statistics ``(total_comp, 3, head_dim)`` fp32 where the kernel uses them (any value elsewhere),
+``slabs`` the grad_ape partials of the persistent backward grid of ``num_ctas`` CTAs x ``rows_per_cta`` rows.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from cutlass import BFloat16, Boolean, Float32, Int32
 from .configs import ForwardLongConfig, ForwardShortConfig, launch_bound
 from .ptx import ex2, mul_rn
 from .softmax import exact_probabilities, online_fold, torch_order_sum
-from .window import WindowSlots, bf16_registers, register_slots, registers, row_start, vec_view, widen
+from .window import Segments, WindowSlots, bf16_registers, register_slots, registers, row_start, vec_view, widen
 
 
 @cute.jit
@@ -69,16 +69,16 @@ class ForwardShortWindow:
         self.slots = WindowSlots(config.ratio, config.coff, config.head_dim, config.vector_width, w, w, True)
 
     @cute.jit
-    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
-                 cuc: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, B: Int32, N: Int32,
-                 stream: cuda.CUstream):  # fmt: skip
+    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                 cu_seqlens_comp: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, segments: Int32,
+                 total_comp: Int32, stream: cuda.CUstream):  # fmt: skip
         """Host function; ``stats`` is not written (short windows save no statistics)."""
         cfg = self.config
         bounds = {}
         if cutlass.const_expr(cfg.ctas_per_sm_cap > 0):
             bounds = dict(min_blocks_per_mp=cfg.ctas_per_sm_cap, preferred_smem_carveout=50)
-        self.kernel(kv, score, ape, cu, cuc, out, B, N).launch(
-            grid=[(N + cfg.rows_per_cta - 1) // cfg.rows_per_cta, cfg.column_chunks, 1],
+        self.kernel(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp).launch(
+            grid=[(total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta, cfg.column_chunks, 1],
             block=[cfg.threads, 1, 1],
             smem=0,
             stream=stream,
@@ -90,11 +90,10 @@ class ForwardShortWindow:
                cuc: cute.Pointer, out: cute.Pointer, B: Int32, N: Int32):  # fmt: skip
         cfg = self.config
         th = forward_coordinates(cfg, 1, False)
-        cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
-        cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
+        seg = Segments(cu, cuc, B)
         col_ok = _columns_ok(cfg, th.c)
         active = (th.r < N) & col_ok
-        t0, first = row_start(cu_t, cuc_t, B, th.r, active, cfg.ratio)
+        t0, first = row_start(seg, th.r, active, cfg.ratio)
         self.pool_row(kv, score, ape, out, th.g, th.c, th.r, col_ok, active, t0, first)
 
     @cute.jit
@@ -132,12 +131,12 @@ class ForwardLongWindow:
                                  c.slots_per_batch * c.batches, True)  # fmt: skip
 
     @cute.jit
-    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
-                 cuc: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, B: Int32, N: Int32,
-                 stream: cuda.CUstream):  # fmt: skip
+    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                 cu_seqlens_comp: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, segments: Int32,
+                 total_comp: Int32, stream: cuda.CUstream):  # fmt: skip
         """Host function; ``stats`` is written with ``write_stats`` only."""
         cfg = self.config
-        rows = (N + cfg.rows_per_cta - 1) // cfg.rows_per_cta
+        rows = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta
         grid = [rows, cfg.column_chunks, 1]
         if cutlass.const_expr(cfg.chunk_major):
             grid = [rows * cfg.column_chunks, 1, 1]
@@ -146,9 +145,10 @@ class ForwardLongWindow:
         bounds = dict(min_blocks_per_mp=launch_bound(cfg.threads), preferred_smem_carveout=50)
         launch = dict(grid=grid, block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream, **bounds)
         if cutlass.const_expr(cfg.write_stats):
-            self.kernel_with_stats(kv, score, ape, cu, cuc, out, stats, B, N).launch(**launch)
+            args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp)
+            self.kernel_with_stats(*args).launch(**launch)
         else:
-            self.kernel(kv, score, ape, cu, cuc, out, B, N).launch(**launch)
+            self.kernel(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp).launch(**launch)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
@@ -165,11 +165,10 @@ class ForwardLongWindow:
         cfg = self.config
         th = forward_coordinates(cfg, cfg.slot_groups, cfg.chunk_major)
         g, c = th.g, th.c
-        cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
-        cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
+        seg = Segments(cu, cuc, B)
         col_ok = _columns_ok(cfg, c)
         active = (th.r < N) & col_ok
-        t0, first = row_start(cu_t, cuc_t, B, th.r, active, cfg.ratio)
+        t0, first = row_start(seg, th.r, active, cfg.ratio)
         buffers = self.start_window(kv, score, g, c, active, t0, first)
         smem_row = cfg.slot_groups * cfg.columns_per_cta  # floats per (quantity, row lane)
         smem = cutlass.memory.SmemAllocator()

@@ -30,6 +30,8 @@ __all__ = [
     "AUTOGRAD_STATS",
     "backward",
     "backward_grid",
+    "call_backward",
+    "call_forward",
     "compile",
     "device_unsupported_reason",
     "forward",
@@ -188,11 +190,11 @@ def _prime(launcher, direction: str, ratio: int, coff: int, head_dim: int, index
         out = torch.empty((1, head_dim), dtype=torch.bfloat16, device=dev)
         functions = [launcher.function] + ([launcher.wide.function] if launcher.wide is not None else [])
         for function in functions:
-            _forward_call(function, kv, kv, ape, cu, cuc, out, stats, None)
+            call_forward(function, kv, kv, ape, cu, cuc, out, stats, None)
     else:
         grad_out = torch.zeros((1, head_dim), dtype=torch.bfloat16, device=dev)
         grads = (torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape))
-        _backward_call(launcher, kv, kv, ape, cu, cuc, grad_out, *grads, None, stats, scratch=False)
+        call_backward(launcher, (kv, kv, ape, cu, cuc, grad_out, *grads), None, stats, scratch=False)
 
 
 def _stream_handle(stream, index: int) -> int:
@@ -203,7 +205,8 @@ def _stream_handle(stream, index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def _forward_call(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream) -> None:
+def call_forward(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream) -> None:
+    """One launch of a forward host function (of any configuration) on the current device."""
     function(kv.data_ptr(), score.data_ptr(), ape.data_ptr(), cu_seqlens.data_ptr(), cu_seqlens_comp.data_ptr(),
              out.data_ptr(), 0 if stats is None else stats.data_ptr(), cu_seqlens.shape[0] - 1, out.shape[0],
              _stream_handle(stream, kv.device.index))  # fmt: skip
@@ -218,10 +221,10 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, strea
         launcher = _launcher(direction, ratio, coff, out.shape[1], kv.dtype, index)
     function = launcher.function if out.shape[0] < launcher.wide_rows else launcher.wide.function
     if index == _GET_DEVICE():
-        _forward_call(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream)
+        call_forward(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream)
     else:
         with torch.cuda.device(index):
-            _forward_call(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream)
+            call_forward(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream)
 
 
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff,
@@ -233,19 +236,19 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
     launcher = _LAUNCHERS.get((direction, ratio, coff, head_dim, kv.dtype, index))
     if launcher is None:
         launcher = _launcher(direction, ratio, coff, head_dim, kv.dtype, index)
-    args = (launcher, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
-            stats)  # fmt: skip
+    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
     if index == _GET_DEVICE():
-        _backward_call(*args)
+        call_backward(launcher, tensors, stream, stats)
     else:
         with torch.cuda.device(index):
-            _backward_call(*args)
+            call_backward(launcher, tensors, stream, stats)
 
 
-def _backward_call(launcher, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape,
-                   stream, stats, scratch: bool = True) -> None:  # fmt: skip
-    """``backward`` on the tensors' device, which is the current device here; ``scratch``: the slabs may come from
+def call_backward(launcher, tensors, stream, stats, scratch: bool = True) -> None:
+    """``backward`` on the tensors' device, which is the current device here. ``tensors``: (kv, score, ape,
+    cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape); ``scratch``: the slabs may come from
     the stream's reusable scratch (eager calls)."""
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape = tensors
     device = kv.device
     n = grad_out.shape[0]
     rows_per_cta, num_ctas = backward_grid(launcher, n, ape.numel())

@@ -153,9 +153,11 @@ def bf16_registers(count: int, width: int) -> list:
 
 
 @cute.jit
-def row_start(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32, r, active, ratio: cutlass.Constexpr):
-    """(t0, first) of row ``r``: its first own token and whether it is its segment's first group. Padding rows
-    (``r >= cu_seqlens_comp[-1]``) and inactive threads take t0 = 0 and behave as a segment's first group."""
+def row_start(seg, r, active, ratio: cutlass.Constexpr):
+    """(t0, first) of row ``r`` of ``seg`` (``Segments``): its first own token and whether it is its segment's
+    first group. Padding rows (``r >= cu_seqlens_comp[-1]``) and inactive threads take t0 = 0 and behave as a
+    segment's first group."""
+    cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
     nreal = real_rows(cu_t, cuc_t, B)
     t0 = Int32(0)
     first = Boolean(True)
@@ -165,3 +167,13 @@ def row_start(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32, r, active, ratio:
         t0 = cu_t[b] + j * ratio
         first = j == 0
     return t0, first
+
+
+class Segments:
+    """The pack's segment offsets on the device: ``cu`` (cu_seqlens) and ``cuc`` (cu_seqlens_comp) of ``count``
+    segments."""
+
+    def __init__(self, cu: cute.Pointer, cuc: cute.Pointer, count: Int32):
+        self.cu = cute.make_tensor(cu, cute.make_layout(count + 1))
+        self.cuc = cute.make_tensor(cuc, cute.make_layout(count + 1))
+        self.count = count

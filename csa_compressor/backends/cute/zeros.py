@@ -44,7 +44,9 @@ class ZeroStores:
                     store_vector(gsc, own_tok * (self.coff * self.head_dim) + c, self.width, zero.load())
 
     @cute.jit
-    def unowned(self, gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, lane, lanes: cutlass.Constexpr, c):
+    def unowned(self, gkv, gsc, zero, seg, T, bx, gdx, lane, lanes: cutlass.Constexpr, c):
+        """``seg``: the pack's ``Segments``; ``T`` tokens; CTA ``bx`` of ``gdx``, thread ``lane`` of ``lanes``."""
+        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
         for b in cutlass.range(bx, B, gdx):
             if cuc_t[b + 1] == cuc_t[b]:
                 for t in cutlass.range(cu_t[b] + lane, cu_t[b + 1], lanes):
