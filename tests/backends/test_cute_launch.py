@@ -192,3 +192,79 @@ def test_cache_folder_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache.cache_root() == tmp_path / "home" / ".cache" / "csa_compressor"
+
+
+class _Recorder:
+    """A stand-in host function: records its arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def host_path(monkeypatch):
+    """The per-call path of launch.forward / launch.backward on CPU tensors, with recording host functions: the
+    current device and stream are stubbed (no CUDA here)."""
+    monkeypatch.setattr(launch, "_GET_DEVICE", lambda: None)  # CPU tensors' device index
+    monkeypatch.setattr(launch, "_RAW_STREAM", lambda index: 0x5EED)
+    monkeypatch.setattr(launch, "_IS_CAPTURING", lambda: False)
+    monkeypatch.setattr(launch, "_LAUNCHERS", {})
+    monkeypatch.setattr(launch, "_SCRATCH", {})
+    return launch._LAUNCHERS
+
+
+def _ptrs(*tensors):
+    return tuple(t.data_ptr() for t in tensors)
+
+
+@pytest.mark.parametrize("stats", [False, True])
+def test_forward_passes_pointers_sizes_and_stream(host_path, stats):
+    from csa_compressor.testing import make_pack
+
+    ratio, coff, d = (128, 1, 64) if stats else (4, 2, 64)
+    pack = make_pack((300, 9, 130), d, ratio, coff, comp_padding=2, seed=1)
+    kv, score, ape, cu, cuc = pack.inputs
+    n = pack.total_comp
+    fake = launch.ForwardLauncher.__new__(launch.ForwardLauncher)
+    fake.function, fake.wide, fake.wide_rows = _Recorder(), _Recorder(), n + 1
+    host_path[("forward_stats" if stats else "forward", ratio, coff, d, kv.dtype, None)] = fake
+    out = torch.empty((n, d), dtype=kv.dtype)
+    st = torch.empty((n, 3, d)) if stats else None
+    launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None, st)
+    expected = (*_ptrs(kv, score, ape, cu, cuc, out), st.data_ptr() if stats else 0, cu.shape[0] - 1, n, 0x5EED)
+    assert fake.function.calls == [expected] and fake.wide.calls == []
+    fake.wide_rows = n  # a launch of wide_rows rows takes the register-capped build
+    launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None, st)
+    assert fake.wide.calls == [expected]
+
+
+@pytest.mark.parametrize("whole_tile", [False, True])
+def test_backward_passes_the_grid_and_reuses_the_stream_scratch(host_path, whole_tile):
+    from types import SimpleNamespace
+
+    from csa_compressor.testing import make_pack
+
+    pack = make_pack((300, 9, 130), 64, 4, 2, token_padding=3, comp_padding=2, seed=2)
+    kv, score, ape, cu, cuc = pack.inputs
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    fake = launch.BackwardLauncher.__new__(launch.BackwardLauncher)
+    fake.config, fake.function = SimpleNamespace(whole_tile=whole_tile), _Recorder()
+    fake.row_lanes, fake.tiles, fake.capacity = 4, 2, 2 if whole_tile else 16
+    host_path[("backward", 4, 2, 64, kv.dtype, None)] = fake
+    for _ in range(2):
+        launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None)
+    n = pack.total_comp
+    rows_per_cta, num_ctas = launch.backward_grid(fake, n, ape.numel())
+    assert rows_per_cta % 4 == 0 and rows_per_cta * num_ctas >= n and num_ctas * 2 <= max(fake.capacity, 2)
+    first, second = fake.function.calls
+    head = _ptrs(kv, score, ape, cu, cuc, pack.grad_out, *grads)
+    tail = (0, cu.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas, 0x5EED)
+    assert first[:9] == head and first[10:] == tail and second == first
+    if whole_tile:
+        assert first[9] == 0 and not launch._SCRATCH  # grad_ape written by the one kernel: no slabs
+    else:
+        entry = launch._SCRATCH[(None, 0x5EED)]
+        assert first[9] == entry.ptr and entry.numel >= num_ctas * ape.numel()  # one scratch per (device, stream)

@@ -344,7 +344,12 @@ def backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec):
         groups = max(g for g in range(1, min(batches, 32) + 1) if batches % g == 0 and tc * g <= 256)
         if batches // groups == 1 or width < 8:
             break
-    return BackwardLongConfig(ratio, coff, head_dim, width, tc, groups, sg, batches // groups, window <= 128)
+    config = BackwardLongConfig(ratio, coff, head_dim, width, tc, groups, sg, batches // groups, window <= 128)
+    if config.smem_bytes > device.shared_memory_per_block:
+        raise ValueError(
+            f"cute backend: the long-window backward of {config} does not fit {device.arch}'s shared memory"
+        )
+    return config
 
 
 def backward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec):

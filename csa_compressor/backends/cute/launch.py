@@ -93,8 +93,8 @@ def host_function(kernel_class, config, arch: str):
 
 
 class ForwardLauncher:
-    """A forward configuration on one device; the short-window forward of 8-slot windows also has a
-    register-capped build that launches of at least ``wide_rows`` rows take."""
+    """A forward configuration on one device: its host function and, for the short-window forward of 8-slot
+    windows, the register-capped build's (``wide``) that launches of at least ``wide_rows`` rows take."""
 
     __slots__ = ("config", "function", "wide", "wide_rows")
 
@@ -188,7 +188,7 @@ def _prime(launcher, direction: str, ratio: int, coff: int, head_dim: int, index
     stats = torch.zeros((1, 3, head_dim), dtype=torch.float32, device=dev) if direction.endswith("_stats") else None
     if direction.startswith("forward"):
         out = torch.empty((1, head_dim), dtype=torch.bfloat16, device=dev)
-        functions = [launcher.function] + ([launcher.wide.function] if launcher.wide is not None else [])
+        functions = [launcher.function] + ([launcher.wide] if launcher.wide is not None else [])
         for function in functions:
             call_forward(function, kv, kv, ape, cu, cuc, out, stats, None)
     else:
@@ -219,7 +219,7 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, strea
     launcher = _LAUNCHERS.get((direction, ratio, coff, out.shape[1], kv.dtype, index))
     if launcher is None:
         launcher = _launcher(direction, ratio, coff, out.shape[1], kv.dtype, index)
-    function = launcher.function if out.shape[0] < launcher.wide_rows else launcher.wide.function
+    function = launcher.function if out.shape[0] < launcher.wide_rows else launcher.wide
     if index == _GET_DEVICE():
         call_forward(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream)
     else:
