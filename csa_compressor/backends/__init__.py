@@ -32,10 +32,3 @@ device). Inputs have been validated by ``csa_compressor.support`` before a call.
 """
 
 BACKENDS = ("cute", "triton", "reference")
-
-# The forward kernels read the window data (kv, score) exactly once and load it evict-first (cute
-# ``ld.global.cs``, Triton ``eviction_policy="evict_first"``), so that streaming it through L2 evicts its own lines
-# rather than other, possibly dirty, data; the backward kernels load and store plainly, where the policy measured
-# slower. Fixed policies, not switches: the Triton kernels still read these two names.
-STREAM_LOADS = True
-STREAM_BACKWARD = "none"
