@@ -171,25 +171,33 @@ class CSACompressorForward(_Op):
         launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, softmax_stats)
         return out
 
-    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, stats=False, validate=False):
+    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate=False):
         """``execute`` of a compiled op for the wrappers: recheck with ``total_comp`` (before anything is
-        allocated), allocate ``out`` (and, with ``stats``, the softmax statistics) and launch."""
+        allocated), allocate ``out``, launch."""
         rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp)
         if validate or _validation_env() is not None:
             self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
         # Allocated on the current stream; with an explicit `stream`, the use is recorded there.
         out = kv.new_empty((rows, self._head_dim))
-        softmax_stats = None
-        if stats:
-            softmax_stats = torch.empty((rows, 3, self._head_dim), dtype=torch.float32, device=kv.device)
-            self.config.recheck_stats(softmax_stats, rows)
         if rows:
             if stream is not None:
-                _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats))
-            self._launch(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, softmax_stats
-            )
-        return (out, softmax_stats) if stats else out
+                _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
+            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, None)
+        return out
+
+    def _run_fresh_stats(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate=False):
+        """``_run_fresh`` that also allocates and fills the softmax statistics: ``(out, softmax_stats)``."""
+        rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp)
+        stats = torch.empty((rows, 3, self._head_dim), dtype=torch.float32, device=kv.device)
+        self.config.recheck_stats(stats, rows)  # long windows only: names the bound otherwise
+        if validate or _validation_env() is not None:
+            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
+        out = kv.new_empty((rows, self._head_dim))
+        if rows:
+            if stream is not None:
+                _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats))
+            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, stats)
+        return out, stats
 
 
 class CSACompressorBackward(_Op):
@@ -251,17 +259,27 @@ class CSACompressorBackward(_Op):
             self.compile()
         rows = self._recheck(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
         grads = grad_kv, grad_score, grad_ape
-        return self._launch_rows(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, softmax_stats, validate)
+        if rows == 0 or softmax_stats is not None or validate or stream is not None or _validation_env() is not None:
+            return self._launch_rows(
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, softmax_stats, validate
+            )
+        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, self._ratio, self._coff, None, None)
+        return grads
 
     def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, stats=None, validate=False):
         """``execute`` of a compiled op for the wrappers, which allocate the gradients (``torch.empty_like``)."""
         rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
         # The kernel writes every element: uninitialised buffers, one allocation each.
         grads = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
-        return self._launch_rows(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate)
+        if rows == 0 or stats is not None or validate or stream is not None or _validation_env() is not None:
+            return self._launch_rows(
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate
+            )
+        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, self._ratio, self._coff, None, None)
+        return grads
 
     def _launch_rows(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate):
-        """The checked part of both paths: the optional statistics and validation, then the kernel (or zeros)."""
+        """The rarer part of both paths (no rows, statistics, validation, an explicit stream), then the kernel."""
         grad_kv, grad_score, grad_ape = grads
         if stats is not None:
             self.config.recheck_stats(stats, rows)
@@ -408,7 +426,9 @@ def _pool_forward(
         op = _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key)
     if total_comp is None:
         total_comp = _rows_on_device(cu_seqlens_comp)
-    return op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, return_stats, validate)
+    if return_stats:
+        return op._run_fresh_stats(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate)
+    return op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate)
 
 
 def _pool_backward(
@@ -456,11 +476,27 @@ def csa_compressor_forward_wrapper(
     ``validate=True`` (or ``CSA_COMPRESSOR_VALIDATE=1``): check the offsets' contents on the device first (one
     host synchronisation; refused under CUDA-graph capture), see ``validate_pack``.
     """
-    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim, stream)
     if return_softmax_stats:
-        out, stats = _pool_forward(*args, True, validate)
+        out, stats = _pool_forward(
+            kv,
+            score,
+            ape,
+            cu_seqlens,
+            cu_seqlens_comp,
+            ratio,
+            coff,
+            total_comp,
+            backend,
+            head_dim,
+            stream,
+            True,
+            validate,
+        )
         return TupleDict(out=out, softmax_stats=stats)
-    return TupleDict(out=_pool_forward(*args, False, validate))
+    out = _pool_forward(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim, stream, False, validate
+    )
+    return TupleDict(out=out)
 
 
 def csa_compressor_backward_wrapper(

@@ -22,6 +22,7 @@ import functools
 import numbers
 import operator
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -71,16 +72,18 @@ class Bind:
 
 # Where a full check takes the configuration's values: derived from the call, or given (softmax_stats).
 _DERIVE, _GIVEN = "derive", "given"
-_CONSTANTS = "DTYPE, WIDTH, HEAD_DIM, RATIO, COFF, APE_SHAPE, DEV, dev, DEVICE, USES_STATS"
+_CONSTANTS = "DTYPE, WIDTH, HEAD_DIM, RATIO, COFF, APE_SHAPE, DEVICE, CUDA_INDEX, USES_STATS"
+
+# ``t.device == DEVICE`` builds a torch.device per read; the rechecks read the device as cheaply as is exact for
+# the configuration's device type (get_device() is -1 for CPU and meta alike, so it serves CUDA only).
+_DEVICE_TEST = re.compile(r"(\w+)\.device == DEVICE")
+_DEVICE_TESTS = {"cuda": r"\1.get_device() == CUDA_INDEX", "cpu": r"\1.is_cpu", "meta": r"\1.is_meta"}
 
 
-def _device_key(device: torch.device):
-    """How the recheck reads a tensor's device: ``get_device()`` on CUDA (an index), else the device."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return index, torch.Tensor.get_device
-    # Off CUDA, get_device() is -1 for CPU and meta alike: compare the devices themselves.
-    return device, operator.attrgetter("device")
+def _cuda_index(device: torch.device) -> int:
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,6 @@ class Config:
 
     def __post_init__(self):
         width = self.coff * self.head_dim
-        dev_value, dev = _device_key(self.device)
         constants = (
             self.dtype,
             width,
@@ -111,14 +113,14 @@ class Config:
             self.ratio,
             self.coff,
             (self.ratio, width),
-            dev_value,
-            dev,
             self.device,
+            _cuda_index(self.device),
             uses_softmax_stats(self.ratio, self.coff),
         )
         object.__setattr__(self, "width", width)
         object.__setattr__(self, "constants", constants)
-        for name, make in _RECHECK_FACTORIES.items():
+        factories = _RECHECK_FACTORIES.get(self.device.type, _RECHECK_FACTORIES["other"])
+        for name, make in factories.items():
             object.__setattr__(self, f"recheck_{name}", make(self))
 
 
@@ -141,7 +143,9 @@ def _is_tensor(name):
 
 
 def _rank(name, rank):
-    return Bound(f"{name}.dim() == {rank}", f"{name} must have rank {rank}", f"got shape {{tuple({name}.shape)}}", False)
+    return Bound(
+        f"{name}.dim() == {rank}", f"{name} must have rank {rank}", f"got shape {{tuple({name}.shape)}}", False
+    )
 
 
 def _layout(name, dtype, align):
@@ -162,7 +166,12 @@ def _layout(name, dtype, align):
 
 
 def _device(name):
-    return Bound(f"dev({name}) == DEV", "all tensors must be on one device", f"{name} is on {{{name}.device}}, not {{DEVICE}}")
+    # The rechecks read the device the cheapest exact way for the configuration's device type (_DEVICE_TESTS).
+    return Bound(
+        f"{name}.device == DEVICE",
+        "all tensors must be on one device",
+        f"{name} is on {{{name}.device}}, not {{DEVICE}}",
+    )
 
 
 def _shape(name, shape):
@@ -176,7 +185,12 @@ def _operand(name, rank, dtype, align, shape):
 
 SCALARS = (
     Bind("ratio, coff, head_dim", "_exact_int(ratio), _exact_int(coff), _exact_int(head_dim)", per_call=False),
-    Bound("type(ratio) is int and 1 <= ratio <= MAX_RATIO", "ratio must be an int in [1, {MAX_RATIO}]", "got ratio={ratio!r}", False),
+    Bound(
+        "type(ratio) is int and 1 <= ratio <= MAX_RATIO",
+        "ratio must be an int in [1, {MAX_RATIO}]",
+        "got ratio={ratio!r}",
+        False,
+    ),
     Bound("type(coff) is int and coff in (1, 2)", "coff must be 1 or 2", "got coff={coff!r}", False),
     Bound(
         "head_dim is None or (type(head_dim) is int and head_dim >= 1)",
@@ -188,11 +202,17 @@ SCALARS = (
 
 TOTAL_TOKENS = (
     Bind("total_tokens", "_exact_int(total_tokens)", per_call=False),
-    Bound("type(total_tokens) is int and total_tokens >= 0", "total_tokens must be a non-negative int", "got total_tokens={total_tokens!r}"),
+    Bound(
+        "type(total_tokens) is int and total_tokens >= 0",
+        "total_tokens must be a non-negative int",
+        "got total_tokens={total_tokens!r}",
+    ),
 )
 
 TOTAL_COMP = Bound(
-    "type(total_comp) is int and total_comp >= 0", "total_comp must be a non-negative int", "got total_comp={total_comp!r}"
+    "type(total_comp) is int and total_comp >= 0",
+    "total_comp must be a non-negative int",
+    "got total_comp={total_comp!r}",
 )
 
 # The two offset arrays (also validate_pack's host-side part).
@@ -221,7 +241,9 @@ PACK = (
     _rank("kv", 2),
     Bind("kv_shape", "kv.shape"),
     Bind("T, width", "kv_shape"),
-    Bound("width % coff == 0", "kv.shape[1] must be coff * head_dim", "got kv.shape[1]={width} with coff={coff}", False),
+    Bound(
+        "width % coff == 0", "kv.shape[1] must be coff * head_dim", "got kv.shape[1]={width} with coff={coff}", False
+    ),
     _DERIVE,
     Bound("HEAD_DIM >= 1", "head_dim must be >= 1", "got head_dim={HEAD_DIM}", False),
     Bound("width == WIDTH", "kv.shape[1] must be coff * head_dim", "got {width} != {COFF} * {HEAD_DIM}"),
@@ -230,7 +252,9 @@ PACK = (
     *_operand("score", 2, "DTYPE", 16, "kv_shape"),
     *_operand("ape", 2, "F32", 16, "APE_SHAPE"),
     *OFFSETS,
-    Bound("T * width < INT32_LIMIT", "int32 offsets need T * coff * head_dim < 2**31", "got {T} * {width} = {T * width}"),
+    Bound(
+        "T * width < INT32_LIMIT", "int32 offsets need T * coff * head_dim < 2**31", "got {T} * {width} = {T * width}"
+    ),
 )
 
 
@@ -241,7 +265,11 @@ def _rows_operand(name):
         _rank(name, 2),
         Bind("rows, row_width", f"{name}.shape"),
         *_layout(name, "DTYPE", 16),
-        Bound("row_width == HEAD_DIM", f"{name}.shape[1] must be head_dim={{HEAD_DIM}}", f"got shape {{tuple({name}.shape)}}"),
+        Bound(
+            "row_width == HEAD_DIM",
+            f"{name}.shape[1] must be head_dim={{HEAD_DIM}}",
+            f"got shape {{tuple({name}.shape)}}",
+        ),
         _device(name),
     )
 
@@ -255,7 +283,9 @@ ROWS_NEED_TOKENS = Bound(
 )
 
 ROWS = (
-    Bound("rows * HEAD_DIM < INT32_LIMIT", "int32 offsets need total_comp * head_dim < 2**31", "got {rows} * {HEAD_DIM}"),
+    Bound(
+        "rows * HEAD_DIM < INT32_LIMIT", "int32 offsets need total_comp * head_dim < 2**31", "got {rows} * {HEAD_DIM}"
+    ),
     ROWS_NEED_TOKENS,
 )
 
@@ -289,7 +319,6 @@ TOTAL_COMP_ROWS = (
 # validate_pack's host-side part: the offsets on their own, on cu_seqlens' device.
 OFFSETS_ALONE = (
     _is_tensor("cu_seqlens"),
-    Bind("DEV, dev", "_device_key(cu_seqlens.device)"),
     Bind("DEVICE", "cu_seqlens.device"),
     *OFFSETS,
 )
@@ -319,7 +348,9 @@ def _full_source(name: str, params: str, steps, returns: str, bound_names: dict)
     lines = [f"def {name}({params}):"]
     for step in steps:
         if step is _DERIVE:
-            lines.append("    cfg = Config(ratio, coff, width // coff if head_dim is None else head_dim, kv.dtype, kv.device)")
+            lines.append(
+                "    cfg = Config(ratio, coff, width // coff if head_dim is None else head_dim, kv.dtype, kv.device)"
+            )
         if step in (_DERIVE, _GIVEN):
             lines.append(f"    {_CONSTANTS} = cfg.constants")
         elif isinstance(step, Bind):
@@ -330,15 +361,17 @@ def _full_source(name: str, params: str, steps, returns: str, bound_names: dict)
     return "\n".join(lines)
 
 
-def _recheck_source(name: str, args: tuple, steps) -> str:
-    """``make_<name>(cfg)``: the recheck closure over ``cfg``'s constants; returns ``rows`` when every per-call
-    bound holds, else hands the arguments to the full check (``_recheck_failed``)."""
+def _recheck_source(name: str, args: tuple, steps, device_type: str) -> str:
+    """``make_<name>_<device_type>(cfg)``: the recheck closure over ``cfg``'s constants; returns ``rows`` when every
+    per-call bound holds, else hands the arguments to the full check (``_recheck_failed``)."""
     binds = [f"            {s.names} = {s.expr}" for s in steps if isinstance(s, Bind) and s.per_call]
     tests = [f"({s.test})" for s in steps if isinstance(s, Bound) and s.per_call]
+    if device_type in _DEVICE_TESTS:
+        tests = [_DEVICE_TEST.sub(_DEVICE_TESTS[device_type], test) for test in tests]
     arglist = ", ".join(args)
     return "\n".join(
         [
-            f"def make_{name}(cfg):",
+            f"def make_{name}_{device_type}(cfg):",
             f"    {_CONSTANTS} = cfg.constants",
             f"    def recheck_{name}({arglist}):",
             "        try:",
@@ -369,13 +402,14 @@ def _generate():
         _full_source("check_offsets", "cu_seqlens, cu_seqlens_comp", OFFSETS_ALONE, "None", bound_names),
         _full_source("check_total_comp_rows", "total_comp, grad_out", TOTAL_COMP_ROWS, "total_comp", bound_names),
     ]
+    device_types = (*_DEVICE_TESTS, "other")
     for name, (args, steps) in VARIANTS.items():
         params = ", ".join((*args, "ratio", "coff", "head_dim", "cfg"))
         sources.append(_full_source(f"full_{name}", params, steps, f"cfg, ({', '.join(args)},)", bound_names))
-        sources.append(_recheck_source(name, args, steps))
+        sources.extend(_recheck_source(name, args, steps, device_type) for device_type in device_types)
     exec(compile("\n\n".join(sources), "<csa_compressor.support bounds>", "exec"), _NAMESPACE)
     full = {name: _NAMESPACE[f"full_{name}"] for name in VARIANTS}
-    factories = {name: _NAMESPACE[f"make_{name}"] for name in VARIANTS}
+    factories = {kind: {name: _NAMESPACE[f"make_{name}_{kind}"] for name in VARIANTS} for kind in device_types}
     return full, factories
 
 
@@ -402,7 +436,6 @@ _NAMESPACE: dict = {
     "F32": F32,
     "I32": I32,
     "_exact_int": _exact_int,
-    "_device_key": _device_key,
     "_raise": fail_bound,
     "_recheck_failed": _recheck_failed,
     "_PER_CALL_ERRORS": _PER_CALL_ERRORS,
@@ -417,14 +450,18 @@ check_rows_need_tokens.__doc__ = "The eager reference's own guard: ``rows > 0`` 
 check_total_tokens = _NAMESPACE["check_total_tokens"]
 check_total_tokens.__doc__ = "``total_tokens`` (validate_pack's T) as an int, or ValueError naming the bound."
 check_offsets = _NAMESPACE["check_offsets"]
-check_offsets.__doc__ = "The offset arrays' own bounds (tensors, int32, 1-D, at least 2 entries, one shape, one device)."
+check_offsets.__doc__ = (
+    "The offset arrays' own bounds (tensors, int32, 1-D, at least 2 entries, one shape, one device)."
+)
 check_total_comp_rows = _NAMESPACE["check_total_comp_rows"]
 check_total_comp_rows.__doc__ = "The backward wrapper's ``total_comp``: an int equal to ``grad_out.shape[0]``."
 
 
 def check_backward_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *, ratio, coff, head_dim=None):
     """The backward wrappers' bounds (the gradients are theirs to allocate); returns the configuration."""
-    return _FULL["backward_fresh"](kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, None)[0]
+    return _FULL["backward_fresh"](kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, None)[
+        0
+    ]
 
 
 def check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, head_dim=None) -> Config:
@@ -434,7 +471,9 @@ def check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, co
 
 def check_forward_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff, head_dim=None):
     """The forward wrappers' bounds (no ``out`` yet: ``total_comp`` instead); returns the configuration."""
-    return _FULL["forward_fresh"](kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, head_dim, None)[0]
+    return _FULL["forward_fresh"](kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, head_dim, None)[
+        0
+    ]
 
 
 def check_backward(
