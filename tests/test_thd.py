@@ -23,7 +23,7 @@ def test_cu_seqlens_comp_rejects_bad_input():
         compute_cu_seqlens_comp(torch.zeros(1, dtype=torch.int32), 4)
     with pytest.raises(ValueError, match="ratio must be an int >= 1, got 0"):
         compute_cu_seqlens_comp(torch.zeros(2, dtype=torch.int32), 0)
-    with pytest.raises(ValueError, match="ratio must be an int >= 1, got 4.0"):
+    with pytest.raises(ValueError, match=r"ratio must be an int >= 1, got 4\.0"):
         compute_cu_seqlens_comp(torch.zeros(2, dtype=torch.int32), 4.0)
 
 
@@ -49,7 +49,9 @@ def test_validate_pack_accepts_and_names_broken_invariants():
         validate_pack(torch.tensor([0, 5, 3], dtype=torch.int32), comp, 4, total_tokens=13)
     with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must be <= T .*segment 1 ends at 13 > T = 12"):
         validate_pack(cu, comp, 4, total_tokens=12)
-    with pytest.raises(ValueError, match=r"total_comp must cover the real rows.*segment 1's rows end at 3 > total_comp = 2"):
+    with pytest.raises(
+        ValueError, match=r"total_comp must cover the real rows.*segment 1's rows end at 3 > total_comp = 2"
+    ):
         validate_pack(cu, comp, 4, total_tokens=13, total_comp=2)
     with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be 0: got 1"):
         validate_pack(torch.tensor([1, 5, 13], dtype=torch.int32), comp, 4, total_tokens=13)
