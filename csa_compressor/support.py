@@ -263,10 +263,10 @@ def _rows_operand(name):
     return (
         _is_tensor(name),
         _rank(name, 2),
-        Bind("rows, row_width", f"{name}.shape"),
+        Bind(f"rows, {name}_width", f"{name}.shape"),
         *_layout(name, "DTYPE", 16),
         Bound(
-            "row_width == HEAD_DIM",
+            f"{name}_width == HEAD_DIM",
             f"{name}.shape[1] must be head_dim={{HEAD_DIM}}",
             f"got shape {{tuple({name}.shape)}}",
         ),
