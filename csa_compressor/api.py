@@ -22,7 +22,7 @@ __all__ = [
 class TupleDict(dict):
     """A dict of results that also unpacks, iterates and indexes like a tuple of its values.
 
-    ``out, = fwd(...)``, ``fwd(...)["out"]`` and ``fwd(...)[0]`` all work.
+    ``out, = fwd(...)``, ``fwd(...)["out"]``, ``fwd(...)[0]`` and ``bwd(...)[:2]`` all work.
     ``keys()`` / ``items()`` behave as for a dict.
     """
 
@@ -30,7 +30,7 @@ class TupleDict(dict):
         return iter(self.values())
 
     def __getitem__(self, key):
-        if isinstance(key, int):
+        if isinstance(key, (int, slice)):
             return tuple(self.values())[key]
         return super().__getitem__(key)
 

@@ -36,7 +36,7 @@ def test_tupledict_unpacks_like_a_tuple():
     td = TupleDict(grad_kv=1, grad_score=2, grad_ape=3)
     a, b, c = td
     assert (a, b, c) == (1, 2, 3)
-    assert td["grad_score"] == 2 and td[2] == 3 and len(td) == 3
+    assert td["grad_score"] == 2 and td[2] == 3 and td[:2] == (1, 2) and len(td) == 3
     assert list(td.keys()) == ["grad_kv", "grad_score", "grad_ape"]
     (out,) = TupleDict(out=5)
     assert out == 5
