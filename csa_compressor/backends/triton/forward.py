@@ -113,7 +113,26 @@ def _load_ape(
 
 
 @triton.jit
-def _program_segment(row_first, n_rows, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr):
+def _real_rows(cu_comp_ptr, B, N):
+    """Rows that are produced and real: ``min(cu_seqlens_comp[B], N)`` (rows at or past total_comp never are)."""
+    return tl.minimum(tl.load(cu_comp_ptr + B), N)
+
+
+@triton.jit
+def _guard_row(t0, j, is_real, T, RATIO: tl.constexpr):
+    """``(t0, has_prev, is_real)`` of rows (scalar or vector) after the bounds guard.
+
+    A real row whose own tokens ``[t0, t0 + ratio)`` leave ``[0, T)`` (malformed offsets; a wrapped int32 ``t0``
+    too) is computed as a padding row: ``t0 = 0``, no previous group, no gradient. The previous group is read only
+    when ``j > 0`` and ``t0 >= ratio``, so it lies in ``[0, T)`` as well. One compare per row, not per element.
+    """
+    is_real = is_real & (t0 >= 0) & (t0 <= T - RATIO)
+    t0 = tl.where(is_real, t0, 0)
+    return t0, is_real & (j > 0) & (t0 >= RATIO), is_real
+
+
+@triton.jit
+def _program_segment(row_first, n_rows, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr):
     """Whether a program's rows ``[row_first, row_first + n_rows)`` (clipped to N) are real rows of one segment.
 
     If so (the common case: segments are long), every row's first token is
@@ -122,7 +141,7 @@ def _program_segment(row_first, n_rows, N, B, n_iter, total_real, cu_ptr, cu_com
     row_last = tl.minimum(row_first + n_rows, N) - 1
     seg_first = _segment_of(row_first, cu_comp_ptr, B, n_iter)
     seg_last = _segment_of(row_last, cu_comp_ptr, B, n_iter)
-    uniform = (seg_first == seg_last) & (row_last < total_real)
+    uniform = (seg_first == seg_last) & (row_last < n_real)
     return uniform, tl.load(cu_comp_ptr + seg_first), tl.load(cu_ptr + seg_first)
 
 
@@ -131,10 +150,10 @@ def _tile(
     row_start,
     col_start,
     row_end,
-    N,
+    T,
     B,
     n_iter,
-    total_real,
+    n_real,
     uniform,
     comp0,
     tok0,
@@ -153,21 +172,20 @@ def _tile(
     The window tile is ``[K, BLOCK_R, BLOCK_D]`` with the slots outermost: Triton
     spreads lanes over columns first, then rows, so for small ratios every slot of a
     (row, column) sits in one thread and the softmax reductions are in-thread and
-    sequential (the reference's order). Rows at or past ``row_end`` (N, or 0 for no tile) are masked.
+    sequential (the reference's order). Rows at or past ``row_end`` (N, or 0 for no tile) are masked; rows at or
+    past ``n_real`` and rows that fail the bounds guard are padding rows (the first group of a segment at token 0).
     """
     W: tl.constexpr = COFF * HEAD_DIM
     rows = row_start + tl.arange(0, BLOCK_R)
     row_ok = rows < row_end
-    is_real = rows < total_real
     if uniform:
         j = rows - comp0
         t0 = tok0 + j * RATIO
     else:
         seg = _segment_of(rows, cu_comp_ptr, B, n_iter)
         j = rows - tl.load(cu_comp_ptr + seg)
-        # Padding rows behave as the first group of a segment starting at token 0.
-        t0 = tl.where(is_real, tl.load(cu_ptr + seg) + j * RATIO, 0)
-    has_prev = is_real & (j > 0)
+        t0 = tl.load(cu_ptr + seg) + j * RATIO
+    t0, has_prev, is_real = _guard_row(t0, j, rows < n_real, T, RATIO)
     s, own, slot_ok, cols, col_ok, col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
     valid = slot_ok[:, None] & (own[:, None] | has_prev[None, :])  # [K, BLOCK_R]
     tok = t0[None, :] + (s - tl.where(own, 0, RATIO))[:, None]
@@ -211,7 +229,7 @@ def _softmax(kv, score, ape, valid, PRECISE_EXP: tl.constexpr):
     return v, tl.fma(resid, inv, q)
 
 
-@triton.jit(do_not_specialize=["N", "B", "n_iter", "tiles_per_prog"])
+@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog"])
 def csa_fwd_kernel(
     kv_ptr,
     score_ptr,
@@ -220,6 +238,7 @@ def csa_fwd_kernel(
     cu_comp_ptr,
     out_ptr,
     N,
+    T,
     B,
     n_iter,
     tiles_per_prog,
@@ -243,14 +262,14 @@ def csa_fwd_kernel(
     pid = tl.program_id(0)
     rp = pid // N_COL
     col_start = (pid % N_COL) * BLOCK_D
-    total_real = tl.load(cu_comp_ptr + B)
+    n_real = _real_rows(cu_comp_ptr, B, N)
     row_base = rp * tiles_per_prog * BLOCK_R
     uniform, comp0, tok0 = _program_segment(
-        row_base, tiles_per_prog * BLOCK_R, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr
+        row_base, tiles_per_prog * BLOCK_R, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr
     )
     ape = _load_ape(ape_ptr, col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
     _r, _ro, _ir, _c, _co, _so, _v, offs, lmask = _tile(
-        row_base, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
+        row_base, col_start, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
         RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
     )  # fmt: skip
     kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
@@ -260,11 +279,11 @@ def csa_fwd_kernel(
         score_cur = score_next
         row_start = row_base + it * BLOCK_R
         rows, row_ok, _ir, cols, col_ok, _so, valid, _o, _m = _tile(
-            row_start, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
+            row_start, col_start, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
             RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
         _r, _ro, _ir, _c, _co, _so, _v, offs, lmask = _tile(
-            row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), N, B, n_iter, total_real, uniform, comp0,
+            row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), T, B, n_iter, n_real, uniform, comp0,
             tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
         kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
@@ -290,18 +309,19 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _row_start(row, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO: tl.constexpr):
-    """Scalar ``(t0, has_prev, is_real, row_ok)`` of output row ``row`` (SPEC 2; padding rows start at token 0)."""
-    is_real = row < total_real
+def _row_start(row, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO: tl.constexpr):
+    """Scalar ``(t0, has_prev, is_real, row_ok)`` of output row ``row`` (SPEC 2 and the bounds guard of
+    ``_guard_row``; padding rows start at token 0)."""
     row_ok = row < N
     if uniform:
         j = row - comp0
         t0 = tok0 + j * RATIO
     else:
-        seg = _segment_of(tl.minimum(row, total_real), cu_comp_ptr, B, n_iter)
+        seg = _segment_of(tl.minimum(row, n_real), cu_comp_ptr, B, n_iter)
         j = row - tl.load(cu_comp_ptr + seg)
-        t0 = tl.where(is_real, tl.load(cu_ptr + seg) + j * RATIO, 0)
-    return t0, is_real & (j > 0), is_real, row_ok
+        t0 = tl.load(cu_ptr + seg) + j * RATIO
+    t0, has_prev, is_real = _guard_row(t0, j, row < n_real, T, RATIO)
+    return t0, has_prev, is_real, row_ok
 
 
 @triton.jit
@@ -434,7 +454,7 @@ def _long_row_finish(
         tl.store(sptr + 2 * HEAD_DIM, res, mask=omask)
 
 
-@triton.jit(do_not_specialize=["N", "B", "n_iter", "rows_per_prog"])
+@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog"])
 def csa_fwd_long_kernel(
     kv_ptr,
     score_ptr,
@@ -443,6 +463,7 @@ def csa_fwd_long_kernel(
     cu_comp_ptr,
     out_ptr,
     N,
+    T,
     B,
     n_iter,
     rows_per_prog,
@@ -475,16 +496,16 @@ def csa_fwd_long_kernel(
     pid = tl.program_id(0)
     rp = pid // N_COL
     col_start = (pid % N_COL) * BLOCK_D
-    total_real = tl.load(cu_comp_ptr + B)
+    n_real = _real_rows(cu_comp_ptr, B, N)
     row_base = rp * rows_per_prog
-    uniform, comp0, tok0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr)
+    uniform, comp0, tok0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr)
     slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES)
     row_end = tl.minimum(row_base + rows_per_prog, N)
     if WRITE_STATS:
         # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM.
         stats_ptr += row_base.to(tl.int64) * (3 * HEAD_DIM)
 
-    t0, hp, _ir, ok = _row_start(row_base, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO)
+    t0, hp, _ir, ok = _row_start(row_base, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO)
     kv_n, sc_n, ape_n, lmask = _load_chunk(
         kv_ptr, score_ptr, ape_ptr, row_base * 0, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS,
         NCH_HALF, EVEN_D,
@@ -510,7 +531,7 @@ def csa_fwd_long_kernel(
             ape_c = ape_n
             mask_c = lmask
             t0, hp, _ir, okn = _row_start(
-                row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+                row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
             )
             kv_n, sc_n, ape_n, lmask = _load_chunk(
                 kv_ptr, score_ptr, ape_ptr, row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO,
@@ -557,7 +578,7 @@ def csa_fwd_long_kernel(
                 m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
             # The row's last two chunks; chunks 0 and 1 of the next row go in flight.
             tn, hpn, _ir, okn = _row_start(
-                row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+                row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
             )
             okl = okn & (row + 1 < row_end)
             for h in tl.static_range(2):

@@ -450,7 +450,18 @@ def launch_forward(
     head_dim = out.shape[1]
     num_segments = cu_seqlens.shape[0] - 1
     n_col = _cdiv(head_dim, cfg.block_d)
-    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, num_segments, _search_iters(num_segments))
+    args = (
+        kv,
+        score,
+        ape,
+        cu_seqlens,
+        cu_seqlens_comp,
+        out,
+        n_rows,
+        kv.shape[0],
+        num_segments,
+        _search_iters(num_segments),
+    )
     consts = dict(
         RATIO=ratio,
         COFF=coff,
