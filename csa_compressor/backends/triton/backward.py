@@ -29,9 +29,9 @@ import triton.language as tl
 
 from .. import STREAM_BACKWARD
 from .forward import (
+    _OFFSETS,
     LOG2E,
     _load_ape,
-    _long_base,
     _program_segment,
     _real_rows,
     _round,
@@ -42,6 +42,7 @@ from .forward import (
     _sum_slots,
     _tile,
 )
+from .forward_long import _long_base
 
 # Eviction policies of the backward (``backends.STREAM_BACKWARD``): gradient stores ("stores", "all") and the
 # window's kv / score loads ("all"); "" leaves Triton's default.
@@ -108,7 +109,9 @@ def _zero_sweep(
                     tl.store(grad_score_ptr + zoffs, zeros, mask=zmask, eviction_policy=GRAD_EVICT)
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"])
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"], do_not_specialize_on_alignment=_OFFSETS
+)
 def csa_bwd_kernel(
     kv_ptr,
     score_ptr,
@@ -232,7 +235,9 @@ def _long_window_mask(k, has_prev, ok, amask, SP: tl.constexpr, COFF: tl.constex
     return amask & (k >= k_lo) & (k < tl.where(ok, COFF * SP, 0))
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"])
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"], do_not_specialize_on_alignment=_OFFSETS
+)
 def csa_bwd_long_kernel(
     kv_ptr,
     score_ptr,
@@ -348,7 +353,9 @@ def _stats_row_mask(w, has_prev, ok, col_ok, PREV: tl.constexpr, WIN: tl.constex
         return row[:, None] & col_ok[None, :]
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"])
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"], do_not_specialize_on_alignment=_OFFSETS
+)
 def csa_bwd_stats_kernel(
     kv_ptr,
     score_ptr,
