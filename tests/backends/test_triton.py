@@ -118,7 +118,7 @@ TILINGS = [
 TILING_IDS = ["r2d16x6", "r1d32x1", "r4d64x4", "r1d128w1", "r2d64w1", "r1d16w4"]
 # Each tiling once, on ragged packs (a program's rows span segments: the per-row search) or long segments (the
 # one-segment-per-program path), at ratio 4 coff 2 or ratio 3 coff 1; the multi-tile small-sweep tiling on both
-# packs. The long-window kernels with these tiles run in test_long_window_tilings_match_reference.
+# packs. (The interpreter ignores num_warps and vector widths: natively these are the GPU tile families.) The long-window kernels with these tiles run in test_long_window_tilings_match_reference.
 RAGGED, LONG = (13, 8, 0, 3, 21, 2), (50, 29)
 TILING_CASES = [
     (TILINGS[0], (4, 2), RAGGED),
@@ -127,7 +127,7 @@ TILING_CASES = [
     (TILINGS[2], (4, 2), LONG),
     (TILINGS[3], (3, 1), LONG),
     (TILINGS[4], (4, 2), RAGGED),
-    (TILINGS[5], (4, 2), LONG),
+    (TILINGS[5], (3, 1), RAGGED),
 ]
 
 
@@ -296,7 +296,7 @@ if given is not None:
     # Each new (ratio, coff, head_dim) compiles on a GPU; the interpreter pays per example instead.
     # CI draws the same examples every run (a red CI must be reproducible); elsewhere hypothesis explores.
     @settings(
-        max_examples=8 if HAS_CUDA else 20,
+        max_examples=8 if HAS_CUDA else 12,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
         derandomize=bool(os.environ.get("CI")),

@@ -209,7 +209,7 @@ STREAM_CASES = [
     # ratio 17, coff 1: 8-slot chunks, the third one 1 slot + 7 pad; 2 column blocks (d = 9); 2 rows per range.
     (((52, 10, 0, 40), 9, 17, 1, 2, 3), (8, 8, 1, 2)),
     # Powers of two, head_dim a multiple of block_d (no column mask): 4 chunks x 2 column blocks, 4 rows per range.
-    (((100, 31, 64), 16, 32, 2, 1, 5), (8, 16, 1, 4)),
+    (((64, 31, 32), 16, 32, 2, 1, 5), (8, 16, 1, 4)),
 ]
 
 
