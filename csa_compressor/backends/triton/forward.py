@@ -26,7 +26,7 @@ from .. import STREAM_LOADS
 # Eviction policy of the forward kernels' window loads (kv, score): read exactly once, so "evict_first"
 # (``ld.global.L1::evict_first.L2::cache_hint`` with an evict-first L2 policy) makes the stream replace its own L2
 # lines instead of evicting other, possibly dirty, data. (Triton 3.6 rejects the ``.cs`` operator cute uses on
-# loads.) The backward kernels measured 2-5 % slower with it and load normally. Off: backends.STREAM_LOADS.
+# loads.) The backward kernels measured slower with it and load normally. Off: backends.STREAM_LOADS.
 WINDOW_EVICT = tl.constexpr("evict_first" if STREAM_LOADS else "")
 
 # The offset arrays are only read by scalar and gather loads, and the API checks them for 4-byte alignment only: no

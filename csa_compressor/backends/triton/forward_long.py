@@ -101,8 +101,7 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
     the running max of ``y``, so every exponent is a difference of two such values. Otherwise ``m`` is the max
     of ``x = score + ape`` and the exponents are ``x * log2e - m * log2e``: each lane then carries its own
     rounding of ``m * log2e`` into its weights, which the bf16 output absorbs but the fp32 output saved as a
-    statistic does not (the H200 full-size check of 1x65536 d512 r128 c2 found |dO| = 2.3e-6, one dScore
-    element past the contract's fp32 slack, with statistics from the first form).
+    statistic does not: at full size that rounding put dScore past the contract's fp32 slack.
     """
     if LOG2_DOMAIN:
         y = tl.where(lmask, (sc.to(tl.float32) + ape) * LOG2E, float("-inf"))
@@ -237,11 +236,11 @@ def csa_fwd_long_kernel(
             ok = okn
     else:
         # DEPTH 2: chunk c is computed while chunks c + 1 (the *_1 tensors) and c + 2 (*_2) are in flight. Where
-        # the grid is under one wave (3x8192 d512 r128 c1: 1536 one-warp programs), a program's prefetched chunks
-        # are what its SM has in flight; one chunk ran at 2.25 TB/s there under Nsight Compute.
+        # the grid is under one wave, a program's prefetched chunks are all its SM has in flight, and one chunk
+        # leaves DRAM bandwidth unused.
         tl.static_assert(NCH >= 2, "DEPTH 2 needs two chunks per row")
         # ape (L2-resident, the same for every row) stays one chunk ahead: with a third ape buffer the tile would
-        # need ~176 registers instead of 128, and fewer warps than programs would fit on an SM.
+        # need more registers, and fewer warps than programs would fit on an SM.
         mask_1 = lmask
         ape_1 = ape_n
         offs, aoffs, mask_2, amask = _long_chunk_at(
