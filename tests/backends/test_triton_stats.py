@@ -22,9 +22,9 @@ if not HAS_CUDA:
 pytest.importorskip("triton")
 
 from csa_compressor import reference  # noqa: E402
-from csa_compressor.backends.triton import launch  # noqa: E402
+from csa_compressor.backends.triton import config, launch, plans  # noqa: E402
 from csa_compressor.testing import bf16_ulp_distance, contract_report  # noqa: E402
-from tests.backends.test_triton import DEVICE, LONG_IDS, LONG_TILINGS, _bits, _nan_like, _pack  # noqa: E402
+from tests.backends.test_triton import DEVICE, LONG_TILINGS, _bits, _nan_like, _pack  # noqa: E402
 
 _REASON = launch.device_unsupported_reason(DEVICE)
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
@@ -43,13 +43,14 @@ def _forward(pack, stats=True, cfg=None):
     return out, st
 
 
-def _backward(pack, stats, cfg=None):
-    """``(grad_kv, grad_score, grad_ape)`` from NaN-filled buffers."""
+def _backward(pack, stats, cfg=None, tile=None):
+    """``(grad_kv, grad_score, grad_ape)`` from NaN-filled buffers (explicit tiles ``cfg`` / statistics ``tile``)."""
     grads = _nan_like(pack.kv), _nan_like(pack.score), _nan_like(pack.ape)
-    if cfg is None:
+    if cfg is None and tile is None:
         launch.backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, None, stats)
     else:
-        launch.launch_backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, cfg, stats)
+        cfg = cfg or launch.choose_config("backward", pack.ratio, pack.coff, pack.head_dim, not HAS_CUDA)
+        launch.launch_backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, cfg, stats, tile)
     return grads
 
 
@@ -86,10 +87,8 @@ def _same(a, b) -> bool:
 # (seqlens, head_dim, ratio, coff, token_padding, comp_padding)
 CASES = [
     ((40, 5, 0, 33, 16), 8, 16, 2, 3, 2),  # ragged: short and empty segments, both paddings
-    ((52, 10, 0, 17), 9, 17, 1, 2, 2),  # non-power-of-two ratio
-    ((70, 31, 0, 64), 7, 32, 2, 1, 3),  # odd head_dim
+    ((52, 10, 0, 17), 9, 17, 1, 2, 2),  # non-power-of-two ratio, odd head_dim
     ((300, 5), 5, 128, 1, 1, 1),
-    ((520,), 2, 256, 2, 3, 1),
     ((5, 0, 3), 8, 16, 2, 12, 2),  # no segment reaches ratio: every row is padding
 ]
 
@@ -174,8 +173,12 @@ def test_padding_row_stats_are_not_read():
     assert _same(first, second)
 
 
-@pytest.mark.parametrize("cfg", LONG_TILINGS, ids=LONG_IDS)
-@pytest.mark.parametrize("ratio,coff", [(128, 2), (40, 1)])
+# Several lanes per column with several column blocks (ratio 128 coff 2), two chunks in flight (ratio 40 coff 1,
+# exactly two chunks per row), 8 slots per thread and chunk at one row per program (ratio 128 coff 1).
+STATS_TILINGS = [(LONG_TILINGS[1], 128, 2), (LONG_TILINGS[3], 40, 1), (LONG_TILINGS[2], 128, 1)]
+
+
+@pytest.mark.parametrize("cfg,ratio,coff", STATS_TILINGS, ids=["d8w2c4-r128c2", "d16w1c2p2-r40c1", "d32w1c8-r128c1"])
 def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
     """GPU-like tiles: several lanes per column (the forward combines them before writing the stats), several
     column blocks with a partial last one, several rows per program (the backward prefetches the next row's stats)."""
@@ -193,9 +196,9 @@ def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
 
 # --------------------------------------------------------------------------- streaming statistics backward tiles
 #
-# ``csa_bwd_stats_kernel``: programs own (rows, a chunk of window slots, a column block); the tile comes from
-# ``launch.STATS_TILE_OVERRIDE`` (block_d, slots, num_warps, rows per program). The interpreter default is one chunk
-# and one column block, so these cases force several row ranges, chunks and column blocks.
+# ``csa_bwd_stats_kernel``: programs own (rows, a chunk of window slots, a column block); the tile (block_d, slots,
+# num_warps, rows per program) is ``launch_backward``'s ``tile``. The interpreter default is one chunk and one
+# column block, so these cases force several row ranges, chunks and column blocks.
 
 # (seqlens, head_dim, ratio, coff, token_padding, comp_padding), tile
 STREAM_CASES = [
@@ -203,14 +206,10 @@ STREAM_CASES = [
     # column blocks (the last one partial); 3 rows per range: ranges across segment boundaries, ending in and made
     # of padding rows; short and empty segments, token padding.
     (((80, 5, 0, 49, 24), 13, 24, 2, 3, 4), (8, 16, 1, 3)),
-    # Same pack, 32-slot chunks: chunk 1 is 16 own slots + 16 pad slots; 2 rows per range.
-    (((80, 5, 0, 49, 24), 13, 24, 2, 3, 4), (8, 32, 1, 2)),
     # ratio 17, coff 1: 8-slot chunks, the third one 1 slot + 7 pad; 2 column blocks (d = 9); 2 rows per range.
     (((52, 10, 0, 40), 9, 17, 1, 2, 3), (8, 8, 1, 2)),
     # Powers of two, head_dim a multiple of block_d (no column mask): 4 chunks x 2 column blocks, 4 rows per range.
-    (((100, 31, 64), 16, 32, 2, 1, 5), (8, 16, 1, 4)),
-    # One row per program, one chunk, 2 column blocks.
-    (((70, 31, 0, 64), 12, 16, 2, 1, 3), (8, 32, 1, 1)),
+    (((64, 31, 32), 16, 32, 2, 1, 5), (8, 16, 1, 4)),
 ]
 
 
@@ -226,7 +225,7 @@ def nan_workspace(monkeypatch):
     def workspace(shape, device):
         return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
 
-    monkeypatch.setattr(launch, "_workspace", workspace)
+    monkeypatch.setattr(plans, "_workspace", workspace)
 
 
 def _stream_pack(case):
@@ -238,14 +237,8 @@ def _stream_pack(case):
 
 
 def _tiled(pack, tile, stats):
-    """The backward with statistics, in ``tile`` (through the override hook, removed again afterwards)."""
-    key = (pack.ratio, pack.coff, pack.head_dim)
-    assert key not in launch.STATS_TILE_OVERRIDE
-    launch.STATS_TILE_OVERRIDE[key] = tile
-    try:
-        return _backward(pack, stats)
-    finally:
-        del launch.STATS_TILE_OVERRIDE[key]
+    """The backward with statistics, in ``tile``."""
+    return _backward(pack, stats, tile=launch.StatsTile(*tile))
 
 
 def _programs(pack, tile):
@@ -280,19 +273,10 @@ def test_streaming_tiles_meet_the_contract(item, nan_workspace):
         assert _same(other[:1], grads[:1]) and not _same(other[1:2], grads[1:2])
 
 
-def test_streaming_tile_is_deterministic(nan_workspace):
-    case, tile = STREAM_CASES[0]
-    pack = _stream_pack(case)
-    _, stats = _forward(pack)
-    first = _tiled(pack, tile, stats)
-    assert _same(first, _tiled(pack, tile, stats))
-
-
-@pytest.mark.parametrize("rows", [1, 5])
-def test_streaming_tile_reference_stats_and_empty_ranges(rows, nan_workspace):
+def test_streaming_tile_reference_stats_and_empty_ranges(nan_workspace):
     """The reference's statistics; more padding rows than a range holds (ranges with no real row still write their
-    partial: zeros); every row padding."""
-    for case in [((50, 7, 0, 33), 10, 16, 2, 2, 7), ((5, 0, 3), 8, 16, 2, 12, 2)]:
+    partial: zeros); every row padding; one row per range."""
+    for case, rows in [(((50, 7, 0, 33), 10, 16, 2, 2, 7), 5), (((5, 0, 3), 8, 16, 2, 12, 2), 1)]:
         pack = _stream_pack(case)
         stats = _ref_stats(pack)
         stats[pack.true_comp :] = float("nan")
@@ -300,14 +284,14 @@ def test_streaming_tile_reference_stats_and_empty_ranges(rows, nan_workspace):
 
 
 def test_default_stats_tiles():
-    """GPU defaults (tile constexprs never depend on the problem size; rows per program do) and the override."""
+    """GPU defaults (tile constexprs never depend on the problem size; rows per program do)."""
     # About one wave (528 programs) of 2-32 rows each: the H200 sweep's best of the tried row counts.
     cases = [((1, 65536), 512, 128, 2, 1024, 32), ((3, 8192), 512, 128, 1, 512, 12), ((1, 8192), 128, 128, 1, 256, 2)]
     for (n, seqlen), d, ratio, coff, min_programs, want_rows in cases:
         tile = launch.stats_tile(ratio, coff, d, interpret=False)
         assert tile == launch.StatsTile(64, 32, 4, 0)
         n_rows = n * seqlen // ratio
-        rows = launch._stats_rows(tile, ratio, coff, d, n_rows)
+        rows = config.stats_rows(tile, ratio, coff, d, n_rows)
         parts = -(-n_rows // rows)
         programs = parts * -(-(coff * ratio) // tile.slots) * -(-d // tile.block_d)
         assert programs >= min_programs, (n, seqlen, d, ratio, coff, rows, programs)
@@ -315,18 +299,11 @@ def test_default_stats_tiles():
         assert rows == want_rows
     # A 128K pack: the workspace bound sets the rows.
     tile = launch.stats_tile(128, 2, 512, interpret=False)
-    rows = launch._stats_rows(tile, 128, 2, 512, 1024)
+    rows = config.stats_rows(tile, 128, 2, 512, 1024)
     assert rows > 16 and -(-1024 // rows) * 128 * 1024 * 4 <= 20 << 20
-    # Small head_dim / windows: tiles shrink to the problem.
+    # Small head_dim / windows: tiles shrink to the problem; an explicit row count is kept.
     assert launch.stats_tile(9, 2, 24, interpret=False) == launch.StatsTile(32, 32, 4, 0)
-    key = (128, 2, 512)
-    assert key not in launch.STATS_TILE_OVERRIDE
-    launch.STATS_TILE_OVERRIDE[key] = (128, 16, 8, 3)
-    try:
-        assert launch.stats_tile(*key, interpret=False) == launch.StatsTile(128, 16, 8, 3)
-        assert launch._stats_rows(launch.stats_tile(*key, interpret=True), 128, 2, 512, 10**6) == 3
-    finally:
-        del launch.STATS_TILE_OVERRIDE[key]
+    assert config.stats_rows(launch.StatsTile(128, 16, 8, 3), 128, 2, 512, 10**6) == 3
 
 
 def test_run_to_run_bitwise_determinism_with_stats():
@@ -346,8 +323,6 @@ def test_stats_rejected_for_short_windows():
     with pytest.raises(ValueError, match="long windows"):
         launch.forward(*pack.inputs, out, 4, 2, None, stats)
     with pytest.raises(ValueError, match="long windows"):
-        launch.forward(*pack.inputs, out[:0], 4, 2, None, stats[:0])
-    with pytest.raises(ValueError, match="long windows"):
         launch.launch_forward(*pack.inputs, out, 4, 2, cfg, stats)
     with pytest.raises(ValueError, match="long windows"):
         launch.backward(*pack.inputs, pack.grad_out, *grads, 4, 2, None, stats)
@@ -360,7 +335,7 @@ def test_stats_rejected_for_short_windows():
 def test_supports_stats_is_the_long_window_split():
     for coff in (1, 2):
         for ratio in range(1, launch.MAX_RATIO + 1):
-            want = launch._is_long(ratio, coff)
+            want = config.is_long(ratio, coff)
             assert launch.supports_stats(ratio, coff, 64) is want
             assert reference.uses_softmax_stats(ratio, coff) is want
 

@@ -1,6 +1,7 @@
 """Triton backend: one fused forward kernel, one fused backward kernel (+ a deterministic dAPE reduction).
 
-``launch`` implements the backend protocol of :mod:`csa_compressor.backends`;
-``forward``/``backward`` hold the ``@triton.jit`` kernels. Importing this package
+``launch`` implements the backend protocol of :mod:`csa_compressor.backends` over per-configuration launch
+plans (``plans``), whose kernels launch through one path (``binding``) with tiles from ``config``;
+``forward``, ``forward_long`` and ``backward`` hold the ``@triton.jit`` kernels. Importing this package
 does not import triton, so :func:`launch.unavailable_reason` can report its absence.
 """

@@ -29,10 +29,11 @@ import triton.language as tl
 
 from .. import STREAM_BACKWARD
 from .forward import (
+    _OFFSETS,
     LOG2E,
     _load_ape,
-    _long_base,
     _program_segment,
+    _real_rows,
     _round,
     _row_start,
     _segment_of,
@@ -41,6 +42,7 @@ from .forward import (
     _sum_slots,
     _tile,
 )
+from .forward_long import _long_base
 
 # Eviction policies of the backward (``backends.STREAM_BACKWARD``): gradient stores ("stores", "all") and the
 # window's kv / score loads ("all"); "" leaves Triton's default.
@@ -54,6 +56,8 @@ def _zero_sweep(
     grad_kv_ptr,
     grad_score_ptr,
     cu_ptr,
+    cu_comp_ptr,
+    N,
     T,
     B,
     n_iter,
@@ -63,7 +67,12 @@ def _zero_sweep(
     SWEEP_T: tl.constexpr,
     SWEEP_D: tl.constexpr,
 ):
-    """Exact zeros at the ``SWEEP_T`` tokens of sweep program ``sweep_pid`` that no slot consumes."""
+    """Exact zeros at the ``SWEEP_T`` tokens of sweep program ``sweep_pid`` that no produced row consumes.
+
+    A segment's produced groups are its groups whose row is below ``min(cu_seqlens_comp[B], N)``: with total_comp
+    under the real row count, the tokens the dropped rows would have read are unconsumed, and a segment whose first
+    row is at or past total_comp has none. Every store is a token of ``[0, T)``, whatever the offsets hold.
+    """
     W: tl.constexpr = COFF * HEAD_DIM
     gdt = grad_kv_ptr.dtype.element_ty
     toks = sweep_pid * SWEEP_T + tl.arange(0, SWEEP_T)
@@ -71,14 +80,15 @@ def _zero_sweep(
     seg = _segment_of(toks, cu_ptr, B, n_iter)
     seg_start = tl.load(cu_ptr + seg)
     n_groups = (tl.load(cu_ptr + seg + 1) - seg_start) // RATIO
+    n_groups = tl.minimum(n_groups, _real_rows(cu_comp_ptr, B, N) - tl.load(cu_comp_ptr + seg))
     local = toks - seg_start
     consumed = (toks < tl.load(cu_ptr + B)) & (local < n_groups * RATIO)
     # Per token: zero its first d columns / its last (coff-1)*d columns. Row flags broadcast over columns
     # keep the stores vectorised.
     zero_hi = tok_ok & ~consumed
     if COFF == 2:
-        # The first d columns of a segment's last group would be read by a next group that does not exist.
-        zero_lo = zero_hi | (consumed & (local // RATIO == n_groups - 1))
+        # The first d columns of a segment's last produced group would be read by a next group that is not produced.
+        zero_lo = zero_hi | (tok_ok & consumed & (local // RATIO == n_groups - 1))
     else:
         zero_lo = zero_hi
     if tl.max(zero_lo.to(tl.int32), axis=0) > 0:
@@ -99,7 +109,9 @@ def _zero_sweep(
                     tl.store(grad_score_ptr + zoffs, zeros, mask=zmask, eviction_policy=GRAD_EVICT)
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"])
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"], do_not_specialize_on_alignment=_OFFSETS
+)
 def csa_bwd_kernel(
     kv_ptr,
     score_ptr,
@@ -136,17 +148,17 @@ def csa_bwd_kernel(
     if pid < n_compute:
         rp = pid // N_COL
         col_start = (pid % N_COL) * BLOCK_D
-        total_real = tl.load(cu_comp_ptr + B)
+        n_real = _real_rows(cu_comp_ptr, B, N)
         row_base = rp * tiles_per_prog * BLOCK_R
         uniform, comp0, tok0 = _program_segment(
-            row_base, tiles_per_prog * BLOCK_R, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr
+            row_base, tiles_per_prog * BLOCK_R, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr
         )
         ape = _load_ape(ape_ptr, col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
         # dAPE partial kept per (slot, row lane, column); rows are summed once, after the loop.
         dape = tl.zeros([COFF * SP, BLOCK_R, BLOCK_D], dtype=tl.float32)
         # Tile i + 1 is loaded before tile i is computed (a load always in flight behind the arithmetic).
         rows, _ro, is_real, cols, col_ok, _so, _v, offs, lmask = _tile(
-            row_base, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
+            row_base, col_start, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
             RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
         kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
@@ -160,11 +172,11 @@ def csa_bwd_kernel(
             g_cur = g_next
             row_start = row_base + it * BLOCK_R
             _r, _ro, is_real, _c, _co, slot_ok, valid, offs_cur, lmask_cur = _tile(
-                row_start, col_start, N, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
+                row_start, col_start, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
                 RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
             )  # fmt: skip
             rows, row_ok_n, is_real_n, cols, col_ok, _so, _v, offs, lmask = _tile(
-                row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), N, B, n_iter, total_real, uniform,
+                row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), T, B, n_iter, n_real, uniform,
                 comp0, tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
             )  # fmt: skip
             kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
@@ -192,8 +204,9 @@ def csa_bwd_kernel(
         tl.store(ws_ptr + rp * (RATIO * W) + s[:, None] * W + col, tl.sum(dape, axis=1), mask=wmask)
     else:
         _zero_sweep(
-            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, T, B, n_iter, RATIO, COFF, HEAD_DIM, SWEEP_T, SWEEP_D
-        )
+            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, cu_comp_ptr, N, T, B, n_iter, RATIO, COFF, HEAD_DIM,
+            SWEEP_T, SWEEP_D,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -222,7 +235,9 @@ def _long_window_mask(k, has_prev, ok, amask, SP: tl.constexpr, COFF: tl.constex
     return amask & (k >= k_lo) & (k < tl.where(ok, COFF * SP, 0))
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"])
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"], do_not_specialize_on_alignment=_OFFSETS
+)
 def csa_bwd_long_kernel(
     kv_ptr,
     score_ptr,
@@ -264,17 +279,17 @@ def csa_bwd_long_kernel(
     if pid < n_compute:
         rp = pid // N_COL
         col_start = (pid % N_COL) * BLOCK_D
-        total_real = tl.load(cu_comp_ptr + B)
+        n_real = _real_rows(cu_comp_ptr, B, N)
         row_base = rp * rows_per_prog
         uniform, comp0, tok0 = _program_segment(
-            row_base, rows_per_prog, N, B, n_iter, total_real, cu_ptr, cu_comp_ptr
+            row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr
         )  # fmt: skip
         k, base, aoffs, amask, _col_ok, cols = _long_window_base(
             col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES
         )  # fmt: skip
         row_end = tl.minimum(row_base + rows_per_prog, N)
         t0, hp, real, ok = _row_start(
-            row_base, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+            row_base, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
         )  # fmt: skip
         ape = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
         lmask = _long_window_mask(k, hp, ok, amask, SP, COFF)
@@ -291,7 +306,7 @@ def csa_bwd_long_kernel(
             offs_c = base + t0 * W
             smask = valid & (cols < tl.where(real, HEAD_DIM, 0))[None, None, :]
             t0, hp, real_n, okn = _row_start(
-                row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+                row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
             )  # fmt: skip
             okn = okn & (row + 1 < row_end)
             lmask = _long_window_mask(k, hp, okn, amask, SP, COFF)
@@ -321,8 +336,9 @@ def csa_bwd_long_kernel(
         tl.store(ws_ptr + rp * (RATIO * W) + aoffs, dape, mask=amask)
     else:
         _zero_sweep(
-            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, T, B, n_iter, RATIO, COFF, HEAD_DIM, SWEEP_T, SWEEP_D
-        )
+            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, cu_comp_ptr, N, T, B, n_iter, RATIO, COFF, HEAD_DIM,
+            SWEEP_T, SWEEP_D,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -337,7 +353,9 @@ def _stats_row_mask(w, has_prev, ok, col_ok, PREV: tl.constexpr, WIN: tl.constex
         return row[:, None] & col_ok[None, :]
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"])
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"], do_not_specialize_on_alignment=_OFFSETS
+)
 def csa_bwd_stats_kernel(
     kv_ptr,
     score_ptr,
@@ -395,12 +413,12 @@ def csa_bwd_stats_kernel(
         cb = pid % N_COL
         ch = (pid // N_COL) % N_CHUNK
         rp = pid // (N_COL * N_CHUNK)
-        total_real = tl.load(cu_comp_ptr + B)
+        n_real = _real_rows(cu_comp_ptr, B, N)
         row_base = rp * rows_per_prog
         # Padding rows (>= cu_seqlens_comp[-1]) store nothing and add nothing: the row loop ends before them.
-        row_end = tl.minimum(tl.minimum(row_base + rows_per_prog, N), total_real)
+        row_end = tl.minimum(row_base + rows_per_prog, n_real)
         uniform, comp0, tok0 = _program_segment(
-            row_base, rows_per_prog, row_end, B, n_iter, total_real, cu_ptr, cu_comp_ptr
+            row_base, rows_per_prog, row_end, B, n_iter, n_real, cu_ptr, cu_comp_ptr
         )  # fmt: skip
 
         # Per-program constants; a row only adds t0 * W to the kv/score offsets.
@@ -420,10 +438,11 @@ def csa_bwd_stats_kernel(
         # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM.
         st_cols = stats_ptr + row_base.to(tl.int64) * (3 * HEAD_DIM) + cols
 
-        t0, hp, _r, _o = _row_start(
-            row_base, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+        t0, hp, real, _o = _row_start(
+            row_base, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
         )  # fmt: skip
-        lmask = _stats_row_mask(w, hp, row_base < row_end, col_ok, PREV, WIN, EVEN_D)
+        # A row that fails the bounds guard is a padding row here too: it stores and adds nothing.
+        lmask = _stats_row_mask(w, hp, (row_base < row_end) & real, col_ok, PREV, WIN, EVEN_D)
         offs = base + t0 * W
         kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
         sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
@@ -434,10 +453,10 @@ def csa_bwd_stats_kernel(
             mask_c = lmask
             offs_c = offs
             # The next row's tiles first: their loads are in flight while this row waits for its statistics.
-            t0, hp, _r, _o = _row_start(
-                row + 1, N, B, n_iter, total_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+            t0, hp, real, _o = _row_start(
+                row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
             )  # fmt: skip
-            lmask = _stats_row_mask(w, hp, row + 1 < row_end, col_ok, PREV, WIN, EVEN_D)
+            lmask = _stats_row_mask(w, hp, (row + 1 < row_end) & real, col_ok, PREV, WIN, EVEN_D)
             offs = base + t0 * W
             kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
             sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
@@ -459,8 +478,9 @@ def csa_bwd_stats_kernel(
         tl.store(ws_ptr + rp * (RATIO * W) + aoffs, dape, mask=amask)
     else:
         _zero_sweep(
-            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, T, B, n_iter, RATIO, COFF, HEAD_DIM, SWEEP_T, SWEEP_D
-        )
+            pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, cu_comp_ptr, N, T, B, n_iter, RATIO, COFF, HEAD_DIM,
+            SWEEP_T, SWEEP_D,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["P"])

@@ -1,0 +1,196 @@
+"""Launch plans: everything about one configuration's launches that does not depend on the problem, built once.
+
+A plan holds the bound kernels of one direction (``binding.BoundKernel``: constexprs and launch options fixed)
+and, per problem size seen, the grid and runtime integers. A call then reads three sizes from the tensors,
+finds (or computes once) their launch sizes, and enqueues. Nothing here reads device memory on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .binding import BoundKernel
+from .config import (
+    KernelConfig,
+    StatsTile,
+    cdiv,
+    is_long,
+    long_rows,
+    long_shape,
+    pow2,
+    rows_per_prog,
+    search_iters,
+    stats_rows,
+    stats_sweep_d,
+    torch_order,
+)
+
+__all__ = ["BackwardPlan", "ForwardPlan"]
+
+_MAX_SIZES = 4096  # problem sizes remembered per plan (a training loop sees few; a sweep is bounded by this)
+
+
+def _workspace(shape, device) -> torch.Tensor:
+    """The dAPE partials (every entry is written by the backward kernel; tests fill it with NaN to check that)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+class _Plan:
+    """Shared by both directions: the device, and the per-problem sizes cache."""
+
+    def __init__(self, device: torch.device, interpret: bool, with_stats: bool):
+        self.device, self.with_stats = device, with_stats
+        # The CUDA device the kernels are bound on; None under the interpreter (nothing to make current).
+        self.index = None if interpret or device.type != "cuda" else device.index
+        self._sizes: dict[tuple, tuple] = {}
+
+    def _remember(self, key: tuple, sizes: tuple) -> tuple:
+        if len(self._sizes) >= _MAX_SIZES:
+            self._sizes.clear()
+        self._sizes[key] = sizes
+        return sizes
+
+    def _elsewhere(self) -> bool:
+        """Whether the plan's device is not the current one (its kernels must launch with it current)."""
+        return self.index is not None and torch.cuda.current_device() != self.index
+
+
+class ForwardPlan(_Plan):
+    """The forward of one configuration: ``csa_fwd_kernel`` (short windows) or ``csa_fwd_long_kernel`` (long
+    windows; ``with_stats``: it also writes the softmax statistics)."""
+
+    def __init__(self, kernel, ratio, coff, head_dim, cfg: KernelConfig, with_stats, device, interpret):
+        super().__init__(device, interpret, with_stats)
+        self.cfg, self.n_col, self.long = cfg, cdiv(head_dim, cfg.block_d), is_long(ratio, coff)
+        consts = dict(
+            RATIO=ratio, COFF=coff, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, VEC=cfg.vec, N_COL=self.n_col,
+            MANUAL_RTNE=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if self.long:
+            lanes, cs_in = long_shape("forward", cfg, ratio, coff)
+            nch_half = cdiv(ratio, lanes * cs_in)
+            depth = 2 if cfg.prefetch_depth == 2 and coff * nch_half >= 2 else 1
+            consts.update(LANES=lanes, CS_IN=cs_in, NCH_HALF=nch_half, WRITE_STATS=with_stats, DEPTH=depth)
+            self.kernel = BoundKernel(kernel, consts, self.index)
+        else:
+            consts.update(
+                SP=pow2(ratio), BLOCK_R=cfg.block_r, PRECISE_EXP=cfg.precise_exp and not interpret,
+                TORCH_ORDER=torch_order(cfg, ratio, coff),
+                # The reference rounds every product before adding: no fused multiply-adds.
+                enable_fp_fusion=False,
+            )  # fmt: skip
+            self.kernel = BoundKernel(kernel, consts, self.index)
+        self.k = coff * pow2(ratio)
+
+    def _size(self, n_rows: int, num_segments: int) -> tuple:
+        """(programs, search halvings, rows or row tiles per program) of an ``n_rows`` problem."""
+        cfg = self.cfg
+        if self.long:
+            per_prog = cfg.rows_per_prog if cfg.rows_per_prog > 0 else 1
+            programs = cdiv(n_rows, per_prog)
+        else:
+            # Forward row counts never need the SM count (only the backward's one-wave sizing does).
+            per_prog = max(1, rows_per_prog(cfg, "forward", n_rows, self.n_col, self.k, 0) // cfg.block_r)
+            programs = cdiv(cdiv(n_rows, cfg.block_r), per_prog)
+        return self._remember((n_rows, num_segments), (programs * self.n_col, search_iters(num_segments), per_prog))
+
+    def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats) -> None:
+        if self._elsewhere():
+            with torch.cuda.device(self.index):
+                return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
+        n_rows, num_segments = out.shape[0], cu_seqlens.shape[0] - 1
+        sizes = self._sizes.get((n_rows, num_segments)) or self._size(n_rows, num_segments)
+        grid, n_iter, per_prog = sizes
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments, n_iter, per_prog)
+        if self.long:
+            self.kernel.launch(grid, stream, *args, stats)
+        else:
+            self.kernel.launch(grid, stream, *args)
+
+
+class BackwardPlan(_Plan):
+    """The backward of one configuration: the window kernel (short, long, or with statistics: ``csa_bwd_kernel``,
+    ``csa_bwd_long_kernel``, ``csa_bwd_stats_kernel``; each with its zero-sweep programs), then the dAPE
+    reduction of its partials (``dape_reduce_kernel``)."""
+
+    def __init__(self, bwd_mod, ratio, coff, head_dim, cfg, tile: StatsTile, with_stats, device, interpret, sm_count):
+        super().__init__(device, interpret, with_stats)
+        self.cfg, self.tile, self.sm_count = cfg, tile, sm_count
+        self.ratio, self.coff, self.head_dim, self.width = ratio, coff, head_dim, coff * head_dim
+        self.family = "stats" if with_stats else "long" if is_long(ratio, coff) else "short"
+        self.k = coff * pow2(ratio)
+        block_d = tile.block_d if with_stats else cfg.block_d
+        self.n_col = cdiv(head_dim, block_d)
+        consts = dict(
+            RATIO=ratio, COFF=coff, HEAD_DIM=head_dim, BLOCK_D=block_d, N_COL=self.n_col, SWEEP_T=cfg.sweep_t,
+            MANUAL_RTNE=interpret, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if self.family == "stats":
+            self.n_chunk = cdiv(coff * ratio, tile.slots)
+            consts.update(
+                SLOTS=tile.slots, VEC=max(1, min(8, tile.block_d)), N_CHUNK=self.n_chunk,
+                SWEEP_D=stats_sweep_d(tile, cfg), num_warps=tile.num_warps, num_stages=1,
+            )  # fmt: skip
+            kernel = bwd_mod.csa_bwd_stats_kernel
+        else:
+            consts.update(SP=pow2(ratio), VEC=cfg.vec, SWEEP_D=cfg.sweep_d, num_warps=cfg.num_warps)
+            if self.family == "long":
+                lanes, cs_in = long_shape("backward", cfg, ratio, coff)
+                consts.update(LANES=lanes, CS_IN=cs_in)
+                kernel = bwd_mod.csa_bwd_long_kernel
+            else:
+                consts.update(
+                    BLOCK_R=cfg.block_r, PRECISE_EXP=cfg.precise_exp and not interpret,
+                    TORCH_ORDER=torch_order(cfg, ratio, coff), enable_fp_fusion=False,
+                )  # fmt: skip
+                kernel = bwd_mod.csa_bwd_kernel
+        self.kernel = BoundKernel(kernel, consts, self.index)
+        # [dape_chunk partials, dape_block entries] per step: a short dependent chain and many programs. Neither
+        # constexpr depends on the problem size: compile() warms up on a tiny problem (capture safety).
+        size = ratio * self.width
+        block = min(cfg.dape_block, pow2(size))
+        dape = dict(SIZE=size, BLOCK=block, CHUNK=cfg.dape_chunk, num_warps=4, enable_fp_fusion=False)
+        self.dape = BoundKernel(bwd_mod.dape_reduce_kernel, dape, self.index)
+        self.dape_grid = cdiv(size, block)
+
+    def _size(self, n_rows: int, tokens: int, num_segments: int) -> tuple:
+        """(programs, search halvings, rows or row tiles per program, dAPE partials, compute programs)."""
+        cfg = self.cfg
+        if self.family == "stats":
+            per_prog = stats_rows(self.tile, self.ratio, self.coff, self.head_dim, n_rows)
+            parts = cdiv(n_rows, per_prog)
+            compute = parts * self.n_chunk * self.n_col
+        elif self.family == "long":
+            per_prog = long_rows(cfg, "backward", n_rows, self.n_col, self.sm_count, self.k)
+            parts = cdiv(n_rows, per_prog)
+            compute = parts * self.n_col
+        else:
+            rows = rows_per_prog(cfg, "backward", n_rows, self.n_col, self.k, self.sm_count)
+            per_prog = max(1, rows // cfg.block_r)
+            parts = cdiv(cdiv(n_rows, cfg.block_r), per_prog)
+            compute = parts * self.n_col
+        # Compute programs first, then the zero-sweep programs.
+        grid = compute + cdiv(tokens, cfg.sweep_t)
+        return self._remember(
+            (n_rows, tokens, num_segments), (grid, search_iters(num_segments), per_prog, parts, compute)
+        )
+
+    def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats):  # fmt: skip
+        if self._elsewhere():
+            with torch.cuda.device(self.index):
+                return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats)  # fmt: skip
+        n_rows, tokens, num_segments = grad_out.shape[0], kv.shape[0], cu_seqlens.shape[0] - 1
+        key = (n_rows, tokens, num_segments)
+        grid, n_iter, per_prog, parts, compute = self._sizes.get(key) or self._size(*key)
+        if stream is None:
+            workspace = _workspace((parts, self.ratio, self.width), self.device)
+        else:
+            with torch.cuda.stream(stream):
+                workspace = _workspace((parts, self.ratio, self.width), self.device)
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
+        sizes = (n_rows, tokens, num_segments, n_iter, per_prog, compute)
+        if self.family == "stats":
+            self.kernel.launch(grid, stream, *args, stats, *sizes)
+        else:
+            self.kernel.launch(grid, stream, *args, *sizes)
+        self.dape.launch(self.dape_grid, stream, workspace, grad_ape, parts)

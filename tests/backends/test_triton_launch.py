@@ -1,0 +1,284 @@
+"""The Triton backend's launch path (``binding.py``, ``plans.py``): the Triton internals it relies on, the direct
+launch against a stand-in for Triton's own launch, the fallback, and (``python -m tests.backends.test_triton_launch``)
+a micro-benchmark of the per-call host work of ``launch.forward`` / ``launch.backward`` with the launch mocked
+(``TRITON_INTERPRET=0 python -m tests.backends.test_triton_launch``: with the interpreter off, Triton's own
+per-launch binder is timed too; nothing is launched).
+
+The internals test fails on the CPU when the installed Triton stops launching the way ``binding.py`` expects:
+then the direct launch is off (the plain ``kernel[grid]`` launch remains, slower) until binding.py is updated.
+"""
+
+from __future__ import annotations
+
+import os
+import timeit
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from csa_compressor.backends.triton import binding, launch, plans  # noqa: E402
+from csa_compressor.testing import make_pack  # noqa: E402
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+class _FakeCompiled:
+    """A compiled kernel as ``binding`` sees one: ``run`` (the launcher, a property over ``_run``), the function
+    handle, the packed metadata, ``launch_metadata``."""
+
+    def __init__(self):
+        self.calls = []
+        self._run = lambda *call: self.calls.append(call)
+        self.function, self.packed_metadata = 0xF00, (1, 1, 0)
+
+    @property
+    def run(self):
+        return self._run
+
+    def launch_metadata(self, grid, stream, *args):
+        return {"grid": grid, "stream": stream}
+
+
+class _FakeJIT:
+    """``kernel[grid](*args, **consts)`` as Triton 3.6-3.9 performs it once compiled: the launcher gets the grid,
+    the stream, the handle, the metadata, the hooks and every bound argument (constexprs in signature order).
+    ``shuffle``: a Triton that passes the arguments in another order (the direct launch must refuse it)."""
+
+    def __init__(self, constexprs, shuffle=False):
+        self.compiled, self.constexprs, self.shuffle, self.binds = _FakeCompiled(), constexprs, shuffle, 0
+
+    def __getitem__(self, grid):
+        def runner(*args, **consts):
+            self.binds += 1
+            values = tuple(consts[name] for name in self.constexprs)
+            rt = triton.knobs.runtime
+            bound = (*values, *args) if self.shuffle else (*args, *values)
+            c = self.compiled
+            stream = torch._C._cuda_getCurrentRawStream(0)
+            c.run(
+                grid[0],
+                1,
+                1,
+                stream,
+                c.function,
+                c.packed_metadata,
+                None,
+                rt.launch_enter_hook,
+                rt.launch_exit_hook,
+                *bound,
+            )
+            return c
+
+        return runner
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The raw current-stream query the direct launch makes (no GPU here): stream 77 on every device."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+
+
+def test_direct_launch_internals_match_the_installed_triton():
+    """Fails when the installed Triton's launch internals change (binding.py would fall back to the plain launch)."""
+    assert binding.direct_launch_reason() is None, binding.direct_launch_reason()
+
+
+def test_changed_internals_turn_the_direct_launch_off(monkeypatch):
+    binding.direct_launch_reason.cache_clear()
+    monkeypatch.setattr(binding, "_RUN_CALL", "kernel.run(grid, stream, *non_constexpr_vals)")
+    try:
+        reason = binding.direct_launch_reason()
+    finally:
+        binding.direct_launch_reason.cache_clear()
+    assert reason is not None and "JITFunction.run" in reason
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["no-profiler", "profiler"])
+def test_direct_launch_passes_what_triton_passes(fake_cuda, monkeypatch, hooked):
+    """First launch: Triton's own (and a recorded, not performed, second one); later launches go to the compiled
+    kernel's launcher with the same arguments, never through Triton's binder again. With a profiler's hook the
+    hooks and launch metadata are passed as Triton would; without, neither."""
+    if hooked:
+        monkeypatch.setattr(triton.knobs.runtime.launch_enter_hook, "calls", [lambda meta: None])
+    jit = _FakeJIT(["BLOCK", "FLAG"])
+    bound = binding.BoundKernel(jit, {"BLOCK": 64, "FLAG": True}, index=0)
+    x, y = object(), object()
+    bound.launch(5, None, x, 3, y)
+    assert bound.direct and jit.binds == 2 and len(jit.compiled.calls) == 1
+    first = jit.compiled.calls[0]
+    bound.launch(7, None, y, 4, x)
+    assert jit.binds == 2, "a later launch went through Triton's binder"
+    later = jit.compiled.calls[1]
+    assert later[:6] == (7, 1, 1, 77, 0xF00, (1, 1, 0)) and later[9:] == (y, 4, x, 64, True)
+    assert first[9:] == (x, 3, y, 64, True)
+    if hooked:
+        assert later[6] == {"grid": (7, 1, 1), "stream": 77} and later[7] is triton.knobs.runtime.launch_enter_hook
+    else:
+        assert later[6:9] == (None, None, None)
+
+
+def test_unexpected_launch_convention_falls_back_to_triton(fake_cuda):
+    jit = _FakeJIT(["BLOCK"], shuffle=True)
+    bound = binding.BoundKernel(jit, {"BLOCK": 64}, index=0)
+    bound.launch(5, None, 1, 2)
+    bound.launch(5, None, 1, 2)
+    assert not bound.direct and jit.binds == 3 and len(jit.compiled.calls) == 2
+
+
+def test_interpreter_plans_launch_through_triton():
+    """Under the interpreter (and on the CPU) the bound launch is Triton's own: the kernels' real logic runs."""
+    if HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter path is the CPU's")
+    pack = make_pack((21, 6), 8, 4, 2, token_padding=2, device=DEVICE)
+    out = torch.empty((pack.total_comp, 8), dtype=pack.kv.dtype, device=DEVICE)
+    launch.forward(*pack.inputs, out, 4, 2, None)
+    plan = launch._FORWARD[4, 2, 8, pack.kv.dtype, pack.kv.device, False]
+    assert plan.index is None and plan.kernel.launch == plan.kernel._plain and not plan.kernel.direct
+
+
+def test_plans_and_sizes_are_built_once():
+    pack = make_pack((33, 6), 8, 4, 2, device=DEVICE)
+    out = torch.empty((pack.total_comp, 8), dtype=pack.kv.dtype, device=DEVICE)
+    launch.forward(*pack.inputs, out, 4, 2, None)
+    plan = launch._FORWARD[4, 2, 8, pack.kv.dtype, pack.kv.device, False]
+    sizes = dict(plan._sizes)
+    launch.forward(*pack.inputs, out, 4, 2, None)
+    assert launch._FORWARD[4, 2, 8, pack.kv.dtype, pack.kv.device, False] is plan and plan._sizes == sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_direct_launch_is_bound_and_equals_the_plain_launch():
+    """After compile() every kernel of a SPEC configuration launches directly, with results bitwise those of
+    Triton's own launch (the same plan with its kernels' bound launch set back to the plain one)."""
+    for ratio, coff, d in ((4, 2, 128), (128, 1, 128), (128, 2, 64)):
+        pack = make_pack((300 * ratio // 4 + 3, 97), d, ratio, coff, token_padding=5, comp_padding=2, device=DEVICE)
+        for direction in ("forward", "backward"):
+            launch.compile(direction, ratio, coff, d, torch.bfloat16, DEVICE)
+        stats = torch.empty((pack.total_comp, 3, d), device=DEVICE) if launch.supports_stats(ratio, coff, d) else None
+        results = []
+        for direct in (True, False):
+            keys = [(ratio, coff, d, pack.kv.dtype, pack.kv.device, s) for s in (False, stats is not None)]
+            bound = [launch._FORWARD[k].kernel for k in keys] + [launch._BACKWARD[k].kernel for k in keys]
+            bound += [launch._BACKWARD[k].dape for k in keys]
+            assert all(b.direct for b in bound) or not direct
+            if not direct:
+                for b in bound:
+                    b.launch = b._plain
+            out = torch.empty((pack.total_comp, d), dtype=pack.kv.dtype, device=DEVICE)
+            launch.forward(*pack.inputs, out, ratio, coff, None, stats)
+            grads = torch.empty_like(pack.kv), torch.empty_like(pack.score), torch.empty_like(pack.ape)
+            launch.backward(*pack.inputs, pack.grad_out, *grads, ratio, coff, None, stats)
+            torch.cuda.synchronize()
+            results.append((out, *grads))
+            if not direct:
+                for b in bound:
+                    b.launch = b._first  # bind again on the next call
+        for a, b in zip(*results, strict=True):
+            assert torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- host micro-benchmark (CPU)
+
+CASES = [
+    ("3x8192 d128 r4 c2", 3, 8192, 128, 4, 2, False),
+    ("3x8192 d512 r128 c1", 3, 8192, 512, 128, 1, False),
+    ("1x65536 d512 r128 c2 stats", 1, 65536, 512, 128, 2, True),
+]
+
+
+def _problem(n, seqlen, d, ratio, coff, stats):
+    tokens, width, rows = n * seqlen, coff * d, n * seqlen // ratio
+    kv = torch.empty(tokens, width, dtype=torch.bfloat16)
+    cu = torch.arange(n + 1, dtype=torch.int32) * seqlen
+    out = torch.empty(rows, d, dtype=torch.bfloat16)
+    inputs = (kv, torch.empty_like(kv), torch.empty(ratio, width), cu, cu // ratio)
+    grads = (torch.empty_like(kv), torch.empty_like(kv), torch.empty(ratio, width))
+    return inputs, out, grads, torch.empty(rows, 3, d) if stats else None
+
+
+def _us(fn, number=200) -> float:
+    fn()
+    return min(timeit.repeat(fn, number=number, repeat=60)) / number * 1e6
+
+
+def _mock_direct(plan) -> None:
+    """Bind ``plan``'s kernels directly to a stand-in compiled kernel whose launcher does nothing, as on a GPU."""
+    plan.index = 0
+    for name in ("kernel", "dape"):
+        bound = getattr(plan, name, None)
+        if bound is not None:
+            jit = _FakeJIT([k for k in bound.consts if k[0].isupper()])
+            jit.compiled._run = lambda *call: None
+            mock = binding.BoundKernel(jit, bound.consts, 0)
+            mock.launch(1, None, 0)
+            assert mock.direct
+            setattr(plan, name, mock)
+
+
+def host_costs() -> list[dict]:
+    """Per-call host microseconds of ``launch.forward`` / ``launch.backward`` on CPU tensors, the launcher mocked
+    (a no-op in place of the compiled kernel's launcher, behind the direct launch), plus what Triton's own launch
+    would add per kernel launch on top (its argument binder and cache key, measured on the installed Triton)."""
+    rows = []
+    torch.cuda.current_device = lambda: 0  # the plan's current-device check, as on a one-GPU host
+    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    # A small allocation per backward, as the CUDA caching allocator serves it (a large CPU one would map pages).
+    plans._workspace = lambda shape, device: torch.empty(16, device=device)
+    for name, n, seqlen, d, ratio, coff, stats in CASES:
+        inputs, out, grads, st = _problem(n, seqlen, d, ratio, coff, stats)
+        key = (ratio, coff, d, out.dtype, out.device, stats)
+        _mock_direct(launch._forward_plan(*key))
+        _mock_direct(launch._backward_plan(*key))
+        fwd = _us(lambda: launch.forward(*inputs, out, ratio, coff, None, st))  # noqa: B023
+        bwd = _us(lambda: launch.backward(*inputs, out, *grads, ratio, coff, None, st))  # noqa: B023
+        rows.append(dict(case=name, forward_us=fwd, backward_us=bwd, triton_bind_us=_triton_bind_us(inputs, out)))
+    return rows
+
+
+def _triton_bind_us(inputs, out) -> float:
+    """Triton's per-launch Python work before its launcher (argument binder and cache key) for the short-window
+    forward kernel, on the installed Triton without a GPU (an sm_90 target)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import compute_cache_key, create_function_from_signature
+
+    from csa_compressor.backends.triton import forward
+
+    kernel = forward.csa_fwd_kernel
+    if not hasattr(kernel, "signature"):
+        return float("nan")  # interpreted: no binder
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    consts = dict(
+        RATIO=4, SP=4, COFF=2, HEAD_DIM=128, BLOCK_R=1, BLOCK_D=128, VEC=4, N_COL=1, PRECISE_EXP=True,
+        MANUAL_RTNE=False, TORCH_ORDER=True, num_warps=1, num_stages=1, enable_fp_fusion=False, debug=False,
+        instrumentation_mode="",
+    )  # fmt: skip
+    args = (*inputs, out, out.shape[0], inputs[0].shape[0], 3, 2, 4)
+    cache: dict = {}
+
+    def bind():
+        _bound, spec, options = binder(*args, **consts)
+        compute_cache_key(cache, spec, options)
+
+    return _us(bind, 500)
+
+
+def main() -> None:
+    calibration = _us(lambda: None, 100000)
+    print(f"an empty Python call: {calibration:.3f} us (scale the figures below by the host's load)")
+    for row in host_costs():
+        print(
+            f"{row['case']}: forward {row['forward_us']:.2f} us, backward {row['backward_us']:.2f} us per call; "
+            f"Triton's own launch adds {row['triton_bind_us']:.2f} us per kernel launch"
+        )
+
+
+if __name__ == "__main__":
+    main()
