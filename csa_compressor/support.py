@@ -32,13 +32,22 @@ from .windows import uses_softmax_stats
 __all__ = [
     "MAX_RATIO",
     "VALIDATE_ENV_VAR",
+    "VARIANTS",
+    "Bind",
     "Bound",
     "Config",
     "check_backward",
+    "check_backward_fresh",
     "check_config",
     "check_forward",
+    "check_forward_fresh",
+    "check_offsets",
+    "check_rows_need_tokens",
     "check_softmax_stats",
     "check_total_comp",
+    "check_total_comp_rows",
+    "check_total_tokens",
+    "validation_env",
     "validation_requested",
 ]
 
