@@ -51,12 +51,12 @@ def _mutation(draw, kind, case):
     cu, comp, ratio = case["cu_seqlens"], case["cu_seqlens_comp"], case["ratio"]
     b = draw(st.integers(1, min(len(cu), len(comp)) - 1))
     if kind == "truncated":
-        if comp[-1] == 0:  # rows to drop: a first segment of two groups and a tail
+        if comp[-1] <= 0:  # rows to drop: a first segment of two groups and a tail
             grow = 2 * ratio + 1 - (cu[1] - cu[0])
             cu[1:] = [v + max(grow, 0) for v in cu[1:]]
             comp[1:] = [v + 2 for v in comp[1:]]
             case["tokens"] += max(grow, 0)
-        case["total_comp"] = draw(st.integers(0, comp[-1] - 1))
+        case["total_comp"] = draw(st.integers(0, max(comp[-1] - 1, 0)))
     elif kind == "beyond_T":
         delta = draw(st.integers(1, 3 * ratio))
         cu[b:] = [v + delta for v in cu[b:]]
