@@ -56,7 +56,8 @@ def _mutation(draw, kind, case):
             cu[1:] = [v + max(grow, 0) for v in cu[1:]]
             comp[1:] = [v + 2 for v in comp[1:]]
             case["tokens"] += max(grow, 0)
-        case["total_comp"] = draw(st.integers(0, max(comp[-1] - 1, 0)))
+        # Below the real rows; capped, since a malformed comp[-1] may be near 2**31 (the output has total_comp rows).
+        case["total_comp"] = draw(st.integers(0, min(max(comp[-1] - 1, 0), 64)))
     elif kind == "beyond_T":
         delta = draw(st.integers(1, 3 * ratio))
         cu[b:] = [v + delta for v in cu[b:]]
@@ -192,3 +193,7 @@ def test_malformed_packs_on_the_gpu(backend):
         pytest.skip(reason)
     problems = _run_worker(backend, "cuda", _draw(120), timeout=600)
     assert not problems, "\n".join(problems[:10])
+
+
+if __name__ == "__main__":  # cases for a manual run, e.g. under compute-sanitizer: python -m tests.test_fuzz 60
+    print(json.dumps(_draw(int(sys.argv[1]) if len(sys.argv) > 1 else 60)))

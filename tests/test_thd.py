@@ -64,3 +64,9 @@ def test_row_layout_padding_and_empty_segments():
     assert t0.tolist() == [0, 4, 11, 15, 0, 0]
     assert first.tolist() == [True, False, True, False, True, True]
     assert real.tolist() == [True, True, True, True, False, False]
+
+
+def test_row_layout_needs_two_offsets():
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens and cu_seqlens_comp need at least 2 entries each"):
+        row_layout(one, one, 2, 4, 8)

@@ -79,6 +79,13 @@ def test_wrappers_name_bad_total_comp(total_comp, match, warm):
         csa_compressor_backward_wrapper(*p.inputs, p.grad_out, total_comp=total_comp, **KW)
 
 
+def test_a_derived_head_dim_must_be_positive():
+    empty = torch.empty(8, 0, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="head_dim must be >= 1: got head_dim=0"):
+        csa_compressor_forward_wrapper(empty, empty, torch.empty(4, 0), cu, cu, ratio=4, coff=1, total_comp=0)
+
+
 def test_backward_wrapper_total_comp_must_match_grad_out():
     p = _pack()
     with pytest.raises(ValueError, match=r"total_comp must equal grad_out.shape\[0\]: got 3 vs 7"):
