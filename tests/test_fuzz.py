@@ -169,7 +169,7 @@ def _run_worker(backend: str, device: str, cases_: list[dict], timeout: int) -> 
     return problems
 
 
-# Each triton case runs its kernels in the interpreter (about a second each on a CPU); the reference is cheap.
+# A triton case runs its kernels in the interpreter, slow on a CPU; the reference is cheap.
 CPU_RUNS = [("reference", 154), ("triton", 22)]
 
 
