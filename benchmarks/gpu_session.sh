@@ -1,48 +1,111 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: unpack CuTe-DSL, then the stages named in $STAGES
-# (tests selfcheck sanitize bench), logs under $OUT, a short summary last.
-#   STAGES="tests bench" bash benchmarks/gpu_session.sh
+# One device call on one H200 (kind nvidia-h200), inside the 10 minutes of a call:
+#   1. install check: the imports, the versions and the backends this GPU can run;
+#   2. in parallel (correctness only, nothing timed): the test suite, compute-sanitizer memcheck and racecheck of
+#      tests/sanitize_cases.py for cute and triton, and the bench's compile pass (it fills the torch.compile and
+#      kernel caches on disk, so that the timed bench loads instead of compiling);
+#   3. the bench, alone on the GPU, with what is left of the budget (it starts no new measurement after that and
+#      lists the ones left as skipped);
+#   4. a short table.
+# Run from the repository root: bash benchmarks/gpu_session.sh. Variables (defaults in brackets):
+#   STAGES       stages to run ["install tests sanitize bench"]
+#   BUDGET_S     the whole session's budget in seconds [560]
+#   TESTS_TIMEOUT  the test suite's limit [300]; PYTEST_ARGS extra pytest arguments [""]
+#   SANITIZE_TIMEOUT  each of the four sanitizer runs' limit [70]; SANITIZE_BACKENDS ["cute triton"]
+#   BENCH_ARGS   extra arguments of the bench, e.g. "--tail off", "--timing-probe", "--cases 0 3" [""]
+#   RUN_COMMIT   the commit the bench records (the device copy's .git may be stale or missing) [git rev-parse]
+# Comes back under $OUT (at most 8 files): summary.md, session.log, pytest.log, sanitize.log, bench.log and the
+# bench record bench_latest.{json,md,png}.
 set -uo pipefail
-# Logs go to $LOGS and come back as one tarball: the device tool returns at most 8 files.
+START=$(date +%s)
 RESULT_DIR=${OUT:-/tmp/csa_out}
-OUT=/tmp/csa_logs
-mkdir -p "$OUT" "$RESULT_DIR"
-STAGES=${STAGES:-"tests selfcheck sanitize bench"}
+mkdir -p "$RESULT_DIR"
+STAGES=${STAGES:-"install tests sanitize bench"}
+BUDGET_S=${BUDGET_S:-560}
+LOG="$RESULT_DIR/session.log"
 . benchmarks/device_env.sh
-summary=()
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-python3 -c "import cutlass; print('cutlass-dsl', cutlass.__version__)" 2>&1 | tail -1
+elapsed() { echo $(($(date +%s) - START)); }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+rows=()
+row() { rows+=("| $1 | $2 | $(elapsed) |"); }
 
-for stage in $STAGES; do
-    case $stage in
-    tests)
-        python3 -m pytest tests -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
-        summary+=("pytest: $(tail -n 1 "$OUT/pytest.log")")
-        grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 20
-        ;;
-    selfcheck)
-        python3 -m csa_compressor >"$OUT/selfcheck.txt" 2>&1
-        summary+=("selfcheck: $(tail -n 1 "$OUT/selfcheck.txt")")
-        cat "$OUT/selfcheck.txt"
-        ;;
-    sanitize)
-        for backend in ${SANITIZE_BACKENDS:-cute triton}; do
-            for tool in memcheck racecheck; do
-                log="$OUT/sanitize_${backend}_${tool}.log"
-                timeout 240 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 python3 tests/sanitize_cases.py --backend "$backend" >"$log" 2>&1
-                rc=$?
-                summary+=("sanitizer $tool $backend: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -n 1)")
-            done
+if has install; then
+    {
+        nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+        python3 -c "import csa_compressor, torch, triton; print('csa_compressor', csa_compressor.__version__,
+'torch', torch.__version__, 'triton', triton.__version__); print('backends', csa_compressor.available_backends('cuda'))"
+        python3 -c "import cutlass, tvm_ffi; print('cutlass-dsl', cutlass.__version__, 'tvm_ffi', tvm_ffi.__version__)"
+    } >"$LOG" 2>&1
+    row install "$(grep -m1 '^backends' "$LOG" || echo 'FAILED, see session.log')"
+fi
+
+sanitize() {  # every backend x tool in turn, one log
+    for backend in ${SANITIZE_BACKENDS:-cute triton}; do
+        for tool in memcheck racecheck; do
+            echo "==== $tool $backend"
+            timeout "${SANITIZE_TIMEOUT:-70}" compute-sanitizer --tool "$tool" --report-api-errors no \
+                --error-exitcode 9 python3 tests/sanitize_cases.py --backend "$backend" 2>&1
+            echo "==== $tool $backend rc=$?"
         done
-        ;;
-    bench)
-        python3 -m csa_compressor bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>"$OUT/bench.err" | tee "$OUT/bench.txt"
-        summary+=("bench: rc=$?")
-        ;;
-    esac
-done
-printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
-tar czf "$RESULT_DIR/logs.tar.gz" -C "$OUT" .
-echo "==== summary"
-cat "$OUT/summary.txt"
+    done
+}
+
+pids=()
+if has tests; then
+    # SIGINT first, so that pytest prints its counts when the limit is reached.
+    timeout -s INT -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 \
+        ${PYTEST_ARGS:-} >"$RESULT_DIR/pytest.log" 2>&1 &
+    pids+=($!)
+fi
+if has sanitize; then
+    sanitize >"$RESULT_DIR/sanitize.log" 2>&1 &
+    pids+=($!)
+fi
+if has bench; then
+    # One compile process per case: the matrix's compile time is torch.compile's, one graph at a time per process.
+    groups=("--cases 0" "--cases 1" "--cases 2" "--cases 3" "--cases 4" "--cases 5" "--cases 6")
+    [[ " ${BENCH_ARGS:-} " == *" --cases "* ]] && groups=("")
+    for group in "${groups[@]}"; do
+        timeout "${TESTS_TIMEOUT:-300}" python3 -m csa_compressor bench --compile-only -q ${BENCH_ARGS:-} $group \
+            >>"$LOG" 2>&1 &
+        pids+=($!)
+    done
+fi
+for pid in "${pids[@]}"; do wait "$pid"; done
+if has tests; then
+    row "test suite" "$(grep -E '(passed|failed|error)' "$RESULT_DIR/pytest.log" | tail -n 1)"
+fi
+if has sanitize; then
+    # One row per run: its exit status (9: the tool found errors; 124: the time limit) and the tool's summary.
+    while IFS='|' read -r run result; do row "sanitizer $run" "$result"; done < <(awk '
+        /ERROR SUMMARY|RACECHECK SUMMARY/ { sub(/^=+ */, ""); summary = $0 }
+        /^==== .* rc=/ { sub(/^==== /, ""); n = split($0, f, " "); print f[1] " " f[2] "|" f[n] ", " summary; summary = "" }
+    ' "$RESULT_DIR/sanitize.log")
+fi
+
+if has bench; then
+    left=$((BUDGET_S - $(elapsed) - 20))
+    if [ "$left" -lt 30 ]; then
+        row bench "not run: $(elapsed) s of the $BUDGET_S s budget spent"
+    else
+        python3 -m csa_compressor bench --out "$RESULT_DIR" --name bench_latest --budget-s "$left" \
+            --commit "${RUN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" ${BENCH_ARGS:-} \
+            >/dev/null 2>"$RESULT_DIR/bench.log"
+        rc=$?
+        count() { grep -c "$1" "$RESULT_DIR/bench_latest.json" 2>/dev/null || echo 0; }
+        result="rc=$rc, $(count '"kernel_us_cold": [0-9]') measured, $(count '"skipped"') skipped, $(count '"error"') failed"
+        [ -f "$RESULT_DIR/bench_latest.json" ] || result="rc=$rc: $(tail -n 1 "$RESULT_DIR/bench.log")"
+        row bench "$result"
+    fi
+fi
+
+{
+    echo "| stage | result | at s |"
+    echo "|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+    if [ -f "$RESULT_DIR/bench_latest.md" ]; then
+        echo
+        sed -n '/^### Summary/,/^### Forward$/p' "$RESULT_DIR/bench_latest.md" | sed '$d'
+    fi
+} >"$RESULT_DIR/summary.md"
+cat "$RESULT_DIR/summary.md"

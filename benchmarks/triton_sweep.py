@@ -1,25 +1,17 @@
-"""GPU timing sweep of the Triton backend's tile configurations on the SPEC section 6 cases.
+"""Tuning sweep of the Triton backend's tiles on the bench's cases, timed by the bench's timer.
 
-For every case and direction it times each candidate ``KernelConfig`` (plus the
-default that ``launch.choose_config`` picks), L2 cold: a CUDA graph of one call
-is replayed after a 256 MiB flush, CUDA events around the replay, median of
-``--iters``. It also checks every configuration against the fp32 reference
-(max bf16 ulp, count of non-bitwise elements) and dAPE against fp64, and prints
-kernel us, floor us (SPEC 6: bytes that must move / 4.22 TB/s) and their ratio.
+    python benchmarks/triton_sweep.py [--cases r4|r128|NAME,...] [--directions forward,backward] [--quick] [--out DIR]
+    python benchmarks/triton_sweep.py --stats [--cases r128]      # the softmax-statistics backward's tiles
 
-Kernels are JIT-built first in parallel worker processes (Triton's disk cache),
-so the timing loop only loads them.
+Default mode: for every case and direction, each candidate ``KernelConfig`` (and the default the backend picks)
+is built first in parallel worker processes (Triton's disk cache), then launched directly with that config and
+timed cold and warm (``csa_compressor.bench.Timer``), with its numerics beside it: max bf16 ulp and the count of
+non-bitwise elements against the fp32 reference, dAPE rel-L2 against fp64, and the full contract for the default.
+``--stats``: the statistics backward (long windows) with the default tile and candidates, against the backward
+without statistics. Prints one line per candidate and the best per case; writes ``triton_sweep.json`` to --out.
 
-    python3 benchmarks/triton_sweep.py --out results/ [--quick] [--cases 3x8192_d512_r4_c2,...]
-
-Long windows (ratio 128: the ``*_long_kernel``s), the three r128 cases, <= 12 tiles per direction and case
-(block_d x num_warps x slots per thread, rows per program), about 2-3 minutes on one H200 with the build:
-
-    python3 benchmarks/triton_sweep.py --cases r128 --out $OUT
-
-``--cases`` takes case names, or ``r4`` / ``r128`` for every case of that ratio. Each row of the table has the
-kernel us (write flush), the floor, max bf16 ulp / non-bitwise count vs the fp32 reference and dAPE rel-L2 vs
-fp64, and ``ok`` from ``csa_compressor.testing.contract_report`` (SPEC 3); ``*`` marks ``choose_config``'s pick.
+The sweep drives the backend below its public API, through the few names of ``backends.triton.launch`` used in
+``_Backend`` (configs, their launches, the statistics tile): the one place to follow when those move.
 """
 
 from __future__ import annotations
@@ -30,7 +22,6 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 
@@ -39,406 +30,291 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from csa_compressor import reference
-from csa_compressor.backends.triton import launch
-from csa_compressor.backends.triton.launch import KernelConfig
-from csa_compressor.testing import contract_report, make_pack
-
-COPY_RATE = 4.22e12  # bytes/s, SPEC section 6
-# (name, sequences, seqlen, head_dim, ratio, coff)
-CASES = [
-    ("1x8192_d128_r4_c2", 1, 8192, 128, 4, 2),
-    ("3x8192_d128_r4_c2", 3, 8192, 128, 4, 2),
-    ("1x8192_d512_r4_c2", 1, 8192, 512, 4, 2),
-    ("3x8192_d512_r4_c2", 3, 8192, 512, 4, 2),
-    ("1x8192_d128_r128_c1", 1, 8192, 128, 128, 1),
-    ("1x65536_d512_r128_c2", 1, 65536, 512, 128, 2),
-    ("3x8192_d512_r128_c1", 3, 8192, 512, 128, 1),
-]
+from csa_compressor.bench import CASES, Timer, floor_us
+from csa_compressor.testing import bf16_ulp_distance, contract_report, make_pack, rel_l2
 
 
-def floor_us(direction, tokens, n_rows, head_dim, coff) -> float:
-    width = coff * head_dim
+class _Backend:
+    """The Triton launch module's names the sweep uses."""
+
+    def __init__(self):
+        from csa_compressor.backends.triton import launch
+
+        self.launch = launch
+        self.KernelConfig = launch.KernelConfig
+
+    def default(self, direction, ratio, coff, head_dim):
+        return self.launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
+
+    def forward(self, pack, out, cfg, stats=None):
+        self.launch.launch_forward(*pack.inputs, out, pack.ratio, pack.coff, cfg, stats)
+
+    def backward(self, pack, grads, cfg, stats=None):
+        self.launch.launch_backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, cfg, stats)
+
+    def forward_with_stats(self, pack, out, stats):
+        """The default forward, filling the softmax statistics (as autograd's forward does)."""
+        self.launch.forward(*pack.inputs, out, pack.ratio, pack.coff, None, stats)
+
+    def default_backward(self, pack, grads, stats=None):
+        self.launch.backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, None, stats)
+
+    def stats_backward(self, pack, grads, stats, tile):
+        """The backward with statistics at ``tile`` (None: the default), as autograd runs it."""
+        key = (pack.ratio, pack.coff, pack.head_dim)
+        self.launch.STATS_TILE_OVERRIDE.pop(key, None)
+        if tile is not None:
+            self.launch.STATS_TILE_OVERRIDE[key] = tile
+        self.default_backward(pack, grads, stats)
+
+    def pow2(self, n):
+        return self.launch._pow2(n)
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+
+
+def _long_tiles(direction, head_dim):
+    """Long-window tiles. Forward: (block_d, num_warps, slots per thread, rows per program, chunks in flight[,
+    vector width]); backward: (block_d, num_warps) at 16 or 32 window elements per thread."""
+    if direction == "forward" and head_dim <= 128:
+        return [(16, 4, 2, 1, 1), (16, 4, 4, 1, 1, 4), (32, 4, 2, 1, 1, 4), (32, 4, 2, 1, 2, 4), (32, 4, 4, 1, 1, 4),
+                (16, 2, 4, 1, 1, 4), (32, 4, 2, 1, 1), (16, 8, 2, 1, 1), (8, 4, 4, 1, 1, 4), (64, 4, 2, 1, 2, 4)]  # fmt: skip
     if direction == "forward":
-        nbytes = 2 * tokens * width * 2 + n_rows * head_dim * 2
-    else:
-        nbytes = 4 * tokens * width * 2 + n_rows * head_dim * 2
-    return nbytes / COPY_RATE * 1e6
+        return [(64, 1, 2, 1, 2), (128, 1, 2, 1, 2), (128, 2, 2, 1, 2), (64, 1, 1, 1, 2), (32, 1, 2, 1, 2),
+                (64, 2, 2, 1, 2), (128, 1, 4, 1, 2), (128, 1, 4, 1, 1), (128, 2, 2, 1, 1), (64, 1, 4, 1, 1)]  # fmt: skip
+    return [(bd, nw) for nw in (4, 8) for bd in (32 * nw * 32, 32 * nw * 16)]
 
 
-def long_candidates(direction, ratio, coff, head_dim, quick=False):
-    """Long-window tiles (<= 12): forward (block_d, num_warps, slots_per_thread, rows_per_prog, prefetch_depth), backward
-    (block_d, num_warps, rows_per_prog; 0 = from the problem size) at 16 or 32 window elements per thread."""
-    k = coff * launch._pow2(ratio)
-    d2 = launch._pow2(head_dim)
-    default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
-    if direction == "forward":
-        # (block_d, num_warps, slots per thread, rows per program, chunks in flight[, vector width])
-        if head_dim <= 128:
-            # Small problems: fewer window elements per thread (8-byte vectors, whole-window chunks, more warps).
-            tiles = [(16, 4, 2, 1, 1), (16, 4, 4, 1, 1, 4), (32, 4, 2, 1, 1, 4), (32, 4, 2, 1, 2, 4),
-                     (32, 4, 4, 1, 1, 4), (16, 2, 4, 1, 1, 4), (32, 4, 2, 1, 1), (16, 8, 2, 1, 1),
-                     (8, 4, 4, 1, 1, 4), (64, 4, 2, 1, 2, 4), (32, 2, 2, 1, 2)]  # fmt: skip
-        else:
-            # Depth 2 keeps two chunks of a row in flight (the 1-warp tiles are under one wave at r128 c1: their
-            # bytes in flight per SM are what they prefetch); the rest are the best depth-1 tiles of earlier sweeps.
-            tiles = [(64, 1, 2, 1, 2), (128, 1, 2, 1, 2), (128, 2, 2, 1, 2), (64, 1, 1, 1, 2), (32, 1, 2, 1, 2),
-                     (64, 2, 2, 1, 2), (128, 1, 4, 1, 2), (128, 1, 4, 1, 1), (128, 2, 2, 1, 1), (64, 1, 4, 1, 1),
-                     (64, 1, 2, 1, 1)]  # fmt: skip
-        out = [
-            dataclasses.replace(
-                default,
-                block_d=min(t[0], d2),
-                num_warps=t[1],
-                slots_per_thread=t[2],
-                rows_per_prog=t[3],
-                prefetch_depth=t[4],
-                vec=t[5] if len(t) > 5 else default.vec,
-            )
-            for t in tiles
-        ]
-    else:
-        tiles = []
-        for nw in (4, 8):
-            for per_thread in (32, 16):
-                bd = 32 * nw * per_thread // k
-                if 8 <= bd <= d2:
-                    tiles.append((bd, nw))
-        out = []
-        for bd, nw in tiles:
-            for rows in (0, -2) if (bd, nw) != (default.block_d, default.num_warps) else (0, -2, 2, 4):
-                out.append(dataclasses.replace(default, block_d=bd, num_warps=nw, rows_per_prog=rows))
-    out = [default] + [c for c in out if c != default]
-    return out[: 3 if quick else 12]
+def long_candidates(backend, direction, ratio, coff, head_dim):
+    default = backend.default(direction, ratio, coff, head_dim)
+    k, d2 = coff * backend.pow2(ratio), backend.pow2(head_dim)
+    out = []
+    for t in _long_tiles(direction, head_dim):
+        if direction == "forward":
+            vec = t[5] if len(t) > 5 else default.vec
+            fields = dict(block_d=min(t[0], d2), num_warps=t[1], slots_per_thread=t[2], rows_per_prog=t[3])
+            out.append(dataclasses.replace(default, prefetch_depth=t[4], vec=vec, **fields))
+        elif 8 <= t[0] // k <= d2:
+            out += [dataclasses.replace(default, block_d=t[0] // k, num_warps=t[1], rows_per_prog=r) for r in (0, 4)]
+    return [default] + [c for c in dict.fromkeys(out) if c != default]
 
 
-def candidates(direction, ratio, coff, head_dim, quick=False):
-    """Tile candidates x exact/approximate exp x ``rows_per_prog`` (runtime-only: no recompilation)."""
-    k = coff * launch._pow2(ratio)
-    d2 = launch._pow2(head_dim)
-    default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
-    if k > 16:
-        return long_candidates(direction, ratio, coff, head_dim, quick)
-    tiles = []
-    if k <= 16:
-        vec = min(8, 32 // k)
-        for bd, nw in ((32 * vec, 1), (16 * vec, 1), (32 * vec, 2), (16 * vec, 2)):
-            bd = min(bd, d2)
-            tiles.append((max(1, (32 * vec) // bd) * nw, bd, nw, vec))
-    else:
-        for bd, vec in ((16, 4), (32, 8), (32, 4)):
-            bd = min(bd, d2)
-            for nw in (2, 4, 8):
-                per_thread = k * bd // (32 * nw)
-                if 16 <= per_thread <= 32:
-                    tiles.append((1, bd, nw, vec))
-    if quick:
-        tiles = tiles[:2]
+def short_candidates(backend, direction, ratio, coff, head_dim):
+    """Short windows: tiles x exact / approximate exp x rows per program (a runtime argument: no new build)."""
+    default = backend.default(direction, ratio, coff, head_dim)
+    k, d2 = coff * backend.pow2(ratio), backend.pow2(head_dim)
+    vec = min(8, 32 // k)
     out = {default}
-    for br, bd, nw, vec in dict.fromkeys(tiles):
-        if direction == "forward":
-            rows_options = [br * m for m in ((2, 4, 8, 16) if k <= 16 else (1, 2, 4, 8))]
-        elif k <= 16:
-            rows_options = [max(br, r) for r in (8, 16, 32, 64)]
-        else:
-            rows_options = [4, 8, 16, 32]
+    for bd, nw in ((32 * vec, 1), (16 * vec, 1), (32 * vec, 2), (16 * vec, 2)):
+        bd = min(bd, d2)
+        br = max(1, (32 * vec) // bd) * nw
+        rows = [br * m for m in (2, 4, 8, 16)] if direction == "forward" else [max(br, r) for r in (8, 16, 32, 64)]
         for precise in (True, False):
-            for rows in rows_options:
-                out.add(
-                    dataclasses.replace(
-                        default,
-                        block_r=br,
-                        block_d=bd,
-                        num_warps=nw,
-                        vec=vec,
-                        rows_per_prog=rows,
-                        precise_exp=precise,
-                    )
-                )
-    return sorted(out, key=dataclasses.astuple)
+            for r in rows:
+                fields = dict(block_r=br, block_d=bd, num_warps=nw, vec=vec, rows_per_prog=r, precise_exp=precise)
+                out.add(dataclasses.replace(default, **fields))
+    return [default, *sorted(out - {default}, key=dataclasses.astuple)]
 
 
-def _compile_key(cfg: KernelConfig):
-    return dataclasses.replace(cfg, rows_per_prog=cfg.block_r)
+def candidates(backend, direction, ratio, coff, head_dim, quick=False):
+    long = coff * backend.pow2(ratio) > 16
+    make = long_candidates if long else short_candidates
+    found = make(backend, direction, ratio, coff, head_dim)
+    return found[: 3 if quick else 12] if long else found[: 6 if quick else len(found)]
 
 
-def _resolve(cfg: KernelConfig, direction, n_rows, head_dim, device, k):
-    """``rows_per_prog = -2``: twice the rows the launcher picks for a long-window backward (half the programs)."""
-    if cfg.rows_per_prog >= 0:
-        return cfg
-    auto = launch._long_rows(
-        dataclasses.replace(cfg, rows_per_prog=0), direction, n_rows, -(-head_dim // cfg.block_d), device
-    )
-    return dataclasses.replace(cfg, rows_per_prog=-cfg.rows_per_prog * auto)
+# ---------------------------------------------------------------------------------------------- build, time, check
 
 
-def _compile_job(job):
-    """Worker: build one (direction, ratio, coff, head_dim, tiles) on a tiny problem of the same specialisation."""
+def _build_job(job):
+    """Worker: build one (direction, config) on a tiny problem of the same specialisation."""
     direction, ratio, coff, head_dim, cfg = job
-    device = torch.device("cuda")
-    t = time.time()
+    t0 = time.time()
     try:
-        width = coff * head_dim
-        tokens = 2 * ratio
-        kv = torch.zeros((tokens, width), dtype=torch.bfloat16, device=device)
-        ape = torch.zeros((ratio, width), dtype=torch.float32, device=device)
-        cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
-        cu_comp = torch.tensor([0, 2], dtype=torch.int32, device=device)
+        pack = make_pack((2 * ratio,), head_dim, ratio, coff, device="cuda", seed=0)
+        backend = _Backend()
         if direction == "forward":
-            out = torch.empty((2, head_dim), dtype=torch.bfloat16, device=device)
-            launch.launch_forward(kv, kv.clone(), ape, cu, cu_comp, out, ratio, coff, cfg)
+            backend.forward(pack, torch.empty(pack.total_comp, head_dim, dtype=torch.bfloat16, device="cuda"), cfg)
         else:
-            g = torch.zeros((2, head_dim), dtype=torch.bfloat16, device=device)
-            grads = torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape)
-            launch.launch_backward(kv, kv.clone(), ape, cu, cu_comp, g, *grads, ratio, coff, cfg)
+            backend.backward(pack, [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)], cfg)
         torch.cuda.synchronize()
-        return None, time.time() - t
-    except Exception as exc:  # report, keep sweeping
-        return f"{job}: {type(exc).__name__}: {exc}", time.time() - t
+        return None, time.time() - t0
+    except Exception as exc:  # reported; the sweep goes on
+        return f"{job}: {type(exc).__name__}: {exc}", time.time() - t0
 
 
-def _ordered(x):
-    bits = x.contiguous().view(torch.int16).to(torch.int32)
-    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+def build_all(jobs, workers, log) -> None:
+    log(f"building {len(jobs)} kernels with {workers} workers")
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        for err, _ in pool.map(_build_job, jobs):
+            if err:
+                log(f"  build error: {err}")
+    log(f"built in {time.time() - t0:.1f} s")
 
 
-def ulp_stats(actual, expected):
-    dist = (_ordered(actual) - _ordered(expected)).abs()
-    nan_a, nan_e = torch.isnan(actual), torch.isnan(expected)
-    dist = torch.where(nan_a & nan_e, torch.zeros_like(dist), dist)
-    dist = torch.where(nan_a ^ nan_e, torch.full_like(dist, 1 << 20), dist)
-    return int(dist.max()), int((dist != 0).sum())
+def _ulps(actual, expected) -> tuple[int, int]:
+    d = bf16_ulp_distance(actual, expected)
+    return (int(d.max()), int((d != 0).sum())) if d.numel() else (0, 0)
 
 
-def rel_l2(a, e):
-    a, e = a.double(), e.double()
-    return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e))
+def time_and_check(timer, fn, outputs, refs, reps, contract=None) -> dict:
+    """Cold and warm kernel us of ``fn``, then its outputs (NaN first: every element must be written) against
+    ``refs``: ulps for bf16 tensors, rel-L2 for the fp32 dAPE; ``contract(outputs)`` for the full check."""
+    fn()
+    cold = timer.kernel(fn, reps, cold=True).us
+    warm = timer.kernel(fn, reps, cold=False).us
+    for t in outputs:
+        t.fill_(float("nan"))
+    fn()
+    check = {}
+    for name, actual, expected in zip(("out_or_dkv", "dscore", "dape"), outputs, refs, strict=False):
+        check[name] = _ulps(actual, expected) if actual.dtype == torch.bfloat16 else rel_l2(actual, expected)
+    if contract is not None:
+        check["ok"] = bool(contract(outputs))
+    return dict(cold_us=round(cold, 2), warm_us=round(warm, 2), check=check)
 
 
-class ProfilerTimer:
-    """The project bench's method (``csa_compressor.bench``): sum of the profiler's kernel durations per call after
-    an L2 flush, with no launch latency in it (graph replay timed by events adds ~5 us at the small cases)."""
-
-    def __init__(self, iters, flush_mode="write"):
-        from csa_compressor.bench import _Timer
-
-        self.iters = iters
-        self.flush_mode = flush_mode
-        self.timer = _Timer(torch.device("cuda", torch.cuda.current_device()), (iters, iters, 1))
-
-    def time_us(self, fn):
-        fn()
-        for _attempt in range(3):  # a profiler session can lose device records (flush > total)
-            try:
-                return self.timer.kernel_us(fn, self.iters, cold=True, clean=self.flush_mode == "read")
-            except (RuntimeError, ValueError) as exc:
-                err = exc
-        raise err
+# ---------------------------------------------------------------------------------------------- the two modes
 
 
-class Timer:
-    def __init__(self, iters, flush_mode="write"):
-        self.iters = iters
-        self.flush_mode = flush_mode
-        self.buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-        self.sink = torch.empty((), dtype=torch.int64, device="cuda")
-
-    def flush(self):
-        if self.flush_mode == "write":
-            self.buf.fill_(1)
-        else:
-            torch.sum(self.buf.view(torch.int64), dim=0, out=self.sink)
-
-    def time_us(self, fn):
-        fn()  # eager once (loads the module)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.iters)
-        ]
-        for start, stop in events:
-            self.flush()
-            start.record()
-            graph.replay()
-            stop.record()
-        torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in events)
+def _references(pack):
+    kw = dict(ratio=pack.ratio, coff=pack.coff)
+    out = reference.forward(*pack.inputs, total_comp=pack.total_comp, precision="fp32", **kw)
+    dkv, dscore, _ = reference.backward(*pack.inputs, pack.grad_out, precision="fp32", **kw)
+    _, _, dape64 = reference.backward(*pack.inputs, pack.grad_out, precision="fp64", **kw)
+    return out, (dkv, dscore, dape64)
 
 
-def run_case(case, timer, quick, log, directions=("forward", "backward"), use_stats=False):
-    name, seqs, seqlen, head_dim, ratio, coff = case
-    long = coff * launch._pow2(ratio) > 16
-    # The full SPEC 3 contract check (fp64 oracle, CPU comparisons: seconds per call) for the default tile of the
-    # long-window cases; every candidate gets the on-device ulp / rel-L2 figures.
-    check_contract = long
-    pack = make_pack([seqlen] * seqs, head_dim, ratio, coff, device="cuda", seed=1)
-    tokens, n_rows = pack.kv.shape[0], pack.total_comp
-    kw = dict(ratio=ratio, coff=coff)
-    ref_out = reference.forward(*pack.inputs, total_comp=n_rows, precision="fp32", **kw)
-    ref_kv, ref_score, _ = reference.backward(*pack.inputs, pack.grad_out, precision="fp32", **kw)
-    _, _, ape64 = reference.backward(*pack.inputs, pack.grad_out, precision="fp64", **kw)
-    # Softmax statistics (long windows, as autograd runs them): the forward writes them, the backward reads the
-    # reference's.
-    stats_buf = torch.empty((n_rows, 3, head_dim), dtype=torch.float32, device="cuda") if use_stats and long else None
-    stats_ref = reference.softmax_stats(*pack.inputs, total_comp=n_rows, **kw) if stats_buf is not None else None
-    results = []
+def sweep_case(backend, timer, rate, case, directions, quick, reps, log) -> list[dict]:
+    """Every candidate of one case and direction: time and numerics; the default also against the contract."""
+    pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device="cuda", seed=1)
+    ref_out, ref_grads = _references(pack)
+    rows = []
     for direction in directions:
-        fl = floor_us(direction, tokens, n_rows, head_dim, coff)
-        default = launch.choose_config(direction, ratio, coff, head_dim, interpret=False)
-
-        def make_fn(cfg, direction=direction):
+        bench_dir = "fwd" if direction == "forward" else "bwd"
+        floor = floor_us(case, bench_dir, rate)
+        default = backend.default(direction, case.ratio, case.coff, case.head_dim)
+        for cfg in candidates(backend, direction, case.ratio, case.coff, case.head_dim, quick):
             if direction == "forward":
-                out = torch.empty_like(ref_out)
-
-                def call():
-                    launch.launch_forward(*pack.inputs, out, ratio, coff, cfg, stats_buf)
-
-                return call, out, None
-            grads = torch.empty_like(pack.kv), torch.empty_like(pack.score), torch.empty_like(pack.ape)
-
-            def call():
-                launch.launch_backward(*pack.inputs, pack.grad_out, *grads, ratio, coff, cfg, stats_ref)
-
-            return call, None, grads
-
-        first = len(results)
-        for cand in candidates(direction, ratio, coff, head_dim, quick):
-            cfg = _resolve(cand, direction, n_rows, head_dim, pack.kv.device, coff * launch._pow2(ratio))
-            fn, out, grads = make_fn(cfg)
-            try:
-                us = timer.time_us(fn)
-            except Exception as exc:
-                log(f"  FAILED {name} {direction} {cfg}: {type(exc).__name__}: {exc}")
-                continue
-            if direction == "forward":
-                out.fill_(float("nan"))
-                fn()
-                check = {"out": ulp_stats(out, ref_out)}
-                if check_contract and cand == default:
-                    check["ok"] = bool(contract_report(pack, out=out)["ok"])
+                outputs = [torch.empty_like(ref_out)]
+                fn, refs = (lambda cfg=cfg, o=outputs: backend.forward(pack, o[0], cfg)), [ref_out]
+                contract = (lambda o: contract_report(pack, out=o[0])["ok"]) if cfg == default else None
             else:
-                for g in grads:
-                    g.fill_(float("nan"))
-                fn()
-                check = {
-                    "grad_kv": ulp_stats(grads[0], ref_kv),
-                    "grad_score": ulp_stats(grads[1], ref_score),
-                    "dape_rel_l2": rel_l2(grads[2], ape64),
-                }
-                if check_contract and cand == default:
-                    check["ok"] = bool(contract_report(pack, grads=grads)["ok"])
-            row = dict(
-                case=name,
-                direction=direction,
-                config=dataclasses.asdict(cfg),
-                default=cand == default,
-                kernel_us=round(us, 2),
-                floor_us=round(fl, 2),
-                ratio_to_floor=round(us / fl, 3),
-                check=check,
-            )
-            results.append(row)
-            log(
-                f"  {name:22s} {direction:8s} {'*' if row['default'] else ' '} br={cfg.block_r:2d} bd={cfg.block_d:3d} "
-                f"nw={cfg.num_warps} vec={cfg.vec} rows={cfg.rows_per_prog:3d} "
-                + (
-                    f"cs={cfg.slots_per_thread} p={cfg.prefetch_depth} "
-                    if long
-                    else f"exact_exp={int(cfg.precise_exp)} "
-                )
-                + f"{us:8.2f} us  floor {fl:7.2f}  x{us / fl:5.2f}  {check}"
-            )
-        # The write flush leaves L2 full of dirty lines that the timed kernel pays to write back; time the best
-        # and the default also after a read-only flush (clean L2) to separate that from the kernel.
-        rows = results[first:]
-        if rows:
-            picks = [min(rows, key=lambda r: r["kernel_us"])] + [r for r in rows if r["default"]]
-            mode = timer.flush_mode
-            timer.flush_mode = "read" if mode == "write" else "write"
-            for row in picks:
-                us = timer.time_us(make_fn(KernelConfig(**row["config"]))[0])
-                row[f"kernel_us_{timer.flush_mode}_flush"] = round(us, 2)
-                log(f"  {name:22s} {direction:8s} {timer.flush_mode}-flush {us:8.2f} us for {row['config']}")
-            timer.flush_mode = mode
-    torch.cuda.empty_cache()
-    return results
+                outputs = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
+                fn, refs = (lambda cfg=cfg, g=outputs: backend.backward(pack, g, cfg)), ref_grads
+                contract = (lambda g: contract_report(pack, grads=tuple(g))["ok"]) if cfg == default else None
+            try:
+                row = time_and_check(timer, fn, outputs, refs, reps, contract)
+            except Exception as exc:  # a tile may not build or fit: report, go on
+                log(f"  FAILED {case.name} {direction} {cfg}: {type(exc).__name__}: {exc}")
+                continue
+            row.update(case=case.name, direction=direction, default=cfg == default, config=dataclasses.asdict(cfg))
+            row["cold_over_floor"] = round(row["cold_us"] / floor, 3)
+            rows.append(row)
+            log(f"  {case.name:22s} {direction:8s} {'*' if row['default'] else ' '} {row['cold_us']:8.2f} cold "
+                f"{row['warm_us']:8.2f} warm  x{row['cold_over_floor']:5.2f} floor  {row['check']}  {cfg}")  # fmt: skip
+    return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--cases", default="all")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--directions", default="forward,backward")
-    parser.add_argument("--flush", choices=("write", "read"), default="write")
-    parser.add_argument(
-        "--timer", choices=("graph", "profiler"), default="graph", help="profiler: the bench's kernel-time method"
-    )
-    parser.add_argument("--stats", action="store_true", help="long windows: with softmax statistics, as autograd")
-    parser.add_argument("--compile-only", action="store_true", help="only JIT-build the candidates (disk cache)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the parallel build step")
-    args = parser.parse_args()
+STATS_TILES = (None, (64, 32, 4, 0), (128, 32, 8, 0), (64, 64, 8, 0), (64, 16, 2, 0), (32, 32, 2, 0), (64, 32, 4, 8))
+
+
+def sweep_stats_case(backend, timer, case, reps, log) -> list[dict]:
+    """The statistics backward at the default tile (None) and the others of ``STATS_TILES``, (block_d, slots,
+    num_warps, rows per program; rows 0: from the problem size), then the backward without statistics."""
+    pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device="cuda", seed=3)
+    _, ref_grads = _references(pack)
+    out = torch.empty(pack.total_comp, case.head_dim, dtype=torch.bfloat16, device="cuda")
+    stats = torch.empty(pack.total_comp, 3, case.head_dim, dtype=torch.float32, device="cuda")
+    backend.forward_with_stats(pack, out, stats)
+    rows = []
+    for tile in (*STATS_TILES, "no statistics"):
+        grads = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
+        with_stats = tile != "no statistics"
+
+        def fn(tile=tile, grads=grads, with_stats=with_stats):
+            if with_stats:
+                backend.stats_backward(pack, grads, stats, tile)
+            else:
+                backend.default_backward(pack, grads)
+
+        try:
+            row = time_and_check(
+                timer, fn, grads, ref_grads, reps, lambda g: contract_report(pack, grads=tuple(g))["ok"]
+            )
+        except Exception as exc:
+            row = dict(error=f"{type(exc).__name__}: {exc}"[:200])
+        row.update(case=case.name, tile=tile or "default")
+        rows.append(row)
+        log(json.dumps(row))
+    backend.stats_backward(pack, grads, stats, None)  # the default tile back in force
+    return rows
+
+
+def _cases(text: str, stats: bool):
+    long = [c for c in CASES if c.coff * c.ratio > 16]
+    if text in ("all", ""):
+        return long if stats else list(CASES)
+    if text in ("r4", "r128"):
+        return [c for c in CASES if f"-{text}-" in c.name]
+    names = text.split(",")
+    return [c for c in CASES if c.name in names]
+
+
+def _summary(rows, log) -> None:
+    best = {}
+    for row in rows:
+        key = (row["case"], row.get("direction", "stats"))
+        if "cold_us" in row and (key not in best or row["cold_us"] < best[key]["cold_us"]):
+            best[key] = row
+    log("\nbest per case and direction (cold us), and the default:")
+    for (case, direction), row in best.items():
+        default = next((r for r in rows if r["case"] == case and r.get("default") and r["direction"] == direction), {})
+        log(f"  {case:22s} {direction:8s} best {row['cold_us']:8.2f}  default {default.get('cold_us', '—')}  "
+            f"{row.get('config') or row.get('tile')}")  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cases", default="all", help="all, r4, r128 or comma-separated case names")
+    ap.add_argument("--directions", default="forward,backward")
+    ap.add_argument("--reps", type=int, default=10, help="cold and warm calls per candidate")
+    ap.add_argument("--quick", action="store_true", help="fewer candidates")
+    ap.add_argument("--stats", action="store_true", help="the statistics backward's tiles (long windows)")
+    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--no-build", action="store_true", help="skip the parallel build step")
+    args = ap.parse_args()
     if not torch.cuda.is_available():
         print("triton_sweep: needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.cases in ("all", "r4", "r128"):
-        cases = [c for c in CASES if args.cases == "all" or c[0].endswith(f"_{args.cases}_c{c[5]}")]
-    else:
-        cases = [c for c in CASES if c[0] in args.cases.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    log_path = os.path.join(args.out, "triton_sweep_compile.log" if args.compile_only else "triton_sweep.log")
-    log_file = open(log_path, "w")
+    log_file = open(os.path.join(args.out, "triton_sweep.log"), "w")
 
     def log(msg):
         print(msg, flush=True)
         log_file.write(msg + "\n")
-        log_file.flush()
 
-    t0 = time.time()
-    jobs = {}
-    for _, _, _, head_dim, ratio, coff in cases:
-        for direction in args.directions.split(","):
-            for cfg in candidates(direction, ratio, coff, head_dim, args.quick):
-                jobs[(direction, ratio, coff, head_dim, _compile_key(cfg))] = None
-    if not args.no_compile:
-        log(f"compiling {len(jobs)} kernels with {args.workers} workers")
-        with cf.ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
-            for err, _ in pool.map(_compile_job, list(jobs)):
-                if err:
-                    log(f"  compile error: {err}")
-        log(f"compiled in {time.time() - t0:.1f} s")
-    if args.compile_only:
-        return 0
-
-    timer = (ProfilerTimer if args.timer == "profiler" else Timer)(args.iters, args.flush)
-    results = []
-    for case in cases:
-        results += run_case(case, timer, args.quick, log, args.directions.split(","), args.stats)
-    best = {}
-    for row in results:
-        key = (row["case"], row["direction"])
-        if key not in best or row["kernel_us"] < best[key]["kernel_us"]:
-            best[key] = row
-    log("\nbest per case (kernel us / floor us / ratio) and the default config:")
-    for (case, direction), row in best.items():
-        dflt = [r for r in results if r["case"] == case and r["direction"] == direction and r["default"]]
-        d_us = dflt[0]["kernel_us"] if dflt else float("nan")
-        other = [k for k in row if k.startswith("kernel_us_")]
-        alt = f" ({other[0]} {row[other[0]]:.2f})" if other else ""
-        log(
-            f"  {case:22s} {direction:8s} best {row['kernel_us']:8.2f}{alt} floor {row['floor_us']:7.2f} "
-            f"x{row['ratio_to_floor']:5.2f}  default {d_us:8.2f}  best cfg {row['config']}"
-        )
+    backend, timer = _Backend(), Timer(torch.device("cuda", torch.cuda.current_device()))
+    rate = timer.copy_rate()
+    cases, directions = _cases(args.cases, args.stats), args.directions.split(",")
+    rows = []
+    if args.stats:
+        for case in cases:
+            rows += sweep_stats_case(backend, timer, case, args.reps, log)
+    else:
+        jobs = [(d, c.ratio, c.coff, c.head_dim, dataclasses.replace(cfg, rows_per_prog=cfg.block_r))
+                for c in cases for d in directions for cfg in candidates(backend, d, c.ratio, c.coff, c.head_dim, args.quick)]  # fmt: skip
+        if not args.no_build:
+            build_all(list(dict.fromkeys(jobs)), args.workers, log)
+        for case in cases:
+            rows += sweep_case(backend, timer, rate, case, directions, args.quick, args.reps, log)
+            torch.cuda.empty_cache()
+    _summary(rows, log)
     with open(os.path.join(args.out, "triton_sweep.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "flush": args.flush, "results": results}, f, indent=1)
-    log(f"total {time.time() - t0:.1f} s")
+        json.dump({"device": torch.cuda.get_device_name(), "stats": args.stats, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -7,6 +7,8 @@ Public entry points:
   ``compile``, ``execute``): the kernel API;
 - ``compressor_pool`` (autograd + ``torch.library`` custom op) and ``CompressorPool``
   (an ``nn.Module`` owning ``ape``): the training API;
+- ``Compressor``: the whole DeepSeek-V4 compressor (projections, pooling, RMSNorm, RoPE) as an
+  ``nn.Module``, with ``rope_tables`` for its rotary tables;
 - ``compute_cu_seqlens_comp`` / ``validate_pack``: THD helpers;
 - ``reference``: the eager references (upstream, fp32, fp64).
 """
@@ -20,14 +22,17 @@ from .api import (
     csa_compressor_forward_wrapper,
 )
 from .autograd import CompressorPool, CompressorPoolFunction, compressor_pool
+from .compressor import Compressor, rope_tables
 from .dispatch import available_backends
 from .thd import compute_cu_seqlens_comp, validate_pack
 
-__version__ = "0.1.0"
+# The package version, in this one place (pyproject.toml reads it).
+__version__ = "0.2.0"
 
 __all__ = [
     "CSACompressorBackward",
     "CSACompressorForward",
+    "Compressor",
     "CompressorPool",
     "CompressorPoolFunction",
     "TupleDict",
@@ -37,5 +42,6 @@ __all__ = [
     "csa_compressor_backward_wrapper",
     "csa_compressor_forward_wrapper",
     "reference",
+    "rope_tables",
     "validate_pack",
 ]

@@ -23,7 +23,7 @@ __all__ = [
 
 ENV_VAR = "CSA_COMPRESSOR_BACKEND"
 _CHOICES = ("auto", *BACKENDS)
-# "auto" preference on CUDA, fastest first (measured on H200: benchmarks/results/).
+# "auto" preference on CUDA, fastest first.
 _AUTO_ORDER_CUDA = ("cute", "triton", "reference")
 
 
@@ -71,9 +71,9 @@ def _config_reason(module: ModuleType, ratio: int, coff: int, head_dim: int) -> 
 
 
 def _env_token_getter():
-    # os.environ.get(ENV_VAR) encodes the key and decodes the value on every call (about 0.7 us on a
-    # desktop CPU); CPython's os.environ keeps the encoded pairs in ``_data``, which every write through
-    # os.environ (monkeypatch.setenv included) updates. Writes that bypass os.environ (os.putenv) are not
+    # os.environ.get(ENV_VAR) encodes the key and decodes the value on every call, a cost on the per-call path;
+    # CPython's os.environ keeps the encoded pairs in ``_data``, which every write through os.environ
+    # (monkeypatch.setenv included) updates. Writes that bypass os.environ (os.putenv) are not
     # seen by os.environ.get either.
     data, encodekey = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
     if isinstance(data, dict) and encodekey is not None:

@@ -1,9 +1,8 @@
-"""The main job, ``python -m csa_compressor``: every available backend against the fp64 oracle.
+"""The self-check, ``python -m csa_compressor``: every available backend against a float64 oracle.
 
-Runs small ragged packs (short and empty segments, token and row padding) through the
-public wrappers, checks the SPEC section 3 contract and prints a table. On a CPU-only
-machine the Triton backend runs under its interpreter. On a GPU it also times each
-call. Exit status 1 if any backend breaks the contract.
+Runs small ragged packs (short and empty segments, token and row padding) through the public
+wrappers, checks the numerics contract (docs/numerics.md) and prints a table. On a CPU-only
+machine the Triton backend runs under its interpreter. On a GPU it also times each call.
 """
 
 from __future__ import annotations
@@ -61,26 +60,60 @@ def _time(backend, pack, ratio, coff, reps: int = 20) -> tuple[float, float]:
     return fwd, bwd
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m csa_compressor", description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", nargs="*", help="backends to check (default: every available one)")
-    parser.add_argument("--device", default=None, help="device (default: cuda if available, else cpu)")
-    opts = parser.parse_args(argv)
+_DESCRIPTION = """\
+Check that the installed backends compute the compressor pooling correctly on this machine.
 
-    device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        # Triton kernels execute their real logic on the CPU through the interpreter.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .dispatch import available_backends, unavailable_reason
+Runs small packed batches (ragged and empty sequences, padding rows, odd head_dim) through the
+public API on every available backend (or those named), compares the output and the gradients
+with a float64 reference, and prints one row per backend and case (on a GPU with the time per
+call). On a CPU the Triton backend runs under its interpreter.
+Exit status: 0 when every backend is correct, 1 when one is not, 2 on a usage error."""
 
-    backends = opts.backends or available_backends(device)
-    print(
-        f"csa_compressor self-check on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'})"
+_EPILOG = "python -m csa_compressor bench --help: the benchmark (needs a CUDA GPU)."
+
+
+def _parse(argv):
+    from .__main__ import CommandParser
+
+    parser = CommandParser(
+        prog="python -m csa_compressor",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for name in ("cute", "triton", "reference"):
-        if name not in backends:
-            reason = unavailable_reason(name) or f"not usable on {device.type}"
-            print(f"  skipping {name}: {reason}")
+    parser.add_argument(
+        "--backends", nargs="*", help="backends to check: cute, triton, reference (default: all available)"
+    )
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if there is one, else cpu)")
+    return parser, parser.parse_args(argv)
+
+
+def _select(requested, device) -> tuple[list[str], list[str]]:
+    """``(backends to check, lines about the ones left out)``; a named backend that cannot run is a UsageError."""
+    from . import dispatch
+    from .__main__ import UsageError
+    from .backends import BACKENDS
+
+    available = dispatch.available_backends(device)
+    names = [n.strip().lower() for raw in requested or () for n in raw.split(",") if n.strip()]
+    for name in names:
+        if name not in BACKENDS:
+            raise UsageError(f"unknown backend {name!r}; choose from {', '.join(BACKENDS)}")
+        if name not in available:
+            raise UsageError(f"backend {name!r} cannot run on {device}: {_reason(name, device)}")
+    if names:
+        return list(dict.fromkeys(names)), []
+    left_out = [f"  not checked: {name} ({_reason(name, device)})" for name in BACKENDS if name not in available]
+    return available, left_out
+
+
+def _reason(name: str, device) -> str:
+    from . import dispatch
+
+    return dispatch.unavailable_reason(name) or dispatch.backend_module(name).device_unsupported_reason(device) or "?"
+
+
+def _table(backends, device) -> tuple[list[str], bool]:
     header = (
         "| backend | ratio | coff | d | fwd ulp | fwd err (upstream) | dkv ulp | dscore ulp | dape rel-L2 "
         "| bitwise out/dkv/dscore |"
@@ -103,6 +136,26 @@ def main(argv: list[str] | None = None) -> int:
             if timed:
                 line += f" {row['fwd_us']:.1f} | {row['bwd_us']:.1f} |"
             lines.append(line + (" yes |" if row["ok"] else " NO |"))
+    return lines, all_ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .__main__ import UsageError, parse_device
+
+    parser, opts = _parse(argv)
+    try:
+        device = parse_device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cpu":
+            # Triton kernels execute their real logic on the CPU through the interpreter; set before triton loads.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        backends, left_out = _select(opts.backends, device)
+    except UsageError as exc:
+        return parser.fail(exc)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"csa_compressor self-check on {device} ({name})")
+    for line in left_out:
+        print(line)
+    lines, all_ok = _table(backends, device)
     print("\n".join(lines))
     print("all backends meet the numerics contract" if all_ok else "CONTRACT VIOLATED (see rows marked NO)")
     return 0 if all_ok else 1

@@ -358,9 +358,9 @@ def autograd_backward(
     total_comp = grad_out.shape[0]
     d = kv.shape[-1] // coff
     wide = torch.float64 if precision == "fp64" else torch.float32
-    # The oracle's leaves are float64 too: autograd would round their gradients to the leaves' dtypes.
+    # The oracle's leaves are float64 too: autograd would cast their gradients to the leaves' dtypes.
     leaves = [(t.double() if precision == "fp64" else t).detach().requires_grad_(True) for t in (kv, score, ape)]
-    # The weight's gradient is fp32 whatever its dtype: a bf16 leaf (an exact widening) would round it.
+    # The weight's gradient is fp32 whatever its dtype: a bf16 leaf (an exact widening) would narrow it.
     weight = tail.norm_weight.to(wide).detach().requires_grad_(True) if tail.has_norm else None
     leaf_tail = dataclasses.replace(tail, norm_weight=weight)
     grad_w = None if weight is None else torch.zeros(d, dtype=wide, device=kv.device)

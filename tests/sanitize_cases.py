@@ -3,7 +3,9 @@
     compute-sanitizer --tool memcheck python tests/sanitize_cases.py --backend cute
 
 Each case is checked against the fp32 reference as well, so a clean sanitizer run
-is also a correct one. Exit status 1 on a numerics failure.
+is also a correct one. Exit status 1 on a numerics failure. The cases reach every cute kernel class: the exact and
+the grouped forward, the short, long and statistics backwards (the whole-tile form at ratio 128 d512) and the
+grad_ape reduction.
 """
 
 import argparse
@@ -23,6 +25,8 @@ CASES = [
     (128, 1, 512, (300, 17), 3, 1),
     (128, 2, 128, (260, 128), 0, 2),
     (8, 2, 64, (17, 8, 7), 0, 2),
+    (3, 2, 36, (20, 7, 2), 1, 1),  # a short window of three slot groups (the grouped kernels)
+    (2, 2, 24, (9, 1, 4), 2, 1),
 ]
 
 
@@ -39,7 +43,7 @@ def main() -> int:
         grads = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
         good = contract_report(p, out, tuple(grads))["ok"]
         if uses_softmax_stats(ratio, coff):
-            # The softmax-statistics pair as autograd runs it (cp.async staging in the cute backward).
+            # The softmax-statistics pair as autograd runs it.
             out, stats = csa_compressor_forward_wrapper(
                 *p.inputs, total_comp=p.total_comp, return_softmax_stats=True, **kw
             )

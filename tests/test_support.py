@@ -239,8 +239,8 @@ def test_backends_name_the_architectures_they_reject(monkeypatch):
     if dispatch.unavailable_reason("cute") is None:
         from csa_compressor.backends.cute import launch as cute
 
-        assert cute._arch_of((9, 0)) == "sm_90a" and cute._arch_of((10, 0)) == "sm_100a"
-        assert cute._arch_of((8, 0)) is None and cute._arch_of((9, 1)) is None
+        assert cute.arch_of((9, 0)) == "sm_90a" and cute.arch_of((10, 0)) == "sm_100a"
+        assert cute.arch_of((8, 0)) is None and cute.arch_of((9, 1)) is None
         assert cute.device_unsupported_reason(torch.device("cuda")) is None  # the H200 here
     if dispatch.unavailable_reason("triton") is None:
         from csa_compressor.backends.triton import launch as triton_launch

@@ -31,20 +31,4 @@ backends that cover only part of the configuration space.
 device). Inputs have been validated by ``csa_compressor.support`` before a call.
 """
 
-import os
-
 BACKENDS = ("cute", "triton", "reference")
-
-# The forward kernels read the window data (kv, score) exactly once and load it with an evict-first L2 policy
-# (cute: ``ld.global.cs``; Triton: ``eviction_policy="evict_first"``), so streaming it through L2 evicts its own
-# lines, not other (possibly dirty) data. The backward kernels measured slower with it and load normally.
-# "0" turns it off, for A/B measurements (benchmarks/variant_ab.py); read once, at import.
-STREAM_LOADS = os.environ.get("CSA_COMPRESSOR_STREAM_LOADS", "1") != "0"
-
-# The backward kernels' evict-first policy: "none" (plain loads and stores), "stores" (grad_kv and grad_score
-# stored evict-first: cute ``st.global.cs``, Triton ``eviction_policy="evict_first"``) or "all" (stores and the
-# window's loads). Read once, at import. On the H200 "stores" measured level with "none" and "all" 3-9 % slower
-# (benchmarks/results/backward_evict_first_ab_h200_20261130.md); kept for measurements on other GPUs.
-STREAM_BACKWARD = os.environ.get("CSA_COMPRESSOR_STREAM_BACKWARD", "none")
-if STREAM_BACKWARD not in ("none", "stores", "all"):
-    raise ValueError(f"CSA_COMPRESSOR_STREAM_BACKWARD must be none, stores or all, got {STREAM_BACKWARD!r}")

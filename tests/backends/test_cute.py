@@ -1,4 +1,6 @@
-"""GPU tests of the CuTe-DSL backend (``csa_compressor.backends.cute.launch``) against the references.
+"""GPU tests of the CuTe-DSL backend (``csa_compressor.backends.cute.launch``) against the references: numerics,
+exact zeros, determinism, CUDA graphs, explicit streams, threads, a non-current device, the softmax-statistics pair,
+the register-capped forward, the whole-tile statistics backward, and the disk compile cache across processes.
 
 Skipped with a reason when there is no CUDA GPU, when nvidia-cutlass-dsl is not importable, or when
 the GPU is not sm_90 / sm_100.
@@ -289,9 +291,9 @@ WIDE_CONFIGS = [(128, 4, 2), (64, 8, 1), (256, 4, 2)]
 @pytest.mark.parametrize("d,ratio,coff", WIDE_CONFIGS, ids=[f"d{d}-r{r}-c{c}" for d, r, c in WIDE_CONFIGS])
 def test_wide_forward_for_large_launches(d, ratio, coff):
     launch = _launch_module()
-    dev = torch.device("cuda")
-    launcher = launch._get_launcher("forward", ratio, coff, d, torch.bfloat16, dev)
-    assert launcher.wide is not None and launcher.wide.sch.MB > 0
+    dev = torch.device("cuda", torch.cuda.current_device())
+    launcher = launch._launcher("forward", ratio, coff, d, torch.bfloat16, dev.index)
+    assert launcher.wide is not None and launcher.config.wide() is not None
     rows = launcher.wide_rows + 37
     half = rows // 2
     seqlens = (ratio * half + ratio - 1, 3, ratio * (rows - half) + 1)  # tails and a segment with no group
@@ -300,12 +302,12 @@ def test_wide_forward_for_large_launches(d, ratio, coff):
     kv, score, ape, cu, cuc = pack.inputs
     out = torch.full((pack.total_comp, d), float("nan"), dtype=kv.dtype, device=dev)
     wide_calls = []
-    wide_launch = launcher.wide.launch
-    launcher.wide.launch = lambda args: (wide_calls.append(args[-2]), wide_launch(args))
+    wide = launcher.wide
+    launcher.wide = lambda *args: (wide_calls.append(args[8]), wide(*args))  # args[8]: total_comp
     try:
         launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
     finally:
-        launcher.wide.launch = wide_launch
+        launcher.wide = wide
     assert wide_calls == [pack.total_comp]  # the capped build ran, once, over every row
     ref = reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp, precision="fp32")
     assert not torch.isnan(out).any()
@@ -320,29 +322,14 @@ def test_wide_forward_for_large_launches(d, ratio, coff):
 def test_no_wide_forward_for_one_row_per_cta():
     """d512 ratio 4 coff 2 (one row per CTA) has no capped build: a launch of many waves takes the default, exactly."""
     launch = _launch_module()
-    dev = torch.device("cuda")
-    launcher = launch._get_launcher("forward", 4, 2, 512, torch.bfloat16, dev)
-    assert launcher.sch.R == 1 and launcher.wide is None and launcher.wide_rows == 1 << 62
+    dev = torch.device("cuda", torch.cuda.current_device())
+    launcher = launch._launcher("forward", 4, 2, 512, torch.bfloat16, dev.index)
+    assert launcher.config.rows_per_cta == 1 and launcher.wide is None and launcher.wide_rows == 1 << 62
     pack = make_pack((4 * 1500 + 3, 2, 4 * 700), 512, 4, 2, token_padding=3, comp_padding=2, device=dev, seed=31)
     out = torch.full((pack.total_comp, 512), float("nan"), dtype=pack.kv.dtype, device=dev)
     launch.forward(*pack.inputs, out, 4, 2, None)
     ref = reference.forward(*pack.inputs, ratio=4, coff=2, total_comp=pack.total_comp, precision="fp32")
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
-
-
-def _run_with_schedule(launch, run, pack, key, sch):
-    """``run(launch, pack)`` with ``sch`` for kernel ``key`` = (direction, ratio, coff, head_dim). The calls find
-    their launcher in a per-configuration fast map, which ``_get_launcher`` points at the override's build and,
-    after it, back at the default's (or later tests of the process would run the override)."""
-    dev = torch.device("cuda")
-    launch.SCHEDULE_OVERRIDE[key] = sch
-    try:
-        built = launch._get_launcher(*key, torch.bfloat16, dev).sch
-        assert replace(built, EF=sch.EF, ES=sch.ES) == sch  # the cache policies set EF / ES on top
-        return run(launch, pack)
-    finally:
-        launch.SCHEDULE_OVERRIDE.pop(key)
-        launch._get_launcher(*key, torch.bfloat16, dev)
 
 
 def _assert_bitwise(a, b):
@@ -351,123 +338,121 @@ def _assert_bitwise(a, b):
     assert torch.equal(a.view(bits), b.view(bits))
 
 
-# Schedule.PF on the short-window and statistics backwards (prefetch hints only): the same gradients, bitwise.
-PREFETCH_CASES = [
-    ((37, 4, 3, 64, 129, 8), 128, 4, 2, 5, 3),
-    ((1000, 2, 333, 700), 512, 4, 2, 7, 4),
-    ((81, 7, 40), 64, 8, 1, 2, 1),
-    ((515, 1, 1030, 127, 260), 512, 128, 1, 3, 2),
-    ((700, 300, 2000), 512, 128, 2, 9, 1),
-    ((200, 5, 61, 90), 128, 17, 1, 2, 1),
-]
+def _stats_forms(config):
+    """The slab form (128-thread CTAs over row ranges) and the whole-tile form (WHOLE_TILE_THREADS-thread CTAs, one
+    per tile) of a statistics-backward configuration: the same thread tile, only the row lanes differ."""
+    from csa_compressor.backends.cute.configs import WHOLE_TILE_THREADS
 
-
-@pytest.mark.parametrize("case", PREFETCH_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
-def test_backward_prefetch_ahead_changes_no_bit(case):
-    launch = _launch_module()
-
-    seqlens, d, ratio, coff, tp, cp = case
-    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=31)
-    long = launch.supports_stats(ratio, coff, d)
-    direction = "backward_stats" if long else "backward"
-    run = _run_stats if long else _run
-    plain = run(launch, pack)
-    key = (direction, ratio, coff, d)
-    got = _run_with_schedule(launch, run, pack, key, replace(launch._default_schedule(*key), PF=True))
-    grads = (plain[2], got[2]) if long else (plain[1:], got[1:])
-    for a, b in zip(*grads, strict=True):
-        _assert_bitwise(a, b)
-
-
-# Schedule.HA on the short-window backward (ape held in registers across rows instead of reloaded per row): the
-# same gradients, bitwise, with grad_ape included (same grid), and ratio 4 bitwise equal to the fp32 reference.
-HOLD_APE_CASES = [c for c in PREFETCH_CASES if c[2] * c[3] <= 8] + [((13, 2, 0, 30), 72, 2, 2, 4, 2)]
-
-
-@pytest.mark.parametrize("case", HOLD_APE_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
-def test_backward_held_ape_changes_no_bit(case):
-    launch = _launch_module()
-
-    seqlens, d, ratio, coff, tp, cp = case
-    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=41)
-    key = ("backward", ratio, coff, d)
-    default = launch._default_schedule(*key)
-    plain = _run(launch, pack)
-    got = _run_with_schedule(launch, _run, pack, key, replace(default, HA=not default.HA))
-    for a, b in zip(plain[1:], got[1:], strict=True):
-        _assert_bitwise(a, b)
-    if ratio == 4:
-        rkv, rsc, _ = reference.backward(*pack.inputs, pack.grad_out, ratio=ratio, coff=coff, precision="fp32")
-        assert torch.equal(got[1].view(torch.int16), rkv.view(torch.int16))
-        assert torch.equal(got[2].view(torch.int16), rsc.view(torch.int16))
+    tile = config.column_threads * config.slot_groups
+    slab = replace(config, whole_tile=False, row_lanes=max(1, 128 // tile))
+    whole = replace(config, whole_tile=True, row_lanes=max(1, slab.row_lanes * WHOLE_TILE_THREADS // slab.threads))
+    return slab, whole
 
 
 @pytest.mark.parametrize("case", STATS_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
 def test_stats_backward_whole_tile_form(case):
-    """Schedule.WT (the default where a configuration has WHOLE_TILE_MIN_TILES tiles; forced here on every case):
-    one 512-thread CTA per tile over all rows, grad_ape written by the main kernel. Against the slab form: grad_kv and
-    grad_score bitwise (same element math), grad_ape within fp32 summation-order error (R = 4x the row lanes); every
-    element written over NaN-filled buffers, the contract against the reference, bitwise run to run."""
-    from csa_compressor.backends.cute.backward_stats import with_whole_tile
+    """The whole-tile form (the default where the tiles nearly fill the GPU; forced here on every case) against the
+    slab form: grad_kv and grad_score bitwise (same element math), grad_ape within fp32 summation-order error (4x the
+    row lanes); every element written over NaN-filled buffers, the contract against the reference, bitwise run to
+    run."""
+    from csa_compressor.backends.cute.backward_stats import BackwardWithStats
+    from csa_compressor.backends.cute.device import device_spec
+    from csa_compressor.backends.cute.select import config_for
 
     launch = _launch_module()
     seqlens, d, ratio, coff, tp, cp = case
     pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=47)
-    key = ("backward_stats", ratio, coff, d)
-    default = launch._default_schedule(*key)
-    dev = torch.device("cuda")
-    ape_numel = pack.inputs[2].numel()
+    kv, score, ape, cu, cuc = pack.inputs
+    spec = device_spec(kv.device.index)
+    out, stats, _ = _run_stats(launch, pack)
 
-    def grid_run(launch, pack):
-        launcher = launch._get_launcher(*key, torch.bfloat16, dev)
-        first = _run_stats(launch, pack)
-        again = _run_stats(launch, pack)
-        return (*first, again, launch.backward_grid(launcher, pack.total_comp, ape_numel))
+    def run(config):
+        launcher = launch.BackwardLauncher(BackwardWithStats, config, spec)
+        grads = tuple(torch.full_like(t, float("nan")) for t in (kv, score, ape))
+        launch.call_backward(launcher, (kv, score, ape, cu, cuc, pack.grad_out, *grads), None, stats)
+        return grads, launch.backward_grid(launcher, pack.total_comp, ape.numel())
 
-    *slabs, _, slab_grid = _run_with_schedule(launch, grid_run, pack, key, with_whole_tile(default, False))
-    *got, again, whole_grid = _run_with_schedule(launch, grid_run, pack, key, with_whole_tile(default, True))
+    slab, whole = _stats_forms(config_for("backward_stats", ratio, coff, d, spec))
+    slabs, slab_grid = run(slab)
+    got, whole_grid = run(whole)
+    again, _ = run(whole)
     assert whole_grid[1] == 1 and whole_grid[0] >= pack.total_comp
     assert slab_grid[1] >= 1
-    _assert_bitwise(slabs[0], got[0])
-    for t in got[2]:
-        assert not torch.isnan(t).any()
-    for a, b in zip(slabs[2][:2], got[2][:2], strict=True):
+    for a, b in zip(slabs[:2], got[:2], strict=True):
         _assert_bitwise(a, b)
-    torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
-    for a, b in zip(got[2], again[2], strict=True):
+    torch.testing.assert_close(got[2], slabs[2], rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, again, strict=True):
         _assert_bitwise(a, b)
-    assert_contract(pack, got[0], got[2])
+    assert_contract(pack, out, got)
 
 
-@pytest.mark.parametrize("case", STATS_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
-def test_stats_backward_cluster_form_changes_no_bit(case):
-    """Schedule.CL (opt-in: grad_ape summed across a thread-block cluster of the row ranges) against the slabs and
-    the reduction kernel: grad_kv and grad_score bitwise; grad_ape bitwise where both split the rows alike (the same
-    fixed order), within fp32 summation-order error where the slab form has more row ranges than a cluster."""
+def test_first_launch_after_compile_may_be_captured():
+    """compile() leaves nothing for a later call to load: the very first launches of a configuration (one no other
+    test uses) can be captured into a CUDA graph, and the replay matches the references."""
     launch = _launch_module()
-    seqlens, d, ratio, coff, tp, cp = case
-    pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=43)
-    from csa_compressor.backends.cute.backward_stats import with_whole_tile
+    ratio, coff, d = 4, 2, 72
+    pack = make_pack((300, 41, 77), d, ratio, coff, token_padding=3, comp_padding=2, device="cuda", seed=53)
+    kv, score, ape, cu, cuc = pack.inputs
+    launch.compile("forward", ratio, coff, d, torch.bfloat16, kv.device)
+    launch.compile("backward", ratio, coff, d, torch.bfloat16, kv.device)
+    out = torch.full((pack.total_comp, d), float("nan"), dtype=kv.dtype, device=kv.device)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (kv, score, ape))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None)
+        launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, ratio, coff, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=pack.total_comp, precision="fp32")
+    rkv, rsc, _ = reference.backward(*pack.inputs, pack.grad_out, ratio=ratio, coff=coff, precision="fp32")
+    _assert_bitwise(ref, out)
+    _assert_bitwise(rkv, grads[0])
+    _assert_bitwise(rsc, grads[1])
+    assert_contract(pack, out, grads)
 
-    key = ("backward_stats", ratio, coff, d)
-    default = launch._default_schedule(*key)
-    assert not default.CL  # opt-in
-    slab = with_whole_tile(default, False)
-    dev = torch.device("cuda")
-    ape_numel = pack.inputs[2].numel()
 
-    def grid_run(launch, pack):
-        grid = launch.backward_grid(launch._get_launcher(*key, torch.bfloat16, dev), pack.total_comp, ape_numel)
-        return (*_run_stats(launch, pack), grid)
+# A fresh process on one cache folder: the first call of a forward and a backward (compile or load), their results.
+_CACHE_CHILD = """
+import json, sys, time, torch
+from csa_compressor.backends.cute import launch
+from csa_compressor.testing import make_pack
+compiled = []
+real = launch.compile_kernel
+launch.compile_kernel = lambda kernel, arch: compiled.append(1) or real(kernel, arch)
+p = make_pack((1000, 77, 260), 128, 128, 1, token_padding=3, comp_padding=2, device="cuda", seed=59)
+kv, score, ape, cu, cuc = p.inputs
+out = torch.empty((p.total_comp, 128), dtype=kv.dtype, device="cuda")
+grads = [torch.empty_like(t) for t in (kv, score, ape)]
+t0 = time.perf_counter()
+launch.forward(kv, score, ape, cu, cuc, out, 128, 1, None)
+launch.backward(kv, score, ape, cu, cuc, p.grad_out, *grads, 128, 1, None)
+torch.cuda.synchronize()
+seconds = time.perf_counter() - t0
+torch.save([t.cpu() for t in (out, *grads)], sys.argv[1])
+print(json.dumps({"compiled": len(compiled), "seconds": seconds}))
+"""
 
-    *slabs, slab_grid = _run_with_schedule(launch, grid_run, pack, key, slab)
-    *got, cluster_grid = _run_with_schedule(launch, grid_run, pack, key, replace(slab, CL=True))
-    assert cluster_grid[1] <= 8
-    _assert_bitwise(slabs[0], got[0])
-    for a, b in zip(slabs[2][:2], got[2][:2], strict=True):
+
+def test_a_second_process_loads_the_kernels_and_matches_bitwise(tmp_path):
+    """The disk cache on the GPU: a fresh process compiles into an empty cache folder, a second one loads (no
+    compile) and writes the same bits; the first calls' times (cold and warm cache) are printed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    _launch_module()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "CSA_COMPRESSOR_CACHE_DIR": str(tmp_path / "cache")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    runs = []
+    for k in range(2):
+        res = subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(tmp_path / f"out{k}.pt")], env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert runs[0]["compiled"] == 2 and runs[1]["compiled"] == 0  # forward and backward
+    first, second = (torch.load(tmp_path / f"out{k}.pt") for k in range(2))
+    for a, b in zip(first, second, strict=True):
         _assert_bitwise(a, b)
-    if slab_grid == cluster_grid:
-        _assert_bitwise(slabs[2][2], got[2][2])
-    else:
-        torch.testing.assert_close(got[2][2], slabs[2][2], rtol=1e-5, atol=1e-5)
-    assert_contract(pack, got[0], got[2])
+    print(f"first forward+backward call: cold cache {runs[0]['seconds']:.2f} s, warm cache {runs[1]['seconds']:.2f} s")

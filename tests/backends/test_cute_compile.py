@@ -1,12 +1,17 @@
-"""The cute kernels build for Hopper and Blackwell without a GPU (CuTe-DSL compiles with ``CUTE_DSL_ARCH``).
+"""The cute kernels build for Hopper and Blackwell without a GPU (CuTe-DSL compiles with ``CUTE_DSL_ARCH``), and
+the kernel selection and configurations follow their rules (pure Python).
 
-Runs wherever nvidia-cutlass-dsl is installed, CI included: every configuration class compiles to
-PTX with the expected kernels and parameter lists, and no kernel keeps an array in local memory
-(a run-time-indexed register array would land there and cost DRAM traffic). Running the kernels
-needs the GPU: tests/backends/test_cute.py.
+Every kernel class compiles to PTX with the expected kernels and parameter lists, keeps no array in local memory
+(a run-time-indexed register array would land there and cost DRAM traffic), loads its window evict-first in the
+forwards only, and carries its launch bounds. Running the kernels needs the GPU: tests/backends/test_cute.py.
+``benchmarks/cubins.py --compare`` checks every default kernel's code against the committed baselines.
 """
 
+import math
 import os
+import re
+import tempfile
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,212 +23,184 @@ cute_launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason=
 if cute_launch.unavailable_reason() is not None:
     pytest.skip(f"cute backend unavailable: {cute_launch.unavailable_reason()}", allow_module_level=True)
 
-# (ratio, coff, head_dim): the SPEC configurations, odd and tiny head_dims, short and long windows.
-CONFIGS = [
-    (4, 2, 512),
-    (4, 2, 128),
-    (4, 1, 65),
-    (2, 2, 7),
-    (8, 2, 64),
-    (16, 2, 130),
-    (128, 1, 512),
-    (128, 2, 128),
-    (256, 2, 8),
+from csa_compressor.backends.cute import configs  # noqa: E402
+from csa_compressor.backends.cute.backward_long import BackwardLongWindow  # noqa: E402
+from csa_compressor.backends.cute.backward_short import BackwardShortWindow  # noqa: E402
+from csa_compressor.backends.cute.backward_stats import BackwardWithStats  # noqa: E402
+from csa_compressor.backends.cute.build import compile_kernel  # noqa: E402
+from csa_compressor.backends.cute.device import DeviceSpec, offline_spec  # noqa: E402
+from csa_compressor.backends.cute.forward import ForwardLongWindow, ForwardShortWindow  # noqa: E402
+from csa_compressor.backends.cute.select import config_for, kernel_for  # noqa: E402
+from csa_compressor.windows import is_short_window, uses_softmax_stats  # noqa: E402
+
+H200 = offline_spec("sm_90a")
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
+
+# (name, direction, ratio, coff, head_dim, kernel class): one compile of each kernel class and form, small shapes.
+BUILDS = [
+    ("short forward", "forward", 4, 2, 128, ForwardShortWindow),
+    ("grouped short forward", "forward", 3, 2, 36, ForwardLongWindow),
+    ("long forward with stats", "forward_stats", 32, 2, 65, ForwardLongWindow),
+    ("streaming forward", "forward", 256, 1, 64, ForwardLongWindow),
+    ("short backward", "backward", 2, 2, 24, BackwardShortWindow),
+    ("grouped short backward", "backward", 3, 2, 36, BackwardShortWindow),
+    ("long backward", "backward", 8, 2, 64, BackwardLongWindow),
+    ("stats backward", "backward_stats", 32, 2, 65, BackwardWithStats),
+    ("whole-tile stats backward", "backward_stats", 128, 1, 512, BackwardWithStats),
 ]
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-@pytest.mark.parametrize("ratio,coff,head_dim", CONFIGS, ids=[f"r{r}c{c}d{d}" for r, c, d in CONFIGS])
-def test_compiles_for_sm90_without_local_memory(direction, ratio, coff, head_dim):
-    _, sch = cute_launch._key(direction, ratio, coff, head_dim, torch.bfloat16, "sm_90a")
-    compiled = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch)
-    ptx = compiled.artifacts.PTX
+def _entries(ptx: str) -> dict[str, str]:
+    """Kernel name -> parameter kinds ('p' a 64-bit pointer, 'i' a 32-bit int)."""
+    out = {}
+    for name, params in _ENTRY.findall(ptx):
+        kinds = ["p" if ".u64" in p or ".b64" in p else "i" for p in params.split(",") if p.strip()]
+        out[name] = "".join(kinds)
+    return out
+
+
+@pytest.fixture(scope="module")
+def built():
+    """name -> (kernel, PTX) of every entry of BUILDS, compiled once for the module."""
+    result = {}
+    with tempfile.TemporaryDirectory() as dump:
+        for name, direction, ratio, coff, head_dim, expected in BUILDS:
+            kernel_class, config = kernel_for(direction, ratio, coff, head_dim, H200)
+            assert kernel_class is expected, name
+            kernel = kernel_class(config)
+            result[name] = (kernel, compile_kernel(kernel, "sm_90a", dump_dir=dump).artifacts.PTX)
+        wide = kernel_for("forward", 4, 2, 128, H200)[1].wide()
+        result["wide forward"] = (ForwardShortWindow(wide), compile_kernel(ForwardShortWindow(wide), "sm_90a", dump).artifacts.PTX)  # fmt: skip
+    return result
+
+
+@pytest.mark.parametrize("name", [b[0] for b in BUILDS] + ["wide forward"])
+def test_kernels_compile_without_local_memory(built, name):
+    kernel, ptx = built[name]
+    cfg = kernel.config
     assert ".target sm_90a" in ptx
-    entries = cute_launch._ptx_entries(ptx)
-    main = [name for name in entries if "reduce_kernel" not in name]
-    assert len(main) == 1, entries
-    # pointers then int32 scalars, as launch.py packs them
-    assert entries[main[0]] == ("pppppp" + "ii" if direction == "forward" else "p" * 9 + "iiii")
-    if direction == "backward":
-        assert [entries[n] for n in entries if "reduce_kernel" in n] == ["ppi"]
     assert "ld.local" not in ptx and "st.local" not in ptx
+    entries = _entries(ptx)
+    forward = kernel.kind == "forward"
+    stats = getattr(cfg, "write_stats", False) or isinstance(cfg, configs.BackwardStatsConfig)
+    main = "p" * (6 + stats) + "ii" if forward else "p" * (9 + stats) + "iiii"
+    reduce = [] if forward or getattr(cfg, "whole_tile", False) else ["ppi"]
+    assert sorted(entries.values()) == sorted([main, *reduce]), entries
+    # Evict-first window loads in the forwards only; no evict-first stores anywhere.
+    assert ("ld.global.cs" in ptx) == (forward and cfg.vector_width > 1)
+    assert "st.global.cs" not in ptx
+    assert f".reqntid {cfg.threads}, 1, 1" in ptx or f".maxntid {cfg.threads}, 1, 1" in ptx
 
 
-@pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_compiles_for_sm100(direction):
-    _, sch = cute_launch._key(direction, 4, 2, 512, torch.bfloat16, "sm_100a")
-    compiled = cute_launch._build(direction, 4, 2, 512, "sm_100a", sch)
-    assert ".target sm_100a" in compiled.artifacts.PTX
+def test_launch_bounds(built):
+    """The wide forward is capped for WIDE_CTAS_PER_SM CTAs; the grouped kernels for MAX_REGISTERS per thread; the
+    exact short forward has no bound."""
+    assert f".minnctapersm {configs.WIDE_CTAS_PER_SM}" in built["wide forward"][1]
+    assert ".minnctapersm" not in built["short forward"][1]
+    for name in ("long forward with stats", "short backward", "long backward", "whole-tile stats backward"):
+        kernel, ptx = built[name]
+        assert f".minnctapersm {configs.launch_bound(kernel.config.threads)}" in ptx, name
+    assert built["whole-tile stats backward"][0].config.threads == configs.WHOLE_TILE_THREADS
 
 
-@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (128, 1, 128), (16, 1, 128)])
-def test_staged_backward_variant_compiles(ratio, coff, head_dim):
-    """The cp.async-staged long-window backward (an opt-in schedule, not a default) keeps building."""
-    from csa_compressor.backends.cute.backward import backward_schedule
-    from csa_compressor.backends.cute.backward_long import staged_variant
-
-    sch = staged_variant(backward_schedule(ratio, coff, head_dim), head_dim)
-    assert sch is not None and sch.AS and not sch.PF
-    ptx = cute_launch._build("backward", ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
-    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    # The default schedule of the same configuration is the register-streaming kernel.
-    assert not backward_schedule(ratio, coff, head_dim).AS
+def test_compiles_for_sm100():
+    kernel_class, config = kernel_for("forward", 4, 2, 64, offline_spec("sm_100a"))
+    with tempfile.TemporaryDirectory() as dump:
+        ptx = compile_kernel(kernel_class(config), "sm_100a", dump_dir=dump).artifacts.PTX
+    assert ".target sm_100a" in ptx
 
 
-@pytest.mark.parametrize("direction", ["forward_stats", "backward_stats"])
-@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 2, 512), (128, 1, 512), (16, 2, 130), (32, 2, 65)])
-def test_softmax_stats_variants_compile(direction, ratio, coff, head_dim):
-    """Long windows: the statistics variants take one more pointer, write (forward) or stage (backward,
-    cp.async into shared memory) the statistics, and the backward drops its first pass over the window."""
-    assert cute_launch.supports_stats(ratio, coff, head_dim)
-    _, sch = cute_launch._key(direction, ratio, coff, head_dim, torch.bfloat16, "sm_90a")
-    assert sch.ST
-    ptx = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
-    entries = cute_launch._ptx_entries(ptx)
-    main = [name for name in entries if "reduce_kernel" not in name]
-    assert entries[main[0]] == ("p" * 7 + "ii" if direction == "forward_stats" else "p" * 10 + "iiii")
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    if direction == "backward_stats":
-        plain = cute_launch._build("backward", ratio, coff, head_dim, "sm_90a", cute_launch._key(
-            "backward", ratio, coff, head_dim, torch.bfloat16, "sm_90a")[1]).artifacts.PTX  # fmt: skip
-        # One exp per window element instead of two (pass 1 and pass 2), plus the plain kernel's combine.
-        assert ptx.count("ex2.approx") < plain.count("ex2.approx")
-        # The chunked kernel of backward_stats.py: slot chunks per CTA, no shared-memory staging.
-        assert sch.SC > 0 and (coff * ratio) % sch.SC == 0
-        assert "cp.async" not in ptx
+CONFIG_SPACE = [(r, c, d) for r in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 32, 128, 256) for c in (1, 2)
+                for d in (7, 36, 64, 65, 128, 130, 512)]  # fmt: skip
 
 
-@pytest.mark.parametrize("ratio,coff,head_dim", [(128, 1, 512), (128, 2, 512), (128, 1, 65)])
-def test_stats_backward_whole_tile_builds_one_kernel(ratio, coff, head_dim):
-    """Schedule.WT: one 512-thread kernel (one CTA per SM by the register cap) that writes grad_ape itself, no
-    reduction kernel, no local memory; the slab form of the same configuration keeps its reduction kernel."""
-    from csa_compressor.backends.cute.backward_stats import with_whole_tile
+@pytest.mark.parametrize("ratio,coff", sorted({(r, c) for r, c, _ in CONFIG_SPACE}))
+def test_selection_follows_the_window_classes(ratio, coff):
+    """Short windows of one power-of-two group take the exact forward, every other window the grouped one;
+    the backward follows is_short_window; statistics kernels exist exactly where uses_softmax_stats."""
+    for head_dim in (7, 64, 130, 512):
+        forward_class, forward = kernel_for("forward", ratio, coff, head_dim, H200)
+        window = coff * ratio
+        exact = is_short_window(ratio, coff) and window & (window - 1) == 0
+        assert forward_class is (ForwardShortWindow if exact else ForwardLongWindow)
+        backward_class, backward = kernel_for("backward", ratio, coff, head_dim, H200)
+        assert backward_class is (BackwardShortWindow if is_short_window(ratio, coff) else BackwardLongWindow)
+        for cfg in (forward, backward):
+            assert (cfg.ratio, cfg.coff, cfg.head_dim) == (ratio, coff, head_dim)
+            assert cfg.threads <= 512 and cfg.columns_per_cta * cfg.column_chunks >= head_dim
+        if uses_softmax_stats(ratio, coff):
+            assert kernel_for("forward_stats", ratio, coff, head_dim, H200)[1].write_stats
+            stats = config_for("backward_stats", ratio, coff, head_dim, H200)
+            assert window % stats.slots_per_cta == 0
+        else:
+            for direction in ("forward_stats", "backward_stats"):
+                with pytest.raises(ValueError, match="direction must be"):
+                    config_for(direction, ratio, coff, head_dim, H200)
 
-    _, sch = cute_launch._key("backward_stats", ratio, coff, head_dim, torch.bfloat16, "sm_90a")
-    wt = with_whole_tile(sch, True)
-    ptx = cute_launch._build("backward_stats", ratio, coff, head_dim, "sm_90a", wt).artifacts.PTX
-    entries = cute_launch._ptx_entries(ptx)
-    assert list(entries.values()) == ["p" * 10 + "iiii"] and not any("reduce_kernel" in n for n in entries)
-    assert ".reqntid 512, 1, 1" in ptx and ".minnctapersm 1" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    slab = with_whole_tile(wt, False)
-    assert slab.threads == 128 and wt.threads == 512
-    slab_ptx = cute_launch._build("backward_stats", ratio, coff, head_dim, "sm_90a", slab).artifacts.PTX
-    assert sum("reduce_kernel" in n for n in cute_launch._ptx_entries(slab_ptx)) == 1
+
+def test_grouped_configs_tile_the_window():
+    for ratio, coff, head_dim in CONFIG_SPACE:
+        cfg = config_for("forward", ratio, coff, head_dim, H200)
+        if isinstance(cfg, configs.ForwardLongConfig):
+            assert cfg.slot_groups * cfg.slots_per_batch * cfg.batches == coff * ratio
+        back = config_for("backward", ratio, coff, head_dim, H200)
+        if isinstance(back, configs.BackwardLongConfig):
+            assert back.slot_groups * back.slots_per_batch * back.batches == coff * ratio
+            assert back.smem_bytes <= H200.shared_memory_per_block
+            assert back.prefetch_next_row == (coff * ratio <= 128)
+        else:
+            # The 128-thread tile with its row lanes scaled to SHORT_BACKWARD_THREADS-thread CTAs.
+            assert back.slot_groups * back.slots_per_group == coff * ratio
+            tile = back.column_threads * back.slot_groups
+            assert back.row_lanes == max(1, configs.SHORT_BACKWARD_THREADS // tile)
 
 
-def test_softmax_stats_only_for_long_windows():
-    assert not cute_launch.supports_stats(8, 2, 128)
-    with pytest.raises(ValueError, match="direction must be"):
-        cute_launch._schedule("forward_stats", 4, 2, 128)
-
-
-@pytest.mark.parametrize(
-    "ratio,coff,head_dim", [(128, 1, 128), (128, 2, 512), (16, 2, 130), (17, 1, 128), (128, 1, 65), (128, 1, 512)]
-)
-def test_stats_backward_rows_side_by_side(ratio, coff, head_dim):
-    """128-thread CTAs whatever the window (the slab form): slot chunks of at most ``max(8, W / 16)`` slots, and the
-    threads left over take rows side by side (``R``), so that a CTA's grad_ape slab covers ``R`` rows at a time. Where
-    there are at least WHOLE_TILE_MIN_TILES tiles, the same thread tile in CTAs of WHOLE_TILE_THREADS (whole-tile form,
-    4x the row lanes)."""
-    from csa_compressor.backends.cute.backward_stats import (
-        STATS_CHUNKS,
-        STATS_MIN_SLOTS,
-        WHOLE_TILE_MIN_TILES,
-        WHOLE_TILE_THREADS,
-        stats_backward_schedule,
-    )
-
-    W = coff * ratio
-    sch = stats_backward_schedule(ratio, coff, head_dim)
-    slab = stats_backward_schedule(ratio, coff, head_dim, whole_tile=False)
-    tiles = -(-head_dim // (sch.TC * sch.V)) * (W // sch.SC)
-    assert sch.WT == (tiles >= WHOLE_TILE_MIN_TILES)
-    assert sch.WT == ((ratio, coff, head_dim) in ((128, 2, 512), (128, 1, 512)))  # the large SPEC cases
-    assert slab.threads == 128 and not slab.WT and W % slab.SC == 0
-    assert slab.SC <= max(STATS_MIN_SLOTS, W // STATS_CHUNKS)
-    assert slab.R == 128 // (slab.TC * slab.G)
-    assert (sch.V, sch.TC, sch.G, sch.SG, sch.SC) == (slab.V, slab.TC, slab.G, slab.SG, slab.SC)
-    assert sch.threads == (WHOLE_TILE_THREADS if sch.WT else 128)
-    if (ratio, coff, head_dim) == (128, 1, 128):
-        assert (sch.SC, sch.R) == (8, 4)
-    if (ratio, coff, head_dim) == (128, 1, 512):
-        assert (sch.SC, sch.R, tiles) == (8, 16, 128)
+@pytest.mark.parametrize("sm_count", [132, 148, 114, 40])
+def test_whole_tile_form_follows_the_sm_count(sm_count):
+    """The statistics backward takes one CTA per tile (whole-tile form) where the tiles fill the share
+    WHOLE_TILE_FILL of the SMs, else 128-thread CTAs over row ranges with slabs (the same thread tile)."""
+    spec = DeviceSpec("sm_90a", sm_count, H200.shared_memory_per_sm, H200.shared_memory_per_block)
+    for ratio, coff, head_dim in [(128, 1, 512), (128, 2, 512), (128, 1, 128), (128, 2, 130), (17, 1, 128)]:
+        cfg = configs.stats_backward_for_sm90(ratio, coff, head_dim, spec)
+        assert cfg.whole_tile == (cfg.tiles >= math.ceil(configs.WHOLE_TILE_FILL * sm_count))
+        assert cfg.threads == (configs.WHOLE_TILE_THREADS if cfg.whole_tile else 128)
+        assert cfg.slots_per_cta <= max(configs.STATS_MIN_SLOTS, coff * ratio // configs.STATS_CHUNKS)
+    # On the H200 exactly the large SPEC ratio-128 cases (128 tiles) take the whole-tile form.
+    assert [config_for("backward_stats", 128, c, d, H200).whole_tile for c, d in ((1, 512), (2, 512), (1, 128))] == [
+        True, True, False]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "ratio,coff,head_dim,wide",
-    [
-        (4, 2, 512, False),  # one row per CTA: the capped build measured slower (wide_forward_ab_h200_20261201.md)
-        (4, 2, 384, False),
-        (4, 2, 128, True),
-        (4, 2, 256, True),
-        (8, 1, 64, True),
-        (4, 1, 128, False),
-        (4, 2, 65, False),
-        (128, 1, 512, False),
-    ],
-)
-def test_wide_forward_schedule(ratio, coff, head_dim, wide):
-    """8-slot windows at 128 threads and more than one row per CTA get a register-capped build for large launches
-    (launch bounds in the PTX)."""
-    from csa_compressor.backends.cute.forward import WIDE_CTAS_PER_SM, forward_schedule, wide_forward_schedule
-
-    sch = wide_forward_schedule(forward_schedule(ratio, coff, head_dim))
-    assert (sch is not None) == wide
+    [(4, 2, 512, False), (4, 2, 384, False), (4, 2, 128, True), (4, 2, 256, True), (8, 1, 64, True),
+     (4, 1, 128, False), (4, 2, 65, False)],
+)  # fmt: skip
+def test_wide_forward_only_for_8_slot_windows_of_several_rows(ratio, coff, head_dim, wide):
+    cfg = config_for("forward", ratio, coff, head_dim, H200)
+    assert (cfg.wide() is not None) == wide
     if wide:
-        assert sch.MB == WIDE_CTAS_PER_SM
-        ptx = cute_launch._build("forward", ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
-        assert f".minnctapersm {WIDE_CTAS_PER_SM}" in ptx
-        assert "ld.local" not in ptx and "st.local" not in ptx
+        assert cfg.wide() == replace(cfg, ctas_per_sm_cap=configs.WIDE_CTAS_PER_SM)
 
 
-@pytest.mark.parametrize("direction,ratio,coff,head_dim", [("backward", 4, 2, 512), ("backward_stats", 128, 1, 512)])
-def test_backward_register_cap_reaches_the_launch_bounds(direction, ratio, coff, head_dim):
-    """A backward schedule's MB (resident CTAs per SM) becomes the main kernel's launch bound; 0 keeps MAX_REGS's."""
-    from dataclasses import replace
+def test_backward_grid_fills_one_wave():
+    """Persistent grids: the CTA slots of one wave (the shared memory may allow fewer CTAs than the registers),
+    at most WS_CAP_BYTES of slabs, rows per CTA a multiple of the row lanes; the whole-tile form one row range."""
+    short = config_for("backward", 4, 2, 512, H200)
+    assert cute_launch.grid_capacity(short, H200) == H200.sm_count  # one 512-thread CTA per SM
+    long = config_for("backward", 128, 2, 512, H200)
+    by_smem = H200.shared_memory_per_block // (long.smem_bytes + 1024)
+    assert cute_launch.grid_capacity(long, H200) == H200.sm_count * min(by_smem, configs.launch_bound(long.threads))
+    whole = config_for("backward_stats", 128, 1, 512, H200)
+    assert cute_launch.grid_capacity(whole, H200) == whole.tiles
 
-    from csa_compressor.backends.cute.backward_common import MAX_REGS
+    class Fake:
+        def __init__(self, cfg):
+            self.row_lanes, self.tiles, self.capacity = cfg.row_lanes, cfg.tiles, cute_launch.grid_capacity(cfg, H200)
 
-    _, sch = cute_launch._key(direction, ratio, coff, head_dim, torch.bfloat16, "sm_90a")
-    default = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
-    assert f".minnctapersm {65536 // (sch.threads * MAX_REGS)}" in default
-    capped = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", replace(sch, MB=5)).artifacts.PTX
-    assert ".minnctapersm 5" in capped
-
-
-@pytest.mark.parametrize(
-    "direction,ratio,coff,head_dim",
-    [("backward", 4, 2, 512), ("backward", 2, 2, 7), ("backward_stats", 128, 1, 512), ("backward_stats", 17, 1, 128)],
-)
-def test_backward_prefetch_ahead_compiles(direction, ratio, coff, head_dim):
-    """Schedule.PF on the short-window and statistics backwards: L2 (and, for the statistics, L1) prefetches, no
-    local memory; off, the kernels carry none."""
-    from dataclasses import replace
-
-    _, sch = cute_launch._key(direction, ratio, coff, head_dim, torch.bfloat16, "sm_90a")
-    assert not sch.PF
-    plain = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", sch).artifacts.PTX
-    assert "prefetch.global" not in plain
-    ptx = cute_launch._build(direction, ratio, coff, head_dim, "sm_90a", replace(sch, PF=True)).artifacts.PTX
-    assert "prefetch.global.L2" in ptx
-    assert ("prefetch.global.L1" in ptx) == (direction == "backward_stats")
-    assert "ld.local" not in ptx and "st.local" not in ptx
-
-
-def test_compiled_kernels_are_cached_per_schedule(monkeypatch):
-    """One build per (direction, configuration, dtype, arch, schedule): the default and the wide (register-capped)
-    forward of one configuration are two entries, and a second request of either builds nothing."""
-    from csa_compressor.backends.cute.forward import wide_forward_schedule
-
-    builds = []
-    monkeypatch.setattr(cute_launch, "_COMPILED", {})
-    monkeypatch.setattr(cute_launch, "_build", lambda *a: builds.append(a) or object())
-    _, sch = cute_launch._key("forward", 4, 2, 128, torch.bfloat16, "sm_90a")
-    wide = wide_forward_schedule(sch)
-    first = [cute_launch._compiled_for("forward", 4, 2, 128, torch.bfloat16, "sm_90a", s) for s in (sch, wide)]
-    again = [cute_launch._compiled_for("forward", 4, 2, 128, torch.bfloat16, "sm_90a", s) for s in (sch, wide)]
-    assert first[0] is not first[1] and again[0] is first[0] and again[1] is first[1]
-    assert [b[-1] for b in builds] == [sch, wide]
-    assert cute_launch._key("forward", 4, 2, 128, torch.bfloat16, "sm_90a")[0] in cute_launch._COMPILED
+    for cfg, n in [(short, 6144), (short, 5), (long, 8192), (whole, 6144), (whole, 3)]:
+        rows_per_cta, num_ctas = cute_launch.backward_grid(Fake(cfg), n, cfg.ape_size)
+        assert rows_per_cta % cfg.row_lanes == 0 and rows_per_cta * num_ctas >= n
+        assert num_ctas * cfg.tiles <= max(cute_launch.grid_capacity(cfg, H200), cfg.tiles)
+        assert num_ctas * cfg.ape_size * 4 <= max(cute_launch.WS_CAP_BYTES, cfg.ape_size * 4)
+        if cfg.whole_tile:
+            assert num_ctas == 1

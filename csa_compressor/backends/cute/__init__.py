@@ -1,2 +1,16 @@
-"""CuTe-DSL backend (nvidia-cutlass-dsl): fused forward/backward kernels for sm_90 (validated on H200) and sm_100
-(dispatched, not validated here). The protocol functions live in ``launch``."""
+"""CuTe-DSL backend (nvidia-cutlass-dsl): fused forward and backward kernels for sm_90 (validated on the H200) and
+sm_100 (dispatched, not validated).
+
+Layout:
+
+- ``launch``: the protocol functions of ``csa_compressor.backends`` (compile, forward, backward) and the launchers;
+- ``select``: which kernel class and configuration serve a (direction, ratio, coff, head_dim, device);
+- ``configs``: the configurations (frozen dataclasses) and their per-architecture factories; ``device``: the
+  figures of a GPU they are sized by;
+- kernels: ``forward`` (``ForwardShortWindow``, ``ForwardLongWindow``), ``backward_short``
+  (``BackwardShortWindow``), ``backward_long`` (``BackwardLongWindow``), ``backward_stats``
+  (``BackwardWithStats``), ``reduce`` (``ApeReduce``, the grad_ape reduction inside the backwards);
+- device helpers: ``ptx`` (inline PTX), ``window`` (window loads, widening, segment lookup), ``softmax`` (the
+  exact and the online softmax), ``zeros`` (exact-zero stores);
+- ``build`` (compiling one kernel with its TVM-FFI entry point) and ``cache`` (the persistent compile cache).
+"""

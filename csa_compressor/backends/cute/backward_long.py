@@ -1,391 +1,256 @@
-"""CuTe-DSL backward kernel for long windows (``coff * ratio > 8``, e.g. ratio 16 and 128).
+"""The long-window backward (windows of more than 8 slots), without softmax statistics.
 
-Thread mapping: one CTA = ``TC`` column threads x ``G`` slot groups (one row at a time), a thread
-owns ``V`` contiguous columns (16-byte vectors at ``V = 8``) and the ``SG * NB`` slots of its
-group, streamed in ``NB`` batches of ``SG`` with the next batch's loads in flight while the
-current one is used. CTAs are persistent over a contiguous range of rows (``rows_per_cta``) of
-one column chunk, like the short-window backward, so that each CTA produces one fp32
-``grad_ape`` slab.
+A CTA is ``column_threads`` x ``slot_groups`` threads working on one row at a time; a thread owns
+``vector_width`` columns (16-byte vectors at 8) of its group's slots, streamed in batches with the next batch's
+loads in flight. CTAs are persistent over a contiguous row range of one column chunk, so that each writes one
+fp32 grad_ape slab (summed by ``ApeReduce``). Per row, two passes over the window:
 
-Per row, two passes over the window:
+1. online (max, sum e, sum e*v) per column in the log2 domain (as the forward), then one barrier, a fixed-order
+   combine of the groups by one thread per column (row max ``M``, ``1/L`` and ``sum p*v``), a second barrier;
+2. the window again (this CTA read it a moment ago: L1/L2 serve it, DRAM sees every input once):
+   ``p = 2^(y - M) / L``, ``dv = g*p``, ``dlogit = p*(g*v - S)`` with ``S = g * sum p*v``, stored right away;
+   grad_ape accumulates per (slot, column) in shared memory, each entry owned by one thread (no atomics).
 
-1. online (max, sum e, sum e*v) per column in the log2 domain (as the forward), then one
-   barrier, a fixed-order combine of the ``G`` groups by one thread per column (row max ``M``,
-   ``1/L`` and ``A/L = sum p*v``), and a second barrier;
-2. the window again (kv, score: this CTA read them a moment ago, so L1/L2 serve them, and DRAM
-   sees every input once): ``p = 2^(y - M) / L``, ``dv = g*p``, ``dlogit = p*(g*v - S)`` with
-   ``S = g * sum p*v``; stored right away (16-byte stores). ``grad_ape`` accumulates per
-   (slot, column) in shared memory, each entry owned by one thread (no atomics).
-
-grad_ape: the CTA's shared-memory accumulator is its slab ``ws[cta]``; the reduction kernel of
-``backward.py`` sums the slabs in a fixed order (bitwise deterministic).
-
-Exact zeros, each from one owner (as the short-window backward): a segment's last row zeroes the
-segment's tail tokens and, for coff 2, the first-half columns of its own tokens; CTA ``x`` zeroes
-the tokens of segments ``b = x mod grid`` that have no row and a grid-stride share of the tokens
-past ``cu_seqlens[-1]``.
+Where ``prefetch_next_row``, the next row's window is prefetched into L2 between the passes, so that its first
+pass waits on L2 rather than DRAM. Exact zeros as the short-window backward (``ZeroStores``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from types import SimpleNamespace
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
-from cutlass.cutlass_dsl import dsl_user_op
 
-from .backward_common import ZeroStores, make_backward_host
-from .forward import (
-    LOG2E,
-    NEG_INF,
-    Schedule,
-    WindowOps,
-    ex2,
+from .configs import BackwardLongConfig, launch_bound
+from .ptx import ex2, prefetch_l2
+from .reduce import ApeReduce
+from .softmax import LOG2E, online_fold
+from .window import (
+    Segments,
+    WindowSlots,
+    bf16_registers,
     find_segment,
-    ptx_effect,
-    slots_per_group,
+    register_slots,
+    registers,
+    store_vector,
     vec_view,
-    vector_width,
-    window_store,
 )
-
-SMEM_LIMIT = 227 * 1024  # dynamic shared memory per block on sm_90 / sm_100
-
-
-@dsl_user_op
-def cp_async_16(smem_ptr: cute.Pointer, gmem_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-    """``cp.async.cg.shared.global`` of 16 bytes (L2 only, no registers; completes at a wait_group)."""
-    ptx_effect(
-        "cp.async.cg.shared.global [$0], [$1], 16;",
-        [p.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip) for p in (smem_ptr, gmem_ptr)],
-        "r,l",
-    )
+from .zeros import ZeroStores
 
 
-def _prefetch(level: str):
-    """``prefetch.global.<level>`` of the 128-byte line holding ``ptr`` (no register, no wait)."""
+class BackwardLongWindow:
+    """Long windows: two passes per row, grad_ape per CTA in shared memory."""
 
-    @dsl_user_op
-    def fn(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-        ptx_effect(f"prefetch.global.{level} [$0];", [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)], "l")
+    kind = "backward"
 
-    return fn
-
-
-prefetch_l2 = _prefetch("L2")
-prefetch_l1 = _prefetch("L1")  # into L1 (and L2)
-
-
-def long_backward_schedule(ratio: int, coff: int, head_dim: int, threads: int = 256, cols_cap: int = 64) -> Schedule:
-    """16-byte column vectors, ``cols_cap`` columns per CTA (the grad_ape accumulator is window x
-    columns of shared memory), batches of 4 slots, as many groups as ``threads`` allows."""
-    W = coff * ratio
-    V = vector_width(head_dim, 8)
-    col_threads = -(-head_dim // V)
-    TC = 1
-    while TC * 2 <= col_threads and TC * 2 * V <= cols_cap:
-        TC *= 2
-    sch = None
-    for sg_cap in (4, 2):
-        SG = slots_per_group(W, sg_cap)
-        batches = W // SG
-        G = max(g for g in range(1, min(batches, 32) + 1) if batches % g == 0 and TC * g <= threads)
-        # L2 prefetch of the next row: measured on the H200 (2026-11-30) 43.6 -> 39.3 us at 3x8192 d512 r128 c1,
-        # but 224 -> 242 us at 1x65536 d512 r128 c2 (256-slot windows), where it stays off.
-        sch = Schedule(V=V, TC=TC, G=G, SG=SG, R=1, NB=batches // G, LONG=True, PF=W <= 128)
-        # Two 16-byte batches of 4 slots in flight (NB > 1) do not fit 128 registers: batches of 2.
-        if sch.NB == 1 or V < 8:
-            break
-    return sch
-
-
-def staged_variant(sch: Schedule, head_dim: int) -> Schedule | None:
-    """The cp.async-staged form of a long-window backward schedule (``AS``), or None where it does not apply.
-
-    Not a default: on the H200 (2026-11-30, `benchmarks/NOTES_cute.md`) it measured slower than the
-    register-streaming kernel (1x65536 d512 r128 c2: 233 vs 226 us; 3x8192 d512 r128 c1: 47 vs 39 us):
-    two 64 KB stages leave one CTA per SM with a single row in flight. Kept, compiled in CI, as the
-    base for deeper pipelines (narrower chunks, more stages).
-    """
-    cw = sch.TC * sch.V
-    window = sch.G * sch.SG * sch.NB
-    staged = replace(sch, PF=False, AS=True)
-    if not sch.LONG or head_dim % cw or head_dim % 8 or (window * cw // 8) % sch.threads:
-        return None
-    return staged if long_backward_smem_bytes(staged) <= SMEM_LIMIT else None
-
-
-def long_backward_smem_bytes(sch: Schedule) -> int:
-    """grad_ape accumulator (window x columns) + group partials + per-column row results, fp32."""
-    cw = sch.TC * sch.V
-    window = sch.G * sch.SG * sch.NB
-    staged = 2 * 2 * window * cw * 2 + 256 if sch.AS else 0  # two stages of kv and score, bf16
-    return (window * cw + 3 * sch.G * cw + 3 * cw) * 4 + 128 + staged
-
-
-def build_backward_long(ratio: int, coff: int, head_dim: int, sch: Schedule):
-    """The @cute.jit host function (this main kernel + the grad_ape reduction kernel).
-
-    Same signature as ``backward.build_backward``'s host function.
-    """
-    V, TC, G, SG, NB = sch.V, sch.TC, sch.G, sch.SG, sch.NB
-    assert sch.LONG and sch.R == 1 and G * SG * NB == coff * ratio
-    assert not sch.ST, "the statistics backward is backward_stats.py"
-    W = coff * ratio
-    D = head_dim
-    WIDTH = coff * head_dim
-    NT = sch.threads
-    CW = TC * V
-    NCHUNK = -(-D // CW)
-    COLS_EXACT = D % CW == 0
-    SPG = SG * NB
-    APE_SIZE = ratio * WIDTH
-    LINE_THREADS = max(1, 128 // (2 * V))  # column threads per 128-byte line
-    AS = sch.AS
-    PIECES = CW // 8  # 16-byte pieces of a slot's columns
-    CHUNKS = W * PIECES // NT  # cp.async copies per thread, tensor and row
-    STAGE = W * CW  # elements of one stage of one tensor
-    if AS:
-        assert COLS_EXACT and D % 8 == 0 and CW % 8 == 0 and (W * PIECES) % NT == 0 and not sch.PF
-    ops = WindowOps(ratio, coff, head_dim, V, SG, SPG)
-    zeros = ZeroStores(ratio, coff, head_dim, V, sch.ES)
-    smem_bytes = long_backward_smem_bytes(sch)
+    def __init__(self, config: BackwardLongConfig):
+        self.config = config
+        c = config
+        self.slots = WindowSlots(c.ratio, c.coff, c.head_dim, c.vector_width, c.slots_per_batch,
+                                 c.slots_per_batch * c.batches, False)  # fmt: skip
+        self.zeros = ZeroStores(c.ratio, c.coff, c.head_dim, c.vector_width)
+        self.reduce = ApeReduce(c.reduce)
 
     @cute.jit
-    def issue_smem(skv, ssc, kvf, scf, bi: cutlass.Constexpr, g, tc, active, first, sbase):
-        """Batch bi of the thread's slots from the staged window (masked slots: kv 0, score -inf)."""
-        for k in cutlass.range_constexpr(SG):
-            s = g * SPG + bi * SG + k
-            half = s // ratio
-            valid = active
-            if cutlass.const_expr(coff == 2):
-                valid = active & ((half == 1) | (not first))
-            kvf[k].fill(0.0)
-            scf[k].fill(NEG_INF)
-            if valid:
-                off = sbase + s * CW + tc * V
-                kvf[k].store(vec_view(skv, off, V).load())
-                scf[k].store(vec_view(ssc, off, V).load())
-
-    @cute.jit
-    def fetch(kv, score, skv, ssc, kvb, scb, bi: cutlass.Constexpr, g, c, tc, active, t0, first, sbase):
-        """Batch bi of the thread's slots into register buffer ``bi % 2`` of ``kvb``/``scb``: from the staged
-        window (``AS``) or straight from global memory."""
-        kvf, scf = kvb[bi % 2], scb[bi % 2]
-        if cutlass.const_expr(AS):
-            issue_smem(skv, ssc, kvf, scf, bi, g, tc, active, first, sbase)
-        else:
-            ops.issue(kv, score, kvf, scf, bi, g, c, active, t0, first)
-
-    @cute.jit
-    def copy_row(kv, score, skv, ssc, cu_t, cuc_t, B, rr, sbase, tidx, by):
-        """cp.async of row rr's window (this CTA's columns) into a stage; masked slots are skipped."""
-        b = find_segment(cuc_t, B, rr)
-        j = rr - cuc_t[b]
-        t0 = cu_t[b] + j * ratio
-        for k in cutlass.range_constexpr(CHUNKS):
-            q = tidx + k * NT
-            s = q // PIECES
-            piece = q % PIECES
-            half = s // ratio
-            valid = Boolean(True)
-            if cutlass.const_expr(coff == 2):
-                valid = (half == 1) | (j != 0)
-            if valid:
-                goff = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + by * CW + piece * 8
-                soff = sbase + s * CW + piece * 8
-                cp_async_16(skv + soff, kv + cute.assume(goff, divby=8))
-                cp_async_16(ssc + soff, score + cute.assume(goff, divby=8))
+    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
+                 segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
+        """Host function: the main kernel over ``[num_ctas, column_chunks]`` CTAs, then the grad_ape reduction;
+        ``stats`` is not read."""
+        cfg = self.config
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
+        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
+            grid=[num_ctas, cfg.tiles, 1],
+            block=[cfg.threads, 1, 1],
+            smem=cfg.smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=launch_bound(cfg.threads),
+            preferred_smem_carveout=cfg.carveout,
+        )
+        self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.kernel
-    def kernel(
-        kv: cute.Pointer,
-        score: cute.Pointer,
-        ape: cute.Pointer,
-        cu: cute.Pointer,
-        cuc: cute.Pointer,
-        gout: cute.Pointer,
-        gkv: cute.Pointer,
-        gsc: cute.Pointer,
-        ws: cute.Pointer,
-        B: Int32,
-        N: Int32,
-        T: Int32,
-        rows_per_cta: Int32,
-    ):
+    def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
+               cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
+               B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):  # fmt: skip
+        cfg = self.config
+        width, cw, spg = cfg.vector_width, cfg.columns_per_cta, cfg.slots_per_batch * cfg.batches
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()
-        tc = tidx % TC
-        g = tidx // TC
-        c = (by * TC + tc) * V
+        tc = tidx % cfg.column_threads
+        g = tidx // cfg.column_threads
+        c = (by * cfg.column_threads + tc) * width
         col_ok = Boolean(True)
-        if cutlass.const_expr(not COLS_EXACT):
-            col_ok = c < D
-        cu_t = cute.make_tensor(cu, cute.make_layout(B + 1))
-        cuc_t = cute.make_tensor(cuc, cute.make_layout(B + 1))
-        nreal = cuc_t[B]
-
+        if cutlass.const_expr(not cfg.columns_exact):
+            col_ok = c < cfg.head_dim
+        seg = Segments(cu, cuc, B)
+        nreal = seg.cuc[B]
         smem = cutlass.memory.SmemAllocator()
-        sm_dape = smem.allocate_tensor(Float32, cute.make_layout(W * CW), byte_alignment=16)
-        sm_m = smem.allocate_tensor(Float32, cute.make_layout(G * CW), byte_alignment=16)
-        sm_l = smem.allocate_tensor(Float32, cute.make_layout(G * CW), byte_alignment=16)
-        sm_a = smem.allocate_tensor(Float32, cute.make_layout(G * CW), byte_alignment=16)
-        sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * CW), byte_alignment=16)
-        sm_kv = sm_res
-        sm_sc = sm_res
-        if cutlass.const_expr(AS):
-            sm_kv = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
-            sm_sc = smem.allocate_tensor(BFloat16, cute.make_layout(2 * STAGE), byte_alignment=128)
-
-        zero = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
+        sm_dape = smem.allocate_tensor(Float32, cute.make_layout(cfg.window * cw), byte_alignment=16)
+        shared = [
+            smem.allocate_tensor(Float32, cute.make_layout(cfg.slot_groups * cw), byte_alignment=16) for _ in range(3)
+        ]
+        sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * cw), byte_alignment=16)
+        zero = registers(width, BFloat16)
         zero.fill(0.0)
-        zf = cute.make_rmem_tensor(cute.make_layout(V), Float32)
+        zf = registers(width)
         zf.fill(0.0)
-        for k in cutlass.range_constexpr(SPG):
-            vec_view(sm_dape.iterator, (g * SPG + k) * CW + tc * V, V).store(zf.load())
-
-        kvb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
-        scb = [[cute.make_rmem_tensor(cute.make_layout(V), BFloat16) for _ in range(SG)] for _ in range(2)]
-        apf = [cute.make_rmem_tensor(cute.make_layout(V), Float32) for _ in range(SG)]
-        gb = cute.make_rmem_tensor(cute.make_layout(V), BFloat16)
-        gf = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-        vm = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-        vl = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-        va = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-        dvo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-        dlo = cute.make_rmem_tensor(cute.make_layout(V), Float32)
-
+        for k in cutlass.range_constexpr(spg):
+            vec_view(sm_dape.iterator, (g * spg + k) * cw + tc * width, width).store(zf.load())
+        regs = (
+            [bf16_registers(cfg.slots_per_batch, width) for _ in range(2)],
+            [bf16_registers(cfg.slots_per_batch, width) for _ in range(2)],
+            register_slots(cfg.slots_per_batch, width),
+            registers(width, BFloat16),
+            *(registers(width) for _ in range(6)),  # gf, vm, vl, va, dvo, dlo
+        )
+        th = SimpleNamespace(tidx=tidx, tc=tc, g=g, c=c, col_ok=col_ok)
+        io = SimpleNamespace(kv=kv, score=score, ape=ape, gout=gout, gkv=gkv, gsc=gsc)
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) carry no gradient.
         row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
-        if cutlass.const_expr(AS):
-            # Stage 0 <- the first row's window; every iteration commits one group (maybe empty).
-            if row_begin < row_lim:
-                copy_row(kv, score, sm_kv.iterator, sm_sc.iterator, cu_t, cuc_t, B, row_begin, 0, tidx, by)
-            cute.arch.cp_async_commit_group()
         for r in cutlass.range(row_begin, row_lim):
-            st = (r - row_begin) % 2
-            sbase = st * STAGE
-            if cutlass.const_expr(AS):
-                # The next row's window streams into the other stage while this row is computed.
-                if r + 1 < row_lim:
-                    copy_row(
-                        kv, score, sm_kv.iterator, sm_sc.iterator, cu_t, cuc_t, B, r + 1, (1 - st) * STAGE, tidx, by
-                    )
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(1)
-                cute.arch.sync_threads()
-            b = find_segment(cuc_t, B, r)
-            j = r - cuc_t[b]
-            t0 = cu_t[b] + j * ratio
-            first = j == 0
-            last = r == cuc_t[b + 1] - 1
-            seg_end = cu_t[b + 1]
-            active = col_ok
-            gb.fill(0.0)
-            if active:
-                gb.store(vec_view(gout, r * D + c, V).load())
-
-            # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
-            fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb, scb, 0, g, c, tc, active, t0, first, sbase)
-            for bi in cutlass.range_constexpr(NB):
-                if cutlass.const_expr(bi + 1 < NB):
-                    fetch(
-                        kv, score, sm_kv.iterator, sm_sc.iterator, kvb, scb, bi + 1, g, c, tc, active, t0, first, sbase
-                    )
-                ops.load_ape(ape, apf, bi, g, c, col_ok)
-                ops.online_batch(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi)
-            # The second pass's first batch is in flight during the combine.
-            fetch(kv, score, sm_kv.iterator, sm_sc.iterator, kvb, scb, 0, g, c, tc, active, t0, first, sbase)
-            base = g * CW + tc * V
-            vec_view(sm_m.iterator, base, V).store(vm.load())
-            vec_view(sm_l.iterator, base, V).store(vl.load())
-            vec_view(sm_a.iterator, base, V).store(va.load())
-            cute.arch.sync_threads()
-            # Fixed-order combine of the groups, one thread per column: M, 1/L, sum p*v.
-            for q in cutlass.range(tidx, CW, NT):
-                mx = sm_m[q]
-                for h in cutlass.range_constexpr(1, G):
-                    mx = cute.arch.fmax(mx, sm_m[h * CW + q], nan=True)
-                total = Float32(0.0)
-                acc = Float32(0.0)
-                for h in cutlass.range_constexpr(G):
-                    scale = ex2(sm_m[h * CW + q] - mx)
-                    total = total + sm_l[h * CW + q] * scale
-                    acc = acc + sm_a[h * CW + q] * scale
-                inv = Float32(1.0) / total
-                sm_res[q] = mx
-                sm_res[CW + q] = inv
-                sm_res[2 * CW + q] = acc * inv
-            cute.arch.sync_threads()
-            # The next row's window goes to L2 now (one prefetch per 128-byte line of the CTA's columns):
-            # its first pass then waits on L2, not DRAM, and DRAM stays busy during this row's second pass.
-            if cutlass.const_expr(sch.PF):
-                rn = r + 1
-                if (rn < row_lim) & col_ok & (tc % LINE_THREADS == 0):
-                    bn = find_segment(cuc_t, B, rn)
-                    jn = rn - cuc_t[bn]
-                    t0n = cu_t[bn] + jn * ratio
-                    for k in cutlass.range_constexpr(SPG):
-                        s = g * SPG + k
-                        half = s // ratio
-                        okn = Boolean(True)
-                        if cutlass.const_expr(coff == 2):
-                            okn = (half == 1) | (jn != 0)
-                        if okn:
-                            off = (t0n - (coff - 1) * ratio + s) * WIDTH + half * D + c
-                            prefetch_l2(kv + off)
-                            prefetch_l2(score + off)
-            gf.store(gb.load().to(Float32))
-            for i in cutlass.range_constexpr(V):
-                vm[i] = sm_res[tc * V + i]
-                vl[i] = sm_res[CW + tc * V + i]
-                va[i] = gf[i] * sm_res[2 * CW + tc * V + i]  # S = g * sum p*v
-
-            # Pass 2: gradients per slot, stored right away; grad_ape in shared memory.
-            for bi in cutlass.range_constexpr(NB):
-                if cutlass.const_expr(bi + 1 < NB):
-                    fetch(
-                        kv, score, sm_kv.iterator, sm_sc.iterator, kvb, scb, bi + 1, g, c, tc, active, t0, first, sbase
-                    )
-                ops.load_ape(ape, apf, bi, g, c, col_ok)
-                kvf, scf = kvb[bi % 2], scb[bi % 2]
-                for k in cutlass.range_constexpr(SG):
-                    s = g * SPG + bi * SG + k
-                    half = s // ratio
-                    for i in cutlass.range_constexpr(V):
-                        gi = gf[i]
-                        pk = ex2((Float32(scf[k][i]) + apf[k][i]) * LOG2E - vm[i]) * vl[i]
-                        dvo[i] = gi * pk
-                        dlo[i] = pk * (gi * Float32(kvf[k][i]) - va[i])
-                    valid = active
-                    if cutlass.const_expr(coff == 2):
-                        valid = active & ((half == 1) | (not first))
-                    if valid:
-                        off = (t0 - (coff - 1) * ratio + s) * WIDTH + half * D + c
-                        window_store(gkv, off, V, dvo.load().to(BFloat16), sch.ES)
-                        window_store(gsc, off, V, dlo.load().to(BFloat16), sch.ES)
-                        sv = vec_view(sm_dape.iterator, s * CW + tc * V, V)
-                        sv.store(sv.load() + dlo.load())
-
-            # Exact zeros owned by a segment's last row.
-            if active & last:
-                zeros.segment_tail(gkv, gsc, zero, t0, seg_end, g * SPG, SPG, c)
-
-            if cutlass.const_expr(AS):
-                cute.arch.sync_threads()  # every thread is done with this stage before it is refilled
-
+            self.row(io, seg, r, row_lim, regs, zero, (sm_dape, *shared, sm_res), th)
         # Exact zeros: segments with no row (seqlen < ratio) and token-capacity padding.
         if col_ok:
-            zeros.unowned(gkv, gsc, zero, cu_t, cuc_t, B, T, bx, gdx, g, G, c)
-
+            self.zeros.unowned(gkv, gsc, zero, seg, T, bx, gdx, g, cfg.slot_groups, c)
         # This CTA's grad_ape slab: each thread copies the entries it owns.
         if col_ok:
-            for k in cutlass.range_constexpr(SPG):
-                s = g * SPG + k
-                aoff = (s % ratio) * WIDTH + (s // ratio) * D + c
-                vec_view(ws, bx * APE_SIZE + aoff, V).store(vec_view(sm_dape.iterator, s * CW + tc * V, V).load())
+            for k in cutlass.range_constexpr(spg):
+                s = g * spg + k
+                aoff = self.slots.ape_offset(s) + c
+                vec_view(ws, bx * cfg.ape_size + aoff, width).store(
+                    vec_view(sm_dape.iterator, s * cw + tc * width, width).load()
+                )
 
-    return make_backward_host(kernel, APE_SIZE, NCHUNK, NT, smem_bytes, 100)
+    @cute.jit
+    def row(self, io, seg, r, row_lim, regs, zero, smem, th):
+        """Both passes over row ``r`` and the exact zeros a segment's last row owns."""
+        cfg = self.config
+        kv, score, ape = io.kv, io.score, io.ape
+        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
+        kvb, scb, apf, gb = regs[:4]
+        vm, vl, va = regs[5:8]
+        g, c, col_ok = th.g, th.c, th.col_ok
+        b = find_segment(cuc_t, B, r)
+        j = r - cuc_t[b]
+        t0 = cu_t[b] + j * cfg.ratio
+        first = j == 0
+        last = r == cuc_t[b + 1] - 1
+        seg_end = cu_t[b + 1]
+        active = col_ok
+        gb.fill(0.0)
+        if active:
+            gb.store(vec_view(io.gout, r * cfg.head_dim + c, cfg.vector_width).load())
+        # Pass 1: online (max, sum e, sum e*v) per column, log2 domain.
+        self.slots.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
+        for bi in cutlass.range_constexpr(cfg.batches):
+            if cutlass.const_expr(bi + 1 < cfg.batches):
+                self.slots.issue(kv, score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0, first)
+            self.slots.load_ape(ape, apf, bi, g, c, col_ok)
+            online_fold(kvb[bi % 2], scb[bi % 2], apf, vm, vl, va, bi, cfg.vector_width, cfg.slots_per_batch)
+        # The second pass's first batch is in flight during the combine.
+        self.slots.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
+        self.combine(smem, vm, vl, va, th.tidx, th.tc, g)
+        if cutlass.const_expr(cfg.prefetch_next_row):
+            self.prefetch_row(io, seg, r + 1, row_lim, th)
+        self.gradients(io, regs, smem, t0, first, active, th)
+        # Exact zeros owned by a segment's last row.
+        if active & last:
+            spg = cfg.slots_per_batch * cfg.batches
+            self.zeros.segment_tail(io.gkv, io.gsc, zero, t0, seg_end, g * spg, spg, c)
+
+    @cute.jit
+    def combine(self, smem, vm, vl, va, tidx, tc, g):
+        """The groups' partials through shared memory; one thread per column combines them in a fixed order into
+        the row's max, 1/L and sum p*v."""
+        cfg = self.config
+        cw = cfg.columns_per_cta
+        _, sm_m, sm_l, sm_a, sm_res = smem
+        base = g * cw + tc * cfg.vector_width
+        vec_view(sm_m.iterator, base, cfg.vector_width).store(vm.load())
+        vec_view(sm_l.iterator, base, cfg.vector_width).store(vl.load())
+        vec_view(sm_a.iterator, base, cfg.vector_width).store(va.load())
+        cute.arch.sync_threads()
+        for q in cutlass.range(tidx, cw, cfg.threads):
+            mx = sm_m[q]
+            for h in cutlass.range_constexpr(1, cfg.slot_groups):
+                mx = cute.arch.fmax(mx, sm_m[h * cw + q], nan=True)
+            total = Float32(0.0)
+            acc = Float32(0.0)
+            for h in cutlass.range_constexpr(cfg.slot_groups):
+                scale = ex2(sm_m[h * cw + q] - mx)
+                total = total + sm_l[h * cw + q] * scale
+                acc = acc + sm_a[h * cw + q] * scale
+            inv = Float32(1.0) / total
+            sm_res[q] = mx
+            sm_res[cw + q] = inv
+            sm_res[2 * cw + q] = acc * inv
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def prefetch_row(self, io, seg, rn, row_lim, th):
+        """Row ``rn``'s window of the thread's slots into L2, one prefetch per 128-byte line of the CTA's columns:
+        DRAM stays busy during this row's second pass."""
+        cfg = self.config
+        line_threads = max(1, 128 // (2 * cfg.vector_width))  # column threads per 128-byte line
+        spg = cfg.slots_per_batch * cfg.batches
+        g, c = th.g, th.c
+        if (rn < row_lim) & th.col_ok & (th.tc % line_threads == 0):
+            bn = find_segment(seg.cuc, seg.count, rn)
+            jn = rn - seg.cuc[bn]
+            t0n = seg.cu[bn] + jn * cfg.ratio
+            for k in cutlass.range_constexpr(spg):
+                s = g * spg + k
+                half = s // cfg.ratio
+                okn = Boolean(True)
+                if cutlass.const_expr(cfg.coff == 2):
+                    okn = (half == 1) | (jn != 0)
+                if okn:
+                    off = (t0n - (cfg.coff - 1) * cfg.ratio + s) * (cfg.coff * cfg.head_dim) + half * cfg.head_dim + c
+                    prefetch_l2(io.kv + off)
+                    prefetch_l2(io.score + off)
+
+    @cute.jit
+    def gradients(self, io, regs, smem, t0, first, active, th):
+        """Pass 2: the row's statistics into registers, then per slot dv and dlogit, stored right away, and dlogit
+        added to the slot's grad_ape entries in shared memory."""
+        cfg = self.config
+        width, cw, batch = cfg.vector_width, cfg.columns_per_cta, cfg.slots_per_batch
+        kvb, scb, apf, gb, gf, vm, vl, va, dvo, dlo = regs
+        sm_dape, sm_res = smem[0], smem[4]
+        tc, g, c = th.tc, th.g, th.c
+        gf.store(gb.load().to(Float32))
+        for i in cutlass.range_constexpr(width):
+            vm[i] = sm_res[tc * width + i]
+            vl[i] = sm_res[cw + tc * width + i]
+            va[i] = gf[i] * sm_res[2 * cw + tc * width + i]  # S = g * sum p*v
+        for bi in cutlass.range_constexpr(cfg.batches):
+            if cutlass.const_expr(bi + 1 < cfg.batches):
+                self.slots.issue(io.kv, io.score, kvb[(bi + 1) % 2], scb[(bi + 1) % 2], bi + 1, g, c, active, t0,
+                                 first)  # fmt: skip
+            self.slots.load_ape(io.ape, apf, bi, g, c, th.col_ok)
+            kvf, scf = kvb[bi % 2], scb[bi % 2]
+            for k in cutlass.range_constexpr(batch):
+                s = self.slots.slot(g, bi, k)
+                half = s // cfg.ratio
+                for i in cutlass.range_constexpr(width):
+                    gi = gf[i]
+                    pk = ex2((Float32(scf[k][i]) + apf[k][i]) * LOG2E - vm[i]) * vl[i]
+                    dvo[i] = gi * pk
+                    dlo[i] = pk * (gi * Float32(kvf[k][i]) - va[i])
+                valid = active
+                if cutlass.const_expr(cfg.coff == 2):
+                    valid = active & ((half == 1) | (not first))
+                if valid:
+                    off = (t0 - (cfg.coff - 1) * cfg.ratio + s) * (cfg.coff * cfg.head_dim) + half * cfg.head_dim + c
+                    store_vector(io.gkv, off, width, dvo.load().to(BFloat16))
+                    store_vector(io.gsc, off, width, dlo.load().to(BFloat16))
+                    sv = vec_view(sm_dape.iterator, s * cw + tc * width, width)
+                    sv.store(sv.load() + dlo.load())

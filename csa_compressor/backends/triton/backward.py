@@ -27,7 +27,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import STREAM_BACKWARD
 from .forward import (
     _OFFSETS,
     LOG2E,
@@ -43,11 +42,6 @@ from .forward import (
     _tile,
 )
 from .forward_long import _long_base
-
-# Eviction policies of the backward (``backends.STREAM_BACKWARD``): gradient stores ("stores", "all") and the
-# window's kv / score loads ("all"); "" leaves Triton's default.
-GRAD_EVICT = tl.constexpr("evict_first" if STREAM_BACKWARD != "none" else "")
-BWD_WINDOW_EVICT = tl.constexpr("evict_first" if STREAM_BACKWARD == "all" else "")
 
 
 @triton.jit
@@ -97,16 +91,16 @@ def _zero_sweep(
             cols = c0 + tl.arange(0, SWEEP_D)
             zmask = zero_lo[:, None] & (cols < HEAD_DIM)[None, :]
             zoffs = toks[:, None] * W + cols[None, :]
-            tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask, eviction_policy=GRAD_EVICT)
-            tl.store(grad_score_ptr + zoffs, zeros, mask=zmask, eviction_policy=GRAD_EVICT)
+            tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
+            tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
         if COFF == 2:
             if tl.max(zero_hi.to(tl.int32), axis=0) > 0:
                 for c0 in range(0, HEAD_DIM, SWEEP_D):
                     cols = c0 + tl.arange(0, SWEEP_D)
                     zmask = zero_hi[:, None] & (cols < HEAD_DIM)[None, :]
                     zoffs = toks[:, None] * W + HEAD_DIM + cols[None, :]
-                    tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask, eviction_policy=GRAD_EVICT)
-                    tl.store(grad_score_ptr + zoffs, zeros, mask=zmask, eviction_policy=GRAD_EVICT)
+                    tl.store(grad_kv_ptr + zoffs, zeros, mask=zmask)
+                    tl.store(grad_score_ptr + zoffs, zeros, mask=zmask)
 
 
 @triton.jit(
@@ -161,8 +155,8 @@ def csa_bwd_kernel(
             row_base, col_start, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
             RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
-        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
-        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
+        kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+        score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
         gmask = is_real[:, None] & col_ok[None, :]
         g_next = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
@@ -179,8 +173,8 @@ def csa_bwd_kernel(
                 row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), T, B, n_iter, n_real, uniform,
                 comp0, tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
             )  # fmt: skip
-            kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
-            score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
+            kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+            score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0)
             gmask = (is_real_n & row_ok_n)[:, None] & col_ok[None, :]
             g_next = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0)
 
@@ -193,10 +187,8 @@ def csa_bwd_kernel(
             gvp = tl.where(slot_ok[:, None, None], gv * p, 0.0)
             dlogit = p * (gv - _sum_slots(gvp, TORCH_ORDER)[None, :, :])
             smask = lmask_cur & is_real[None, :, None]
-            tl.store(grad_kv_ptr + offs_cur, _round(dv, gdt, MANUAL_RTNE), mask=smask, eviction_policy=GRAD_EVICT)
-            tl.store(
-                grad_score_ptr + offs_cur, _round(dlogit, gdt, MANUAL_RTNE), mask=smask, eviction_policy=GRAD_EVICT
-            )
+            tl.store(grad_kv_ptr + offs_cur, _round(dv, gdt, MANUAL_RTNE), mask=smask)
+            tl.store(grad_score_ptr + offs_cur, _round(dlogit, gdt, MANUAL_RTNE), mask=smask)
             dape += tl.where(smask, dlogit, 0.0)
         # Slot (s, own) added ape[s, col]: the partial has the same [ratio, coff*d] layout as grad_ape.
         s, _own, slot_ok, cols, col_ok, col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
@@ -293,8 +285,8 @@ def csa_bwd_long_kernel(
         )  # fmt: skip
         ape = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
         lmask = _long_window_mask(k, hp, ok, amask, SP, COFF)
-        kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
-        sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
+        kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0)
+        sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0)
         # Rows past cu_seqlens_comp[-1] contribute nothing (the reference zeroes their grad_out).
         g_n = tl.load(grad_out_ptr + row_base * HEAD_DIM + cols, mask=cols < tl.where(real, HEAD_DIM, 0), other=0.0)
         dape = tl.zeros([LANES, CS_IN, BLOCK_D], dtype=tl.float32)
@@ -310,8 +302,8 @@ def csa_bwd_long_kernel(
             )  # fmt: skip
             okn = okn & (row + 1 < row_end)
             lmask = _long_window_mask(k, hp, okn, amask, SP, COFF)
-            kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
-            sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
+            kv_n = tl.load(kv_ptr + (base + t0 * W), mask=lmask, other=0.0)
+            sc_n = tl.load(score_ptr + (base + t0 * W), mask=lmask, other=0.0)
             g_n = tl.load(
                 grad_out_ptr + (row + 1) * HEAD_DIM + cols, mask=cols < tl.where(real_n & okn, HEAD_DIM, 0), other=0.0
             )
@@ -328,8 +320,8 @@ def csa_bwd_long_kernel(
             gd = g * tl.sum(tl.sum(p * v, axis=1), axis=0)[None, None, :]
             dv = g * p
             dlogit = p * (g * v - gd)
-            tl.store(grad_kv_ptr + offs_c, _round(dv, gdt, MANUAL_RTNE), mask=smask, eviction_policy=GRAD_EVICT)
-            tl.store(grad_score_ptr + offs_c, _round(dlogit, gdt, MANUAL_RTNE), mask=smask, eviction_policy=GRAD_EVICT)
+            tl.store(grad_kv_ptr + offs_c, _round(dv, gdt, MANUAL_RTNE), mask=smask)
+            tl.store(grad_score_ptr + offs_c, _round(dlogit, gdt, MANUAL_RTNE), mask=smask)
             dape += tl.where(smask, dlogit, 0.0)
             real = real_n
         # Slot k added ape entry aoffs: the partial has grad_ape's [ratio, coff*d] layout.
@@ -444,8 +436,8 @@ def csa_bwd_stats_kernel(
         # A row that fails the bounds guard is a padding row here too: it stores and adds nothing.
         lmask = _stats_row_mask(w, hp, (row_base < row_end) & real, col_ok, PREV, WIN, EVEN_D)
         offs = base + t0 * W
-        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
-        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
+        kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+        sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
         dape = tl.zeros([SLOTS, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
             kv_c = kv_n
@@ -458,8 +450,8 @@ def csa_bwd_stats_kernel(
             )  # fmt: skip
             lmask = _stats_row_mask(w, hp, (row + 1 < row_end) & real, col_ok, PREV, WIN, EVEN_D)
             offs = base + t0 * W
-            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
-            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=BWD_WINDOW_EVICT)
+            kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
+            sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
             # This row's statistics and grad_out: one value per column, shared by the slots.
             st = st_cols + (row - row_base) * (3 * HEAD_DIM)
             m = tl.load(st, mask=col_ok, other=0.0)[None, :]
@@ -471,8 +463,8 @@ def csa_bwd_stats_kernel(
             dv = g * p
             # sum_k p_k * g * v_k = g * o.
             dlogit = p * (g * kv_c.to(tl.float32) - g * o)
-            tl.store(grad_kv_ptr + offs_c, _round(dv, gdt, MANUAL_RTNE), mask=mask_c, eviction_policy=GRAD_EVICT)
-            tl.store(grad_score_ptr + offs_c, _round(dlogit, gdt, MANUAL_RTNE), mask=mask_c, eviction_policy=GRAD_EVICT)
+            tl.store(grad_kv_ptr + offs_c, _round(dv, gdt, MANUAL_RTNE), mask=mask_c)
+            tl.store(grad_score_ptr + offs_c, _round(dlogit, gdt, MANUAL_RTNE), mask=mask_c)
             dape += tl.where(mask_c, dlogit, 0.0)
         # The dAPE partial has grad_ape's [RATIO, COFF * HEAD_DIM] layout: slot w added ape entry aoffs.
         tl.store(ws_ptr + rp * (RATIO * W) + aoffs, dape, mask=amask)

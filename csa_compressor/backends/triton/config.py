@@ -220,7 +220,7 @@ def rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k:
         target, lo, hi = 4096, 1, 4
     elif k <= 16:
         # Small-window backward programs are latency bound (every program first pays its segment search, then one
-        # load round trip per tile): one wave of programs, each with the fewest tiles that cover the problem, and
+        # load trip per tile): one wave of programs, each with the fewest tiles that cover the problem, and
         # 2 tiles at least, so that the next tile's load is in flight behind the current one.
         tiles = max(2, min(32, cdiv(one_tile_programs, sm_count * SMALL_BWD_RESIDENT)))
         return tiles * cfg.block_r

@@ -21,13 +21,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .. import STREAM_LOADS
-
 # Eviction policy of the forward kernels' window loads (kv, score): read exactly once, so "evict_first"
 # (``ld.global.L1::evict_first.L2::cache_hint`` with an evict-first L2 policy) makes the stream replace its own L2
 # lines instead of evicting other, possibly dirty, data. (Triton 3.6 rejects the ``.cs`` operator cute uses on
-# loads.) The backward kernels measured slower with it and load normally. Off: backends.STREAM_LOADS.
-WINDOW_EVICT = tl.constexpr("evict_first" if STREAM_LOADS else "")
+# loads.) The backward kernels measured slower with it and load and store with Triton's default policy.
+WINDOW_EVICT = tl.constexpr("evict_first")
 
 # The offset arrays are only read by scalar and gather loads, and the API checks them for 4-byte alignment only: no
 # specialisation on their alignment, so that one compiled kernel serves every call (binding.py relies on it).

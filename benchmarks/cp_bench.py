@@ -1,0 +1,357 @@
+"""Cost of the context-parallel pooling (``csa_compressor.distributed``) on GPUs.
+
+One GPU (issue 27)::
+
+    python3 benchmarks/cp_bench.py --out $OUT/cp_one_gpu
+
+runs a world of one rank without a process group: ``whole`` (the layout holds the pack in one piece: the
+CP call is the plain op behind the layout's checks) and ``pieces2`` / ``pieces8`` (the pack cut into 2 or 8
+pieces at offsets that split groups, held in reverse order: the boundary pack, the self halo and the row
+placement all run, with no collective). Per case, split and direction it reports the plain op's and the
+CP call's wall (CUDA events around one call on an idle device, median) and warm kernel time (profiler),
+and their differences: the host and the device cost that the halo assembly adds per call.
+
+Two GPUs (issue 28, on nvidia-h200-x2)::
+
+    python3 benchmarks/cp_bench.py --world 2 --out $OUT/cp_two_gpus
+
+spawns one process per GPU (NCCL) and measures, for a sequence of 2x8192 and one of 2x65536 tokens split
+over the two GPUs (contiguous, load-balanced, and cut so that a group straddles the ranks): the CP op
+forward and forward+backward (with and without ``gather_rows``), the single-GPU op on one rank's share (a
+sequence of half the tokens), the NCCL kernels' own time in the halo exchange and in ``gather_rows``
+(profiler), and the bytes the exchange moved against the formula of docs/distributed.md.
+
+Both write ``<out>/cp_bench.json`` (records) and ``<out>/cp_bench.md`` (tables) and print the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ONE_GPU_CASES = (  # name, seqlens, head_dim, ratio, coff
+    ("1x8192-d512-r4-c2", (8192,), 512, 4, 2),
+    ("3x8192-d512-r4-c2", (8192, 8192, 8192), 512, 4, 2),
+    ("1x8192-d128-r128-c1", (8192,), 128, 128, 1),
+    ("1x65536-d512-r128-c2", (65536,), 512, 128, 2),
+)
+TWO_GPU_CASES = (  # one sequence of world x share tokens
+    ("2x8192-d512-r4-c2", (16384,), 512, 4, 2),
+    ("2x8192-d512-r128-c1", (16384,), 512, 128, 1),
+    ("2x65536-d512-r4-c2", (131072,), 512, 4, 2),
+    ("2x65536-d512-r128-c1", (131072,), 512, 128, 1),
+)
+# contiguous: the sequence cut in the middle (a group boundary); load_balanced: Transformer Engine's
+# 2*world chunks; straddling: cut one token after the middle, so that a group straddles the ranks.
+TWO_GPU_LAYOUTS = ("contiguous", "load_balanced", "straddling")
+
+
+def halo_tokens_formula(cu: list[int], pieces, ratio: int, coff: int) -> int:
+    """The halo one rank receives, by the formula of docs/distributed.md: a piece starting ``o`` tokens into
+    a segment, whose first row (group ``o // ratio``) it owns, needs ``o % ratio`` tokens of that group and,
+    with coff 2 and ``o >= ratio``, the previous group's ``ratio``."""
+    import bisect
+
+    total = 0
+    for start, length in pieces:
+        b = bisect.bisect_right(cu, start) - 1
+        offset = start - cu[b]
+        if offset == 0:
+            continue
+        group = offset // ratio
+        owned = group < (cu[b + 1] - cu[b]) // ratio and cu[b] + (group + 1) * ratio <= start + length
+        if owned:
+            total += offset % ratio + (ratio if coff == 2 and offset >= ratio else 0)
+    return total
+
+
+def _split_pieces(total: int, count: int) -> list[tuple[int, int]]:
+    """``count`` pieces cut one token after the even split points (so that groups straddle), reversed."""
+    cuts = [0] + [min(total, i * total // count + 1) for i in range(1, count)] + [total]
+    return [(a, b - a) for a, b in itertools.pairwise(cuts)][::-1]
+
+
+def _timer(device):
+    from csa_compressor.bench import _Timer
+
+    return _Timer(device, (5, 20, 20))
+
+
+def _callables(pack, layout, backend: str, group=None, gather: bool = True):
+    """(plain fwd, plain fwd+bwd, cp fwd, cp fwd+bwd) on leaves that require grad."""
+    from csa_compressor import compressor_pool
+    from csa_compressor.distributed import compressor_pool_cp, gather_rows
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape)]
+    local = [layout.select_local(t).requires_grad_(True) for t in (pack.kv, pack.score)] + [leaves[2]]
+    args = (pack.cu_seqlens, pack.cu_seqlens_comp, pack.ratio, pack.coff, pack.total_comp, backend)
+
+    def plain():
+        return compressor_pool(*leaves, *args)
+
+    def cp():
+        out, rows = compressor_pool_cp(*local, layout, ratio=pack.ratio, coff=pack.coff, group=group, backend=backend)
+        return gather_rows(out, rows, layout, group=group) if gather else out
+
+    def plain_bwd():
+        return torch.autograd.grad(plain(), leaves, pack.grad_out)
+
+    grad = pack.grad_out
+
+    def cp_bwd():
+        out = cp()
+        return torch.autograd.grad(out, local, grad if gather else torch.ones_like(out))
+
+    return plain, plain_bwd, cp, cp_bwd
+
+
+def _kernel_count(timer, fn) -> int:
+    activities, _ = timer.device_activity(fn, 1, cold=False)
+    return sum(1 for a in activities if not a.is_user_annotation)
+
+
+def one_gpu(backends) -> list[dict]:
+    """Every wall first, then every profiler session (after one, CUPTI's callbacks add host time to every
+    later CUDA call: csa_compressor/bench.py)."""
+    from csa_compressor.distributed import CPLayout
+    from csa_compressor.testing import make_pack
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer = _timer(device)
+    runs = []
+    for name, seqlens, head_dim, ratio, coff in ONE_GPU_CASES:
+        pack = make_pack(seqlens, head_dim, ratio, coff, device=device, seed=1)
+        for split, count in (("whole", 1), ("pieces2", 2), ("pieces8", 8)):
+            layout = CPLayout.from_pieces(pack.cu_seqlens, _split_pieces(sum(seqlens), count))
+            for backend in backends:
+                fns = _callables(pack, layout, backend)
+                same = bool(torch.equal(fns[0]().detach(), fns[2]().detach()))
+                for direction, plain, cp in (("fwd", fns[0], fns[2]), ("fwd+bwd", fns[1], fns[3])):
+                    meta = {"case": name, "split": split, "backend": backend, "direction": direction}
+                    runs.append((meta | {"output_bitwise_equal": same}, plain, cp))
+    for meta, plain, cp in runs:
+        timer.warm_up(plain)
+        timer.warm_up(cp)
+        meta["plain_wall_us"], meta["cp_wall_us"] = timer.wall_us(plain, 20), timer.wall_us(cp, 20)
+        meta["host_overhead_us"] = meta["cp_wall_us"] - meta["plain_wall_us"]
+    for meta, plain, cp in runs:
+        meta["plain_kernel_us"] = timer.kernel_us(plain, 20, cold=False)
+        meta["cp_kernel_us"] = timer.kernel_us(cp, 20, cold=False)
+        meta["device_overhead_us"] = meta["cp_kernel_us"] - meta["plain_kernel_us"]
+        meta["plain_kernels"], meta["cp_kernels"] = _kernel_count(timer, plain), _kernel_count(timer, cp)
+        print(_row(meta), flush=True)
+    return [meta for meta, _, _ in runs]
+
+
+def _row(r: dict) -> str:
+    keys = ("plain_wall_us", "cp_wall_us", "host_overhead_us", "plain_kernel_us", "cp_kernel_us", "device_overhead_us")
+    values = " | ".join(f"{r[k]:.1f}" for k in keys)
+    return (
+        f"| {r['case']} | {r['split']} | {r['backend']} | {r['direction']} | {values} | "
+        f"{r['plain_kernels']} / {r['cp_kernels']} | {r['output_bitwise_equal']} |"
+    )
+
+
+ONE_GPU_HEADER = (
+    "| case | split | backend | direction | plain wall | CP wall | host + | plain kernel | CP kernel | device + "
+    "| kernels plain / CP | out bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+# ---------------------------------------------------------------- two GPUs
+
+
+def _nccl_us(timer, fn) -> float:
+    """Device time of the NCCL kernels of one call (the collectives' own time), mean over 10 calls."""
+    activities, _ = timer.device_activity(fn, 10, cold=False)
+    return sum(a.duration_us for a in activities if "nccl" in a.name.lower() and not a.is_user_annotation) / 10
+
+
+def _synced_wall(fn, calls: int, group) -> float:
+    """Median CUDA-event time of one call that both ranks start together (a barrier, then an idle device)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3)
+    return statistics.median(times)
+
+
+_PACKS: dict = {}
+
+
+def _two_gpu_case(case, layout_kind: str, backend: str, rank: int, world: int, device):
+    """The record's constant part and the callables of one case (the measurements come later)."""
+    from csa_compressor.distributed import CPLayout
+    from csa_compressor.testing import make_pack
+
+    name, seqlens, head_dim, ratio, coff = case
+    if name not in _PACKS:  # the same packs for every layout and backend of a case (building one takes seconds)
+        _PACKS.clear()
+        share = tuple(s // world for s in seqlens)
+        _PACKS[name] = (make_pack(seqlens, head_dim, ratio, coff, device=device, seed=2),
+                        make_pack(share, head_dim, ratio, coff, device=device, seed=3))  # fmt: skip
+    pack, share = _PACKS[name]
+    if layout_kind == "straddling":
+        cuts = [0] + [q * sum(seqlens) // world + 1 for q in range(1, world)] + [sum(seqlens)]
+        layout = CPLayout.from_pieces(pack.cu_seqlens, [(cuts[rank], cuts[rank + 1] - cuts[rank])])
+    else:
+        build = CPLayout.contiguous if layout_kind == "contiguous" else CPLayout.load_balanced
+        layout = build(pack.cu_seqlens, rank, world)
+    fns = _callables(pack, layout, backend)
+    op_only = _callables(pack, layout, backend, gather=False)
+    share_fns = _callables(share, CPLayout.contiguous(share.cu_seqlens, 0, 1), backend)
+    record = {"case": name, "layout": layout_kind, "backend": backend, "rank": rank}
+    record["out_bitwise_equal"] = _check_two_gpu(pack, layout, backend)
+    dp = next(iter(layout._plans.values()))
+    width_bytes = 2 * coff * head_dim * 2  # kv and score rows, bf16
+    received = sum(dp.recv_splits) - dp.recv_splits[rank]
+    record["halo_tokens_received"] = received
+    record["halo_bytes_fwd"] = received * width_bytes
+    record["halo_bytes_bwd"] = (sum(dp.send_splits) - dp.send_splits[rank]) * width_bytes
+    formula = halo_tokens_formula(layout.cu_seqlens.tolist(), layout.pieces, ratio, coff)
+    record["halo_bytes_formula"] = formula * width_bytes
+    record["gather_bytes_fwd"] = (world - 1) * dp.max_rows * head_dim * 2
+    synced = {"cp_fwd": fns[2], "cp_fwd_bwd": fns[3], "op_fwd": op_only[2], "op_fwd_bwd": op_only[3]}
+    alone = {"share_fwd": share_fns[0], "share_fwd_bwd": share_fns[1]}
+    return record, synced, alone
+
+
+def _measure_two_gpu(runs, timer) -> None:
+    """Walls of every case first (both ranks start each call together), then the profiler sessions."""
+    for record, synced, alone in runs:
+        for fn in (*synced.values(), *alone.values()):
+            timer.warm_up(fn)
+        for label, fn in synced.items():
+            record[f"{label}_wall_us"] = _synced_wall(fn, 20, None)
+        for label, fn in alone.items():
+            record[f"{label}_wall_us"] = timer.wall_us(fn, 20)
+    for record, synced, alone in runs:
+        for label in ("op_fwd", "op_fwd_bwd"):
+            record[f"{label}_kernel_us"] = timer.kernel_us(synced[label], 10, cold=False)
+        for label, fn in alone.items():
+            record[f"{label}_kernel_us"] = timer.kernel_us(fn, 10, cold=False)
+        record["halo_nccl_fwd_us"] = _nccl_us(timer, synced["op_fwd"])
+        record["halo_nccl_fwd_bwd_us"] = _nccl_us(timer, synced["op_fwd_bwd"])
+        record["gather_nccl_fwd_bwd_us"] = _nccl_us(timer, synced["cp_fwd_bwd"]) - record["halo_nccl_fwd_bwd_us"]
+
+
+def _check_two_gpu(pack, layout, backend) -> bool:
+    from csa_compressor import compressor_pool
+    from csa_compressor.distributed import compressor_pool_cp, gather_rows
+
+    ref = compressor_pool(*pack.inputs, pack.ratio, pack.coff, pack.total_comp, backend)
+    out, rows = compressor_pool_cp(
+        layout.select_local(pack.kv), layout.select_local(pack.score), pack.ape, layout,
+        ratio=pack.ratio, coff=pack.coff, backend=backend,
+    )  # fmt: skip
+    return bool(torch.equal(gather_rows(out, rows, layout), ref))
+
+
+def _rank_main(rank: int, world: int, backends, store: str, result: str) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world, device_id=device)
+    timer = _timer(device)
+    runs, records = [], []
+    for case in TWO_GPU_CASES:
+        for layout_kind in TWO_GPU_LAYOUTS:
+            for backend in backends:
+                try:
+                    runs.append(_two_gpu_case(case, layout_kind, backend, rank, world, device))
+                except Exception as exc:  # one failed case keeps the others (it fails on every rank alike)
+                    records.append({"case": case[0], "layout": layout_kind, "backend": backend, "rank": rank,
+                                    "error": f"{type(exc).__name__}: {exc}"[:400]})  # fmt: skip
+    _measure_two_gpu(runs, timer)
+    records += [record for record, _, _ in runs]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, records)
+    if rank == 0:
+        with open(result, "w") as f:
+            json.dump([r for per_rank in gathered for r in per_rank], f)
+    dist.destroy_process_group()
+
+
+def two_gpus(world: int, backends) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "records.json")
+        mp.spawn(_rank_main, args=(world, backends, os.path.join(tmp, "store"), result), nprocs=world)
+        with open(result) as f:
+            return json.load(f)
+
+
+TWO_GPU_KEYS = (
+    "cp_fwd_wall_us", "cp_fwd_bwd_wall_us", "op_fwd_wall_us", "op_fwd_bwd_wall_us", "share_fwd_wall_us",
+    "share_fwd_bwd_wall_us", "op_fwd_kernel_us", "op_fwd_bwd_kernel_us", "share_fwd_kernel_us",
+    "share_fwd_bwd_kernel_us", "halo_nccl_fwd_us", "halo_nccl_fwd_bwd_us", "gather_nccl_fwd_bwd_us",
+)  # fmt: skip
+
+
+def two_gpu_markdown(records: list[dict]) -> str:
+    lines = [
+        "| case | layout | backend | rank | " + " | ".join(k.removesuffix("_us") for k in TWO_GPU_KEYS)
+        + " | halo bytes fwd / bwd / formula | gather bytes fwd | out bitwise |",
+        "|" + "---|" * (len(TWO_GPU_KEYS) + 7),
+    ]  # fmt: skip
+    for r in records:
+        head = f"| {r['case']} | {r['layout']} | {r['backend']} | {r['rank']} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error']} |")
+            continue
+        values = " | ".join(f"{r[k]:.1f}" for k in TWO_GPU_KEYS)
+        halo = f"{r['halo_bytes_fwd']} / {r['halo_bytes_bwd']} / {r['halo_bytes_formula']}"
+        lines.append(f"{head} {values} | {halo} | {r['gather_bytes_fwd']} | {r['out_bitwise_equal']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=1, help="1: one GPU, no process group; 2+: one process per GPU")
+    parser.add_argument("--backends", nargs="+", default=["cute", "triton"])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cp"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cp_bench needs a CUDA GPU; nothing measured")
+        return 0
+    from csa_compressor import available_backends
+
+    backends = [b for b in args.backends if b in available_backends("cuda")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.world == 1:
+        print(ONE_GPU_HEADER)
+        records = one_gpu(backends)
+        table = ONE_GPU_HEADER + "\n" + "\n".join(_row(r) for r in records)
+    else:
+        if torch.cuda.device_count() < args.world:
+            print(f"--world {args.world} needs {args.world} GPUs, this machine has {torch.cuda.device_count()}")
+            return 1
+        records = two_gpus(args.world, backends)
+        table = two_gpu_markdown(records)
+        print(table)
+    (args.out / "cp_bench.json").write_text(json.dumps(records, indent=1))
+    (args.out / "cp_bench.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""The short-window backward (windows of at most 8 slots): persistent CTAs over contiguous row ranges.
+
+A CTA is ``row_lanes`` x ``slot_groups`` x ``column_threads`` threads with ``vector_width`` columns each (the
+forward's mapping), persistent over ``rows_per_cta`` rows of one column chunk, so that it produces one fp32 slab of
+grad_ape partials (summed by ``ApeReduce``):
+
+- a thread keeps its group's window (kv and score, bf16) in registers between the softmax and the gradient pass,
+  with the next row's loads in flight (two buffer sets), so every input is read once from DRAM; its ape entries
+  are loaded once and held across its rows;
+- one group (ratio 4 coff 2, ratio 2, ratio 8 coff 1): the fp32 reference's exact operation order,
+  p = expf(x - max) / sum, dv = g*p, S = sum(g*v*p) in torch's reduction order, dlogit = p*(g*v - S), every
+  multiply and add pinned to ``.rn``: bitwise the reference;
+- several groups (windows whose slots are no power of two): per group (max, sum e), then the group's share of S,
+  through shared memory; one thread per (row, column) combines the groups in a fixed order; exp via ex2.approx;
+- grad_ape: per-thread fp32 accumulators over the thread's rows, summed over the row lanes in a fixed order.
+
+Exact zeros (``ZeroStores``): a segment's last row owns its tail; CTA ``p`` owns the segments ``b = p mod grid``
+without rows and a grid-stride share of the token-capacity padding.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Boolean, Float32, Int32
+
+from .configs import BackwardShortConfig, launch_bound
+from .ptx import add_rn, ex2, mul_rn, sub_rn
+from .reduce import ApeReduce
+from .softmax import LOG2E, exact_probabilities, torch_order_sum
+from .window import (
+    NEG_INF,
+    Segments,
+    WindowSlots,
+    bf16_registers,
+    find_segment,
+    register_slots,
+    registers,
+    store_vector,
+    vec_view,
+    widen,
+)
+from .zeros import ZeroStores
+
+
+class _Registers:
+    """A thread's register tensors (plain Python holder; the tensors are mutated in place)."""
+
+    def __init__(self, cfg: BackwardShortConfig):
+        width, sg = cfg.vector_width, cfg.slots_per_group
+        self.zero = registers(width, BFloat16)
+        self.zero.fill(0.0)
+        self.dap = register_slots(sg, width)
+        for k in range(sg):
+            self.dap[k].fill(0.0)
+        # Two buffer sets: the next row's loads are in flight while the current row is computed.
+        self.kvb = [bf16_registers(sg, width) for _ in range(2)]
+        self.scb = [bf16_registers(sg, width) for _ in range(2)]
+        self.gbb = [registers(width, BFloat16) for _ in range(2)]
+        self.apf = register_slots(sg, width)
+
+    def allocate_row(self, cfg: BackwardShortConfig) -> None:
+        """One group keeps p per (slot, column); several groups keep the fp32 logits (score + ape) instead."""
+        width, sg = cfg.vector_width, cfg.slots_per_group
+        one_group = cfg.slot_groups == 1
+        self.pf = register_slots(sg if one_group else 0, width)
+        self.pq = registers(width * sg if one_group else 1)
+        self.xf = register_slots(0 if one_group else sg, width)
+        self.vm, self.vs, self.vl, self.dvo, self.dlo = (registers(width) for _ in range(5))
+
+
+class BackwardShortWindow:
+    """Short windows: the persistent double-buffered backward with a grad_ape slab per CTA."""
+
+    kind = "backward"
+
+    def __init__(self, config: BackwardShortConfig):
+        self.config = config
+        c = config
+        self.slots = WindowSlots(c.ratio, c.coff, c.head_dim, c.vector_width, c.slots_per_group,
+                                 c.slots_per_group, False)  # fmt: skip
+        self.zeros = ZeroStores(c.ratio, c.coff, c.head_dim, c.vector_width)
+        self.reduce = ApeReduce(c.reduce)
+
+    @cute.jit
+    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
+                 segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
+        """Host function: the main kernel over ``[num_ctas, column_chunks]`` CTAs, then the grad_ape reduction;
+        ``stats`` is not read."""
+        cfg = self.config
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
+        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
+            grid=[num_ctas, cfg.tiles, 1],
+            block=[cfg.threads, 1, 1],
+            smem=cfg.smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=launch_bound(cfg.threads),
+            preferred_smem_carveout=cfg.carveout,
+        )
+        self.reduce.launch(slabs, grad_ape, num_ctas, stream)
+
+    @cute.kernel
+    def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
+               cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
+               B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):  # fmt: skip
+        cfg = self.config
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        gdx, _, _ = cute.arch.grid_dim()
+        tc = tidx % cfg.column_threads
+        g = (tidx // cfg.column_threads) % cfg.slot_groups
+        rl = tidx // (cfg.column_threads * cfg.slot_groups)
+        lane = rl * cfg.slot_groups + g
+        c = (by * cfg.column_threads + tc) * cfg.vector_width
+        col_ok = Boolean(True)
+        if cutlass.const_expr(not cfg.columns_exact):
+            col_ok = c < cfg.head_dim
+        seg = Segments(cu, cuc, B)
+        nreal = seg.cuc[B]
+        smem = self.allocate_shared()
+        regs = _Registers(cfg)
+        self.slots.load_ape(ape, regs.apf, 0, g, c, col_ok)  # the same for every row of the thread
+        regs.allocate_row(cfg)
+        th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok)
+        io = SimpleNamespace(kv=kv, score=score, gout=gout, gkv=gkv, gsc=gsc)
+        self.rows(io, seg, N, nreal, rows_per_cta, regs, smem, th)
+        # Exact zeros: segments with no group (seqlen < ratio) and token-capacity padding.
+        if col_ok:
+            lanes = cfg.row_lanes * cfg.slot_groups  # threads sharing one column vector
+            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, bx, gdx, lane, lanes, c)
+        self.write_slab(ws, regs.dap, smem[0], tidx, g, rl, c, col_ok, bx)
+
+    def allocate_shared(self):
+        """(row-lane reduction, group partials a and b, combined row results); one buffer serves all four where
+        there is one group."""
+        cfg = self.config
+        smem = cutlass.memory.SmemAllocator()
+        sm_red = smem.allocate_tensor(Float32, cute.make_layout(cfg.threads * cfg.vector_width), byte_alignment=16)
+        if cutlass.const_expr(cfg.slot_groups == 1):
+            return sm_red, sm_red, sm_red, sm_red
+        smem_row = cfg.slot_groups * cfg.columns_per_cta
+        sm_a = smem.allocate_tensor(Float32, cute.make_layout(cfg.row_lanes * smem_row), byte_alignment=16)
+        sm_b = smem.allocate_tensor(Float32, cute.make_layout(cfg.row_lanes * smem_row), byte_alignment=16)
+        sm_res = smem.allocate_tensor(Float32, cute.make_layout(3 * cfg.row_lanes * cfg.columns_per_cta),
+                                      byte_alignment=16)  # fmt: skip
+        return sm_red, sm_a, sm_b, sm_res
+
+    @cute.jit
+    def rows(self, io, seg, N, nreal, rows_per_cta, regs, smem, th):
+        """The CTA's row range, row lanes side by side, the next row's loads issued before the current row's math."""
+        cfg = self.config
+        R = cfg.row_lanes
+        g, rl, c, col_ok = th.g, th.rl, th.c, th.col_ok
+        row_begin = th.bx * rows_per_cta
+        row_end = row_begin + rows_per_cta
+        # Rows past the true row count (padding) carry no gradient.
+        row_lim = cutlass.min(cutlass.min(row_end, N), nreal)
+        n_iter = rows_per_cta // R
+        r0 = row_begin + rl
+        active, t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), g, c)
+        for jp in cutlass.range((n_iter + 1) // 2):
+            for ph in cutlass.range_constexpr(2):
+                rn = row_begin + (2 * jp + ph + 1) * R + rl
+                n_active, n_t0, n_first, n_last, n_seg_end = self.load_row(
+                    io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim), g, c
+                )
+                row = (active, t0, first, last, seg_end)
+                self.compute_row(io.gkv, io.gsc, regs, ph, smem, row, th)
+                active = n_active
+                t0 = n_t0
+                first = n_first
+                last = n_last
+                seg_end = n_seg_end
+
+    @cute.jit
+    def load_row(self, io, seg, regs, buf: cutlass.Constexpr, r, ok, g, c):
+        """Row layout of row r and every DRAM load of the thread's window slots into buffer set ``buf`` (issued,
+        not waited for)."""
+        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
+        kvf, scf, gb = regs.kvb[buf], regs.scb[buf], regs.gbb[buf]
+        active = ok
+        t0 = Int32(0)
+        first = Boolean(True)
+        last = Boolean(False)
+        seg_end = Int32(0)
+        if active:
+            b = find_segment(cuc_t, B, r)
+            j = r - cuc_t[b]
+            t0 = cu_t[b] + j * self.config.ratio
+            first = j == 0
+            last = r == cuc_t[b + 1] - 1
+            seg_end = cu_t[b + 1]
+        self.load_window(io.kv, io.score, kvf, scf, active, t0, first, g, c)
+        gb.fill(0.0)
+        if active:
+            gb.store(vec_view(io.gout, r * self.config.head_dim + c, self.config.vector_width).load())
+        return active, t0, first, last, seg_end
+
+    @cute.jit
+    def load_window(self, kv, score, kvf, scf, active, t0, first, g, c):
+        """The thread's window slots of one row; masked slots: kv 0, score -inf."""
+        cfg = self.config
+        for k in cutlass.range_constexpr(cfg.slots_per_group):
+            s = g * cfg.slots_per_group + k
+            half = s // cfg.ratio
+            vk = active
+            if cutlass.const_expr(cfg.coff == 2):
+                vk = active & ((half == 1) | (not first))
+            kvf[k].fill(0.0)
+            scf[k].fill(NEG_INF)
+            if vk:
+                off = (t0 - (cfg.coff - 1) * cfg.ratio + s) * (cfg.coff * cfg.head_dim) + half * cfg.head_dim + c
+                kvf[k].store(vec_view(kv, off, cfg.vector_width).load())
+                scf[k].store(vec_view(score, off, cfg.vector_width).load())
+
+    @cute.jit
+    def compute_row(self, gkv, gsc, regs, ph: cutlass.Constexpr, smem, row, th):
+        """Gradients of one row from the thread's registers; stores; exact zeros of a segment's last group."""
+        cfg = self.config
+        active, t0, first, last, seg_end = row
+        g, c = th.g, th.c
+        valid = []
+        for k in cutlass.range_constexpr(cfg.slots_per_group):
+            s = g * cfg.slots_per_group + k
+            vk = active
+            if cutlass.const_expr(cfg.coff == 2):
+                vk = active & ((s // cfg.ratio == 1) | (not first))
+            valid.append(vk)
+        gf = widen(regs.gbb[ph], cfg.vector_width)  # grad_out in fp32
+        kvw = [widen(regs.kvb[ph][k], cfg.vector_width) for k in range(cfg.slots_per_group)]
+        if cutlass.const_expr(cfg.slot_groups == 1):
+            self.exact_gradients(gkv, gsc, regs, regs.scb[ph], gf, kvw, valid, t0, first, g, c)
+        else:
+            self.grouped_gradients(gkv, gsc, regs, regs.scb[ph], gf, kvw, valid, t0, smem, th)
+        # Exact zeros owned by a segment's last group.
+        if active & last:
+            self.zeros.segment_tail(gkv, gsc, regs.zero, t0, seg_end, g * cfg.slots_per_group,
+                                    cfg.slots_per_group, c)  # fmt: skip
+
+    @cute.jit
+    def store_slot(self, gkv, gsc, dvo, dlo, t0, s, valid, c):
+        """A slot's gradients land where its inputs were read (stores are disjoint across rows)."""
+        cfg = self.config
+        if valid:
+            off = self.slots.offset(t0, s) + c
+            store_vector(gkv, off, cfg.vector_width, dvo.load().to(BFloat16))
+            store_vector(gsc, off, cfg.vector_width, dlo.load().to(BFloat16))
+
+    @cute.jit
+    def exact_gradients(self, gkv, gsc, regs, scf, gf, kvw, valid, t0, first, g, c):
+        """One group: the reference's operation order. Pass A (per column): p and S; pass B (per slot):
+        dv = g*p, dlogit = p*(g*v - S), stored right away."""
+        cfg = self.config
+        width, sg = cfg.vector_width, cfg.slots_per_group
+        dap, dlo = regs.dap, regs.dlo  # plain names: a dynamic `if` may write through them
+        exact_probabilities(scf, regs.apf, regs.pq, first, width, sg, cfg.ratio, cfg.coff)
+        for i in cutlass.range_constexpr(width):
+            gi = gf[i]
+            p = [regs.pq[i * sg + k] for k in range(sg)]
+            gvp = [mul_rn(mul_rn(gi, kvw[k][i]), p[k]) for k in range(sg)]
+            ssum = torch_order_sum(gvp)
+            for k in cutlass.range_constexpr(sg):
+                regs.pf[k][i] = p[k]
+            regs.vs[i] = ssum
+        for k in cutlass.range_constexpr(sg):
+            for i in cutlass.range_constexpr(width):
+                gi = gf[i]
+                regs.dvo[i] = mul_rn(gi, regs.pf[k][i])
+                regs.dlo[i] = mul_rn(regs.pf[k][i], sub_rn(mul_rn(gi, kvw[k][i]), regs.vs[i]))
+            if valid[k]:
+                for i in cutlass.range_constexpr(width):
+                    dap[k][i] = add_rn(dap[k][i], dlo[i])
+            self.store_slot(gkv, gsc, regs.dvo, regs.dlo, t0, g * sg + k, valid[k], c)
+
+    @cute.jit
+    def grouped_gradients(self, gkv, gsc, regs, scf, gf, kvw, valid, t0, smem, th):
+        """Several groups: pass 1 per-group (max, sum e), combined; pass 2 the group's share of S, combined;
+        pass 3 the gradients per slot, stored right away."""
+        cfg = self.config
+        width, sg = cfg.vector_width, cfg.slots_per_group
+        tidx, g, tc, rl, c = th.tidx, th.g, th.tc, th.rl, th.c
+        _, sm_a, sm_b, sm_res = smem
+        dap, dlo = regs.dap, regs.dlo  # plain names: a dynamic `if` may write through them
+        for k in cutlass.range_constexpr(sg):
+            scw = widen(scf[k], width)
+            for i in cutlass.range_constexpr(width):
+                regs.xf[k][i] = scw[i] + regs.apf[k][i]
+        base = rl * (cfg.slot_groups * cfg.columns_per_cta) + g * cfg.columns_per_cta + tc * width
+        self.group_max_sum(regs)
+        vec_view(sm_a.iterator, base, width).store(regs.vm.load())
+        vec_view(sm_b.iterator, base, width).store(regs.vs.load())
+        cute.arch.sync_threads()
+        self.combine_max_sum(sm_a, sm_b, sm_res, tidx)
+        cute.arch.sync_threads()
+        self.group_share(regs, gf, kvw, sm_res, rl, tc)
+        vec_view(sm_a.iterator, base, width).store(regs.dvo.load())
+        cute.arch.sync_threads()
+        self.combine_share(sm_a, sm_res, tidx)
+        cute.arch.sync_threads()
+        resb = rl * cfg.columns_per_cta + tc * width
+        for i in cutlass.range_constexpr(width):
+            regs.vl[i] = sm_res[2 * cfg.row_lanes * cfg.columns_per_cta + resb + i]
+        for k in cutlass.range_constexpr(sg):
+            for i in cutlass.range_constexpr(width):
+                gi = gf[i]
+                pk = ex2(regs.xf[k][i] * LOG2E - regs.vm[i]) * regs.vs[i]
+                regs.dvo[i] = gi * pk
+                regs.dlo[i] = pk * (gi * kvw[k][i] - regs.vl[i])
+            if valid[k]:
+                for i in cutlass.range_constexpr(width):
+                    dap[k][i] = dap[k][i] + dlo[i]
+            self.store_slot(gkv, gsc, regs.dvo, regs.dlo, t0, g * sg + k, valid[k], c)
+
+    @cute.jit
+    def group_max_sum(self, regs):
+        """Pass 1: the group's (max, sum e) per column."""
+        cfg = self.config
+        for i in cutlass.range_constexpr(cfg.vector_width):
+            m = regs.xf[0][i]
+            for k in cutlass.range_constexpr(1, cfg.slots_per_group):
+                m = cute.arch.fmax(m, regs.xf[k][i], nan=True)
+            msafe = m
+            if m == Float32(NEG_INF):
+                msafe = Float32(0.0)
+            ml = msafe * LOG2E
+            total = Float32(0.0)
+            for k in cutlass.range_constexpr(cfg.slots_per_group):
+                total = total + ex2(regs.xf[k][i] * LOG2E - ml)
+            regs.vm[i] = m
+            regs.vs[i] = total
+
+    @cute.jit
+    def combine_max_sum(self, sm_a, sm_b, sm_res, tidx):
+        """Column-parallel combine of the groups in a fixed order: the row's log2-domain max and 1/sum."""
+        cfg = self.config
+        cw, groups, lanes = cfg.columns_per_cta, cfg.slot_groups, cfg.row_lanes
+        for qa in cutlass.range(tidx, lanes * cw, cfg.threads):
+            qab = (qa // cw) * (groups * cw) + qa % cw
+            mx = sm_a[qab]
+            for h in cutlass.range_constexpr(1, groups):
+                mx = cute.arch.fmax(mx, sm_a[qab + h * cw], nan=True)
+            mxl = mx * LOG2E
+            total = Float32(0.0)
+            for h in cutlass.range_constexpr(groups):
+                total = total + sm_b[qab + h * cw] * ex2(sm_a[qab + h * cw] * LOG2E - mxl)
+            sm_res[qa] = mxl
+            sm_res[lanes * cw + qa] = Float32(1.0) / total
+
+    @cute.jit
+    def group_share(self, regs, gf, kvw, sm_res, rl, tc):
+        """Pass 2: the row's max and 1/sum into registers, and the group's share of S = sum(g*v*p) in dvo."""
+        cfg = self.config
+        cw = cfg.columns_per_cta
+        resb = rl * cw + tc * cfg.vector_width
+        for i in cutlass.range_constexpr(cfg.vector_width):
+            mxl = sm_res[resb + i]
+            inv = sm_res[cfg.row_lanes * cw + resb + i]
+            regs.vm[i] = mxl
+            regs.vs[i] = inv
+            ssum = Float32(0.0)
+            for k in cutlass.range_constexpr(cfg.slots_per_group):
+                pk = ex2(regs.xf[k][i] * LOG2E - mxl) * inv
+                ssum = ssum + gf[i] * kvw[k][i] * pk
+            regs.dvo[i] = ssum
+
+    @cute.jit
+    def combine_share(self, sm_a, sm_res, tidx):
+        """S per (row lane, column): the groups' shares in a fixed order."""
+        cfg = self.config
+        cw, groups, lanes = cfg.columns_per_cta, cfg.slot_groups, cfg.row_lanes
+        for qs in cutlass.range(tidx, lanes * cw, cfg.threads):
+            qsb = (qs // cw) * (groups * cw) + qs % cw
+            ssum = sm_a[qsb]
+            for h in cutlass.range_constexpr(1, groups):
+                ssum = ssum + sm_a[qsb + h * cw]
+            sm_res[2 * lanes * cw + qs] = ssum
+
+    @cute.jit
+    def write_slab(self, ws, dap, sm_red, tidx, g, rl, c, col_ok, bx):
+        """This CTA's grad_ape partial: the row lanes summed in a fixed order, one slab per CTA."""
+        cfg = self.config
+        width, sg, lanes = cfg.vector_width, cfg.slots_per_group, cfg.row_lanes
+        for k in cutlass.range_constexpr(sg):
+            if cutlass.const_expr(lanes > 1):
+                vec_view(sm_red.iterator, tidx * width, width).store(dap[k].load())
+                cute.arch.sync_threads()
+                if rl == 0:
+                    for i in cutlass.range_constexpr(width):
+                        acc = sm_red[tidx * width + i]
+                        for h in cutlass.range_constexpr(1, lanes):
+                            acc = add_rn(acc, sm_red[(tidx + h * cfg.column_threads * cfg.slot_groups) * width + i])
+                        dap[k][i] = acc
+                cute.arch.sync_threads()
+            if (rl == 0) & col_ok:
+                aoff = self.slots.ape_offset(g * sg + k) + c
+                vec_view(ws, bx * cfg.ape_size + aoff, width).store(dap[k].load())

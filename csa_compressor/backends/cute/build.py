@@ -1,0 +1,42 @@
+"""Compiling one kernel: its host function traced against placeholder pointers and scalars, lowered by CuTe-DSL
+with a TVM-FFI entry point (called with integer pointers, Python ints and the stream as an int).
+
+Host function signatures (``kind`` of the kernel class):
+
+- ``forward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, stream)``;
+- ``backward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, slabs,
+  stats, segments, total_comp, tokens, rows_per_cta, num_ctas, stream)``,
+
+with 16-byte aligned global pointers, ``segments = len(cu_seqlens) - 1``, ``tokens`` the rows of kv; ``stats`` is
+the softmax statistics ``(total_comp, 3, head_dim)`` fp32 where the kernel uses them (any value elsewhere),
+``slabs`` the grad_ape partials of the persistent backward grid of ``num_ctas`` CTAs x ``rows_per_cta`` rows.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+from cutlass.cute.runtime import make_ptr
+from cutlass.cute.typing import AddressSpace
+
+_POINTERS = {
+    "forward": (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, Float32),
+    "backward": (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, BFloat16, BFloat16, Float32, Float32, Float32),
+}
+_SCALARS = {"forward": 2, "backward": 5}
+
+
+def placeholder_arguments(kind: str) -> list:
+    """The host function's arguments to trace with: null pointers of the element types, Int32 scalars, a stream."""
+    ptrs = [make_ptr(t, 0, AddressSpace.gmem, assumed_align=16) for t in _POINTERS[kind]]
+    return [*ptrs, *([Int32(1)] * _SCALARS[kind]), cuda.CUstream(0)]
+
+
+def compile_kernel(kernel, arch: str, dump_dir: str | None = None):
+    """``kernel`` (a kernel class instance) compiled for ``arch``; with ``dump_dir`` its PTX and cubin are kept
+    there and on ``compiled.artifacts``."""
+    options = f"--gpu-arch={arch} --enable-tvm-ffi"
+    if dump_dir is not None:
+        options += f" --keep-ptx --keep-cubin --dump-dir={dump_dir}"
+    return cute.compile(kernel, *placeholder_arguments(kernel.kind), options=options)

@@ -1,0 +1,81 @@
+"""The grad_ape reduction: the second kernel of the backwards' host functions, on the same stream.
+
+Every CTA of a persistent backward grid writes one fp32 slab of grad_ape partials; this kernel sums the slabs in a
+fixed order and overwrites grad_ape (no atomics), so grad_ape is bitwise the same from run to run.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .configs import REDUCE_UNROLL, REDUCE_WARPS, ApeReduceConfig
+from .ptx import add_rn
+from .window import register_slots, registers, vec_view
+
+
+class ApeReduce:
+    """grad_ape = the fixed-order sum of ``num_ctas`` slabs of ``ape_size`` fp32 entries."""
+
+    def __init__(self, config: ApeReduceConfig):
+        self.config = config
+
+    @cute.jit
+    def launch(self, ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32, stream):
+        cfg = self.config
+        self.kernel(ws, gape, num_ctas).launch(
+            grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
+        """A CTA covers ``entry_vectors`` consecutive vectors of entries. Walker q = w * slab_lanes + lane's slab
+        lane (warp w) sums slabs q, q + walkers, ... in order; then the walkers' partials are summed in order
+        q = 0, 1, ...: a fixed order per entry, whatever the vector width."""
+        cfg = self.config
+        ve, nv, lanes = cfg.vector, cfg.entry_vectors, cfg.slab_lanes
+        walkers = REDUCE_WARPS * lanes
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        w = tidx // 32
+        v = lane
+        q = w
+        if cutlass.const_expr(lanes > 1):
+            v = lane % nv
+            q = w * lanes + lane // nv
+        e = bx * nv + v
+        smem = cutlass.memory.SmemAllocator()
+        part = smem.allocate_tensor(Float32, cute.make_layout(walkers * nv * ve), byte_alignment=16)
+        acc = registers(ve)
+        acc.fill(0.0)
+        bufs = register_slots(REDUCE_UNROLL, ve)
+        if e < cfg.ape_size // ve:
+            self.walk(ws, acc, bufs, q, e, num_ctas)
+        vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
+        cute.arch.sync_threads()
+        if (tidx < nv) & (e < cfg.ape_size // ve):
+            tot = registers(ve)
+            tot.store(vec_view(part.iterator, v * ve, ve).load())
+            for h in cutlass.range_constexpr(1, walkers):
+                for i in cutlass.range_constexpr(ve):
+                    tot[i] = add_rn(tot[i], part[(h * nv + v) * ve + i])
+            vec_view(gape, e * ve, ve).store(tot.load())
+
+    @cute.jit
+    def walk(self, ws, acc, bufs, q, e, num_ctas):
+        """One walker's slabs, REDUCE_UNROLL per step: their loads are all in flight before the first add, and the
+        adds keep the walker's slab order (the same sum as one slab per step)."""
+        cfg = self.config
+        ve = cfg.vector
+        stride = REDUCE_WARPS * cfg.slab_lanes
+        for p0 in cutlass.range(q, num_ctas, stride * REDUCE_UNROLL):
+            for u in cutlass.range_constexpr(REDUCE_UNROLL):
+                # Past the last slab the load is clamped to it (in bounds) and not added.
+                p = cutlass.min(p0 + u * stride, num_ctas - 1)
+                bufs[u].store(vec_view(ws, p * cfg.ape_size + e * ve, ve).load())
+            for u in cutlass.range_constexpr(REDUCE_UNROLL):
+                if p0 + u * stride < num_ctas:
+                    for i in cutlass.range_constexpr(ve):
+                        acc[i] = add_rn(acc[i], bufs[u][i])

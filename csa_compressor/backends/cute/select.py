@@ -1,0 +1,58 @@
+"""Which kernel class and configuration serve a call: the one place that maps (direction, ratio, coff, head_dim,
+device) to kernels.
+
+Directions: ``forward``, ``backward`` and, for windows that use softmax statistics, ``forward_stats`` (the
+forward that also writes them) and ``backward_stats`` (the backward that reads them).
+
+- forward: short windows of one power-of-two slot group take ``ForwardShortWindow`` (exact, bitwise the fp32
+  reference); every other window ``ForwardLongWindow`` (slot groups and a combine);
+- backward: short windows ``BackwardShortWindow``, long ones ``BackwardLongWindow``;
+- backward_stats: ``BackwardWithStats``. The grad_ape reduction (``ApeReduce``) runs inside the backwards' host
+  functions, after their main kernel.
+"""
+
+from __future__ import annotations
+
+from ...windows import uses_softmax_stats
+from . import configs
+from .backward_long import BackwardLongWindow
+from .backward_short import BackwardShortWindow
+from .backward_stats import BackwardWithStats
+from .device import DeviceSpec
+from .forward import ForwardLongWindow, ForwardShortWindow
+
+DIRECTIONS = ("forward", "forward_stats", "backward", "backward_stats")
+
+KERNEL_OF_CONFIG = {
+    configs.ForwardShortConfig: ForwardShortWindow,
+    configs.ForwardLongConfig: ForwardLongWindow,
+    configs.BackwardShortConfig: BackwardShortWindow,
+    configs.BackwardLongConfig: BackwardLongWindow,
+    configs.BackwardStatsConfig: BackwardWithStats,
+}
+
+# Factories per architecture family: (forward, backward, backward with statistics).
+_FACTORIES = {
+    "sm_90": (configs.forward_for_sm90, configs.backward_for_sm90, configs.stats_backward_for_sm90),
+    "sm_100": (configs.forward_for_sm100, configs.backward_for_sm100, configs.stats_backward_for_sm100),
+}
+
+
+def config_for(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec):
+    """The configuration of ``direction``'s kernel on ``device``."""
+    forward, backward, stats_backward = _FACTORIES["sm_100" if device.arch.startswith("sm_10") else "sm_90"]
+    if direction == "forward":
+        return forward(ratio, coff, head_dim, device)
+    if direction == "backward":
+        return backward(ratio, coff, head_dim, device)
+    if direction in ("forward_stats", "backward_stats") and uses_softmax_stats(ratio, coff):
+        if direction == "forward_stats":
+            return forward(ratio, coff, head_dim, device, stats=True)
+        return stats_backward(ratio, coff, head_dim, device)
+    raise ValueError(f"direction must be one of {DIRECTIONS} (the *_stats ones for long windows), got {direction!r}")
+
+
+def kernel_for(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec):
+    """(kernel class, configuration) of ``direction``'s kernel on ``device``."""
+    config = config_for(direction, ratio, coff, head_dim, device)
+    return KERNEL_OF_CONFIG[type(config)], config

@@ -1,0 +1,179 @@
+"""Device helpers over window slots, shared by every kernel: vector views, loads and stores, bf16 widening, the
+segment lookup of a row, and the per-thread slot loads of one batch.
+
+Slot ``s`` of a row whose own tokens start at ``t0`` reads token ``t0 - (coff - 1) * ratio + s``, columns
+``(s // ratio) * head_dim + c`` (SPEC section 2); the previous half of a segment's first group (and of padding
+rows) is masked: value 0, logit -inf.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Boolean, Float32, Int32
+from cutlass._mlir import ir
+
+from .ptx import bf16_hi, bf16_lo
+
+NEG_INF = float("-inf")
+
+
+def vec_view(ptr: cute.Pointer, off, width: int) -> cute.Tensor:
+    """``width`` contiguous elements at ``ptr + off``; ``off`` is a multiple of width, so the access is one vector."""
+    return cute.make_tensor(ptr + cute.assume(off, divby=width), cute.make_layout(width))
+
+
+def store_vector(ptr: cute.Pointer, off, width: int, value) -> None:
+    """``vec_view(ptr, off, width).store(value)``: one vector store."""
+    vec_view(ptr, off, width).store(value)
+
+
+def load_evict_first(ptr: cute.Pointer, off, width: int):
+    """``vec_view(ptr, off, width).load()`` as ``ld.global.cs`` (SASS ``LDG.E.EF``): data read once is cached
+    evict-first in L1 and L2, so a window streaming through L2 replaces its own lines instead of evicting other,
+    possibly dirty, ones whose write-back would share the DRAM bandwidth."""
+    if width == 1:  # NVVM rejects a one-element vector load with a cache operator
+        return vec_view(ptr, off, width).load()
+    dtype = ptr.dtype
+    value = cute.arch.load(ptr + cute.assume(off, divby=width), ir.VectorType.get([width], dtype.mlir_type), cop="cs")
+    return cute.TensorSSA(value, (width,), dtype)
+
+
+def registers(width: int, dtype=Float32):
+    """A register tensor of ``width`` elements."""
+    return cute.make_rmem_tensor(cute.make_layout(width), dtype)
+
+
+def register_slots(count: int, width: int, dtype=Float32) -> list:
+    """``count`` register tensors of ``width`` elements (one per window slot)."""
+    return [cute.make_rmem_tensor(cute.make_layout(width), dtype) for _ in range(count)]
+
+
+def widen_plain(t, width: int) -> list:
+    """The bf16 elements of a register tensor as fp32 values, NVVM's own conversion."""
+    return [Float32(t[i]) for i in range(width)]
+
+
+def widen(t, width: int) -> list:
+    """The bf16 elements of a register tensor as fp32 values: pairs from 32-bit words where width is even (one
+    shift and one mask per pair)."""
+    if width % 2:
+        return widen_plain(t, width)
+    words = cute.recast_tensor(t, cutlass.Uint32)
+    out = []
+    for j in range(width // 2):
+        out += [bf16_lo(words[j]), bf16_hi(words[j])]
+    return out
+
+
+@cute.jit
+def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
+    """Largest b in [0, B-1] with cu_seqlens_comp[b] <= r (skips empty segments)."""
+    lo = Int32(0)
+    hi = B - 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if cuc[mid] <= r:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@cute.jit
+def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32) -> Int32:
+    """``cu_seqlens_comp[B]``, the real row count, loaded together with ``cu_seqlens[0]``: that brings the line of
+    cu_seqlens into L1 with the count, so that a row's first token (``cu_seqlens[b] + j * ratio``, read after the
+    search over cu_seqlens_comp) costs no dependent L2 round trip of its own before a CTA's first window loads. A
+    negative ``cu_seqlens[0]`` (outside the contract, which has it 0) counts no real rows, so every row reads as
+    padding instead of from a negative token."""
+    nreal = cuc_t[B]
+    if cu_t[0] < 0:
+        nreal = Int32(0)
+    return nreal
+
+
+class WindowSlots:
+    """One thread's window slots: ``width`` columns from column ``c`` of the ``slots_per_group`` slots of group
+    ``g``, visited in batches of ``batch`` slots (``evict_first``: the loads stream, see ``load_evict_first``)."""
+
+    def __init__(self, ratio: int, coff: int, head_dim: int, width: int, batch: int, slots_per_group: int,
+                 evict_first: bool):  # fmt: skip
+        self.ratio, self.coff, self.head_dim = ratio, coff, head_dim
+        self.width, self.batch, self.slots_per_group = width, batch, slots_per_group
+        self.evict_first = evict_first
+
+    def slot(self, g, bi: int, k: int):
+        """Window slot of entry ``k`` of batch ``bi`` in group ``g``."""
+        return g * self.slots_per_group + bi * self.batch + k
+
+    def offset(self, t0, s):
+        """Element offset of slot ``s``'s first column (before the thread's column ``c``)."""
+        return (t0 - (self.coff - 1) * self.ratio + s) * (self.coff * self.head_dim) + (s // self.ratio) * self.head_dim
+
+    def ape_offset(self, s):
+        """Offset of slot ``s``'s ape row and half (before the thread's column ``c``)."""
+        return (s % self.ratio) * (self.coff * self.head_dim) + (s // self.ratio) * self.head_dim
+
+    @cute.jit
+    def issue(self, kv, score, kvf, scf, bi: cutlass.Constexpr, g, c, active, t0, first):
+        """Every load (kv and score) of batch bi, issued before any use; masked slots: kv 0, score -inf."""
+        ratio, width = self.ratio, self.width
+        for k in cutlass.range_constexpr(self.batch):
+            s = self.slot(g, bi, k)
+            half = s // ratio
+            valid = active
+            if cutlass.const_expr(self.coff == 2):
+                valid = active & ((half == 1) | (not first))
+            kvf[k].fill(0.0)
+            scf[k].fill(NEG_INF)
+            tok = t0 - (self.coff - 1) * ratio + s
+            if valid:
+                off = tok * (self.coff * self.head_dim) + half * self.head_dim + c
+                if cutlass.const_expr(self.evict_first):
+                    kvf[k].store(load_evict_first(kv, off, width))
+                    scf[k].store(load_evict_first(score, off, width))
+                else:
+                    kvf[k].store(vec_view(kv, off, width).load())
+                    scf[k].store(vec_view(score, off, width).load())
+
+    @cute.jit
+    def load_ape(self, ape, apf, bi: cutlass.Constexpr, g, c, col_ok):
+        """ape is small and L1/L2-resident: loaded after the DRAM loads are in flight (0 past head_dim)."""
+        for k in cutlass.range_constexpr(self.batch):
+            s = self.slot(g, bi, k)
+            apf[k].fill(0.0)
+            if col_ok:
+                apf[k].store(vec_view(ape, self.ape_offset(s) + c, self.width).load())
+
+
+def bf16_registers(count: int, width: int) -> list:
+    """``count`` bf16 register tensors of ``width`` elements (one batch of window slots)."""
+    return register_slots(count, width, BFloat16)
+
+
+@cute.jit
+def row_start(seg, r, active, ratio: cutlass.Constexpr):
+    """(t0, first) of row ``r`` of ``seg`` (``Segments``): its first own token and whether it is its segment's
+    first group. Padding rows (``r >= cu_seqlens_comp[-1]``) and inactive threads take t0 = 0 and behave as a
+    segment's first group."""
+    cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
+    nreal = real_rows(cu_t, cuc_t, B)
+    t0 = Int32(0)
+    first = Boolean(True)
+    if active & (r < nreal):
+        b = find_segment(cuc_t, B, r)
+        j = r - cuc_t[b]
+        t0 = cu_t[b] + j * ratio
+        first = j == 0
+    return t0, first
+
+
+class Segments:
+    """The pack's segment offsets on the device: ``cu`` (cu_seqlens) and ``cuc`` (cu_seqlens_comp) of ``count``
+    segments."""
+
+    def __init__(self, cu: cute.Pointer, cuc: cute.Pointer, count: Int32):
+        self.cu = cute.make_tensor(cu, cute.make_layout(count + 1))
+        self.cuc = cute.make_tensor(cuc, cute.make_layout(count + 1))
+        self.count = count

@@ -1,0 +1,200 @@
+"""The DeepSeek-V4 compressor as one ``nn.Module``: projections, gated pooling, RMSNorm and RoPE.
+
+The pooling runs in the fused kernels (``compressor_pool``). The tail (RMSNorm over ``head_dim``, then the
+rotary embedding of the last ``rope_dim`` columns at each row's position) runs in PyTorch for now, in
+``_norm_rope``, whose arguments are the ones the fused tail of the pooling op takes; moving the tail into the
+kernels replaces ``Compressor._pool_and_tail`` by one ``compressor_pool`` call with those arguments.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .autograd import compressor_pool
+from .tail import row_positions
+from .thd import compute_cu_seqlens_comp
+
+__all__ = ["Compressor", "rope_tables"]
+
+
+def rope_tables(
+    rope_dim: int, max_position: int, theta: float = 10000.0, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``(max_position, rope_dim // 2)`` float32: angle ``p * theta**(-2i / rope_dim)``.
+
+    Frequency scaling (YaRN and the like) is the caller's: build the tables with it and pass them to
+    ``Compressor.forward``.
+    """
+    if rope_dim % 2 != 0 or rope_dim < 0:
+        raise ValueError(f"csa_compressor: rope_dim must be even and >= 0, got {rope_dim}")
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64, device=device) / rope_dim)
+    angles = torch.arange(max_position, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def _norm_rope(
+    pooled: torch.Tensor,
+    is_real: torch.Tensor,
+    positions: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    rope_dim: int,
+    rope_interleaved: bool,
+) -> torch.Tensor:
+    """RMSNorm, then RoPE on the last ``rope_dim`` columns, in fp32 with one rounding to ``pooled.dtype``.
+
+    Padding rows (``~is_real``) keep their values but pass no gradient, as in the pooling itself.
+    """
+    y = pooled.float()
+    if norm_weight is not None:
+        y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + norm_eps) * norm_weight.float()
+    if rope_dim > 0:
+        # Positions past the table read its last row rather than memory outside it.
+        index = positions.clamp(0, rope_cos.shape[0] - 1)
+        cos, sin = rope_cos[index], rope_sin[index]
+        keep, rot = y[:, : y.shape[1] - rope_dim], y[:, y.shape[1] - rope_dim :]
+        if rope_interleaved:
+            a, b = rot[:, 0::2], rot[:, 1::2]
+            rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(1)
+        else:
+            a, b = rot[:, : rope_dim // 2], rot[:, rope_dim // 2 :]
+            rot = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+        y = torch.cat((keep, rot), dim=-1)
+    out = y.to(pooled.dtype)
+    return torch.where(is_real[:, None], out, out.detach())
+
+
+class Compressor(nn.Module):
+    """The compressor of DeepSeek-V4-style attention (CSA and HCA) over a THD pack.
+
+    ``x`` ``(T, hidden_size)`` (or ``(T, 1, hidden_size)``) -> ``kv = wkv(x)``, ``score = wgate(x)``, the
+    fused gated pooling with ``ape`` over groups of ``ratio`` tokens (``coff = 2``: overlapping windows),
+    RMSNorm over ``head_dim`` with ``norm.weight``, and the rotary embedding of the last ``rope_dim``
+    columns at each row's position -> ``(total_comp, head_dim)`` (``(total_comp, 1, head_dim)`` for 3-D ``x``).
+
+    DeepSeek-V4's configurations: ``ratio=4`` (coff 2, the CSA compressors), ``ratio=128`` (coff 1, HCA),
+    ``ratio=2, coff=1, learned_ape=False`` (a zero ``ape`` buffer instead of a parameter).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        ratio: int = 4,
+        *,
+        coff: int | None = None,
+        rope_dim: int = 64,
+        norm_eps: float = 1e-6,
+        rope_theta: float = 10000.0,
+        max_position: int = 65536,
+        rope_interleaved: bool = True,
+        learned_ape: bool = True,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        coff = (2 if ratio == 4 else 1) if coff is None else coff
+        if not 0 <= rope_dim <= head_dim:
+            raise ValueError(f"csa_compressor: rope_dim must be in [0, head_dim={head_dim}], got {rope_dim}")
+        self.hidden_size, self.head_dim, self.ratio, self.coff = hidden_size, head_dim, ratio, coff
+        self.rope_dim, self.rope_interleaved, self.backend = rope_dim, rope_interleaved, backend
+        width = coff * head_dim
+        self.wkv = nn.Linear(hidden_size, width, bias=False, device=device, dtype=dtype)
+        self.wgate = nn.Linear(hidden_size, width, bias=False, device=device, dtype=dtype)
+        ape = torch.zeros(ratio, width, dtype=torch.float32, device=device)
+        if learned_ape:
+            self.ape = nn.Parameter(ape)
+        else:
+            self.register_buffer("ape", ape)
+        self.norm = nn.RMSNorm(head_dim, eps=norm_eps, device=device, dtype=torch.float32)
+        cos, sin = rope_tables(rope_dim, max_position if rope_dim else 0, rope_theta, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Projections as ``nn.Linear`` initialises them; ``ape`` normal with std ``1/sqrt(head_dim)`` (zero when
+        not learned); the norm weight ones."""
+        self.wkv.reset_parameters()
+        self.wgate.reset_parameters()
+        if isinstance(self.ape, nn.Parameter):
+            nn.init.normal_(self.ape, std=1.0 / math.sqrt(self.head_dim))
+        self.norm.reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden_size={self.hidden_size}, head_dim={self.head_dim}, ratio={self.ratio}, coff={self.coff}, "
+            f"rope_dim={self.rope_dim}, backend={self.backend!r}"
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        cu_seqlens_comp: torch.Tensor | None = None,
+        total_comp: int | None = None,
+        position_start: torch.Tensor | None = None,
+        rope_cos: torch.Tensor | None = None,
+        rope_sin: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Compress a THD pack.
+
+        ``cu_seqlens`` ``(B+1,)`` int32; ``cu_seqlens_comp`` (computed on the device when None);
+        ``total_comp``: output rows (an int capacity for CUDA graphs and ``torch.compile``; None reads
+        ``cu_seqlens_comp[-1]``, one host synchronisation); ``position_start`` ``(B,)``: position of each
+        segment's first token (default 0); ``rope_cos`` / ``rope_sin``: tables ``(max_position, rope_dim // 2)``
+        float32 in place of the module's own (``rope_tables``).
+        """
+        three_d = x.dim() == 3
+        if three_d:
+            if x.shape[1] != 1:
+                raise ValueError(f"csa_compressor: 3-D x must be (T, 1, hidden), got {tuple(x.shape)}")
+            x = x.reshape(x.shape[0], x.shape[2])
+        if cu_seqlens_comp is None:
+            cu_seqlens_comp = compute_cu_seqlens_comp(cu_seqlens, self.ratio)
+        if total_comp is None:
+            total_comp = int(cu_seqlens_comp[-1].item())
+        kv, score = self.wkv(x), self.wgate(x)
+        out = self._pool_and_tail(
+            kv,
+            score,
+            cu_seqlens,
+            cu_seqlens_comp,
+            total_comp,
+            position_start,
+            self.rope_cos if rope_cos is None else rope_cos,
+            self.rope_sin if rope_sin is None else rope_sin,
+        )
+        return out.unsqueeze(1) if three_d else out
+
+    def _pool_and_tail(self, kv, score, cu_seqlens, cu_seqlens_comp, total_comp, position_start, cos, sin):
+        pooled = compressor_pool(
+            kv,
+            score,
+            self.ape,
+            cu_seqlens,
+            cu_seqlens_comp,
+            ratio=self.ratio,
+            coff=self.coff,
+            total_comp=total_comp,
+            backend=self.backend,
+        )
+        positions = row_positions(cu_seqlens_comp, total_comp, self.ratio, position_start)
+        is_real = torch.arange(total_comp, device=positions.device) < cu_seqlens_comp[-1]
+        return _norm_rope(
+            pooled,
+            is_real,
+            positions,
+            self.norm.weight,
+            self.norm.eps if self.norm.eps is not None else 1e-6,
+            cos,
+            sin,
+            self.rope_dim,
+            self.rope_interleaved,
+        )

@@ -1,0 +1,294 @@
+"""csa_compressor.distributed: the CP pooling against the single-process op.
+
+Multi-rank checks run in one gloo process group per world size (2, 3, 4; tests/cp_worker.py), each rank
+comparing its rows and gradients with the single-process op on the whole pack, bitwise. The rest runs in
+this process: the host plan, the layouts, a world of one rank without a process group.
+"""
+
+import importlib.util
+import os
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from csa_compressor import compressor_pool
+from csa_compressor.distributed import CPLayout, compressor_pool_cp, gather_rows
+from csa_compressor.distributed.plan import build_plan, expand_runs
+from csa_compressor.testing import make_pack, rel_l2
+
+from . import cp_worker
+
+WORLDS = (2, 3, 4)
+_RESULTS: dict[int, list[dict]] = {}
+
+
+def _group_results(world: int) -> list[dict]:
+    """Per rank, ``{case: result}``: every world's suite in one set of 4 processes, started once."""
+    if not _RESULTS:
+        _RESULTS.update(cp_worker.launch(WORLDS, "gloo", timeout_s=110.0))
+    return _RESULTS[world]
+
+
+def _names(world: int) -> list[str]:
+    return [item.name for item in cp_worker.suite(world, "gloo")]
+
+
+@pytest.mark.parametrize(("world", "name"), [(w, n) for w in WORLDS for n in _names(w)])
+def test_cp_matches_single_process(world, name):
+    """Gathered rows, local rows and kv/score gradients bitwise, grad_ape within 1e-6; bad layouts raise a
+    ValueError on every rank (no rank may hang: the group has a deadline)."""
+    per_rank = _group_results(world)
+    problems = []
+    for rank, results in enumerate(per_rank):
+        for fatal in ("<setup>", "<timeout>"):
+            if fatal in results:
+                pytest.fail(f"rank {rank}: {results[fatal]['problems']}")
+        result = results.get(name)
+        if result is None:
+            problems.append(f"rank {rank}: no result (an earlier case broke the group?)")
+        elif not result["ok"]:
+            problems.append(f"rank {rank}: {result['problems']}")
+    assert not problems, "\n".join(problems)
+
+
+def test_suite_covers_the_edge_cases():
+    """Across the groups some rank owns no row while holding tokens, and some rank holds no token."""
+    seen = {"no rows": False, "no tokens": False}
+    for world in WORLDS:
+        for results in _group_results(world):
+            for result in results.values():
+                if "rows" in result:
+                    seen["no rows"] |= result["rows"] == 0 and result["tokens"] > 0
+                    seen["no tokens"] |= result["tokens"] == 0
+    assert all(seen.values()), seen
+
+
+# ---------------------------------------------------------------- one process
+
+
+def _plain(p, backend="reference"):
+    leaves = [t.clone().requires_grad_(True) for t in (p.kv, p.score, p.ape)]
+    out = compressor_pool(*leaves, p.cu_seqlens, p.cu_seqlens_comp, p.ratio, p.coff, p.total_comp, backend)
+    cp_worker._backward(out, p.grad_out)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _single_rank(p, layout, backend="reference"):
+    kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
+    ape = p.ape.clone().requires_grad_(True)
+    out, rows = compressor_pool_cp(kv, score, ape, layout, ratio=p.ratio, coff=p.coff, backend=backend)
+    out_all = gather_rows(out, rows, layout)
+    cp_worker._backward(out_all, p.grad_out)
+    idx = layout.local_token_index()
+    grad_kv, grad_score = torch.zeros_like(p.kv), torch.zeros_like(p.score)
+    grad_kv[idx], grad_score[idx] = kv.grad, score.grad
+    return out_all.detach(), [grad_kv, grad_score, ape.grad]
+
+
+@pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (2, 1), (8, 2), (1, 2)])
+@pytest.mark.parametrize("split", ["whole", "reversed", "single-tokens"])
+def test_world_of_one_matches_plain_op(ratio, coff, split):
+    """No process group: one rank holds everything, in one piece or in pieces out of order (the halo then
+    comes from the rank itself)."""
+    p = make_pack((37, 3, 20, 1, 50), 6, ratio, coff, seed=ratio + coff)
+    total = sum(p.seqlens)
+    pieces = {
+        "whole": [(0, total)],
+        "reversed": [(60, total - 60), (5, 55), (0, 5)],
+        "single-tokens": [(t, 1) for t in reversed(range(total))],
+    }[split]
+    out, grads = _single_rank(p, CPLayout.from_pieces(p.cu_seqlens, pieces))
+    ref_out, ref_grads = _plain(p)
+    assert torch.equal(out, ref_out)
+    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
+    assert rel_l2(grads[2], ref_grads[2]) <= 1e-6
+
+
+@pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2), (2, 1)])
+def test_plan_moves_only_the_halo(ratio, coff):
+    """Random splits: per piece boundary a rank receives at most coff*ratio - 1 tokens from other ranks and
+    packs at most 2*coff*ratio - 1 tokens and coff rows; every row is planned exactly once."""
+    rng = random.Random(ratio * 10 + coff)
+    seqlens = [rng.randint(1, 5 * ratio) for _ in range(6)]
+    cu = [0]
+    for s in seqlens:
+        cu.append(cu[-1] + s)
+    world = 3
+    pieces = cp_worker._random_pieces(cu[-1], world, rng, 9, None)
+    normal = [list(CPLayout.from_pieces(cu, p).pieces) for p in pieces]
+    rows_seen = []
+    plans = [build_plan(cu, normal, rank, ratio, coff) for rank in range(world)]
+    # Every rank takes the same collective decisions, and what q sends r is what r receives from q.
+    assert len({plan.exchange for plan in plans}) == 1
+    crossing = any(plan.recv_splits[q] for plan in plans for q in range(world) if q != plan.rank)
+    assert plans[0].exchange == crossing
+    for q in range(world):
+        for r in range(world):
+            assert plans[q].send_splits[r] == plans[r].recv_splits[q]
+    for rank, plan in enumerate(plans):
+        boundaries = len(normal[rank])
+        assert plan.boundary is None or plan.boundary.rows <= coff * boundaries
+        assert plan.pack_local.numel() <= boundaries * (2 * coff * ratio - 1)
+        assert sum(plan.recv_splits) - plan.recv_splits[rank] <= boundaries * (coff * ratio - 1)
+        rows_seen += expand_runs(plan.row_first, plan.row_count).tolist()
+    assert sorted(rows_seen) == list(range(sum(s // ratio for s in seqlens)))
+
+
+def _cp_bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "cp_bench.py"
+    spec = importlib.util.spec_from_file_location("cp_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2)])
+@pytest.mark.parametrize("kind", ["contiguous", "load_balanced"])
+def test_halo_formula_of_the_docs(ratio, coff, kind):
+    """docs/distributed.md's halo formula (benchmarks/cp_bench.py) is what the plan receives from other
+    ranks, for Megatron's two THD splits (chunks of at least coff*ratio tokens)."""
+    formula = _cp_bench().halo_tokens_formula
+    rng = random.Random(ratio + coff)
+    for world in (2, 3, 4):
+        seqlens = [2 * world * rng.randint(coff * ratio, 4 * ratio) + (kind == "contiguous") * rng.randint(0, 9)
+                   for _ in range(3)]  # fmt: skip
+        cu = [0]
+        for n in seqlens:
+            cu.append(cu[-1] + n)
+        build = CPLayout.contiguous if kind == "contiguous" else CPLayout.load_balanced
+        layouts = [build(cu, rank, world) for rank in range(world)]
+        pieces = [layout._pieces_t for layout in layouts]
+        for rank, layout in enumerate(layouts):
+            plan = build_plan(cu, pieces, rank, ratio, coff)
+            assert formula(cu, layout.pieces, ratio, coff) == sum(plan.recv_splits) - plan.recv_splits[rank]
+
+
+def test_layouts():
+    cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
+    assert CPLayout.contiguous(cu, 1, 3).pieces == ((8, 8),)
+    balanced = CPLayout.load_balanced(cu, 0, 2)
+    # Sequence 0 in chunks of 2, sequence 1 in chunks of 4; rank 0 holds chunks 0 and 3 of each, and chunk 3
+    # of sequence 0 is followed by chunk 0 of sequence 1 (merged).
+    assert balanced.pieces == ((0, 2), (6, 6), (20, 4))
+    assert balanced.local_tokens == 12 and balanced.total_comp(4) == 6
+    assert torch.equal(balanced.local_token_index(), torch.tensor([0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]))
+    assert CPLayout.from_pieces(cu, [(0, 0), (3, 2), (5, 1)]).pieces == ((3, 3),)
+
+
+@pytest.mark.parametrize(
+    ("build", "expect"),
+    [
+        (lambda cu: CPLayout.load_balanced(cu, 0, 3), "divisible by 2*world_size"),
+        (lambda cu: CPLayout.contiguous(cu, 2, 2), "out of range"),
+        (lambda cu: CPLayout.from_pieces(cu, [(0, 30)]), "not inside the pack"),
+        (lambda cu: CPLayout.from_pieces(cu, [(0, 10), (12, 12)]), "held by no rank"),
+        (lambda cu: CPLayout.from_pieces(cu, [(0, 10), (9, 15)]), "held by rank 0 and rank 0"),
+        (lambda cu: CPLayout.contiguous(torch.tensor([0, 9, 4, 24]), 0, 1), "non-decreasing"),
+        (lambda cu: CPLayout.contiguous(cu.float(), 0, 1), "integer tensor"),
+    ],
+)
+def test_bad_layout_raises_at_the_first_call(build, expect):
+    """Construction records the problem; the first call raises it (on every rank: see the group tests)."""
+    cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
+    layout = build(cu)
+    kv = torch.zeros(24, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=re.escape(expect)):
+        compressor_pool_cp(kv, kv, torch.zeros(4, 16), layout, ratio=4, coff=2)
+
+
+def test_torch_compile_breaks_the_graph_around_the_op():
+    """Under torch.compile the CP calls run eagerly behind a graph break (docs/distributed.md) and the result
+    is the eager one, gradients included."""
+    p = make_pack((37, 3, 20), 6, 4, 2, seed=4)
+    layout = CPLayout.from_pieces(p.cu_seqlens, [(30, 30), (0, 30)])
+
+    def loss(kv, score, ape):
+        out, rows = compressor_pool_cp(kv * 1.0, score, ape, layout, ratio=4, coff=2)
+        return (gather_rows(out, rows, layout).float() * p.grad_out.float()).sum()
+
+    results = []
+    for fn in (loss, torch.compile(loss, backend="eager")):
+        leaves = [layout.select_local(p.kv), layout.select_local(p.score), p.ape.clone()]
+        leaves = [t.requires_grad_(True) for t in leaves]
+        value = fn(*leaves)
+        value.backward()
+        results.append([value.detach(), *(t.grad for t in leaves)])
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+
+
+def test_gather_rows_needs_the_returned_rows():
+    p = make_pack((12,), 6, 4, 2)
+    layout = CPLayout.contiguous(p.cu_seqlens, 0, 1)
+    out, rows = compressor_pool_cp(p.kv, p.score, p.ape, layout, ratio=4, coff=2)
+    with pytest.raises(ValueError, match="rows tensor"):
+        gather_rows(out, rows.clone(), layout)
+    with pytest.raises(ValueError, match="kv_local has 11 rows"):
+        compressor_pool_cp(p.kv[:11], p.score[:11], p.ape, layout, ratio=4, coff=2)
+
+
+def test_docs_examples_run():
+    """docs/distributed.md's Python blocks, as a docs test runs them (the two-rank one forks its ranks)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        exec(compile(block, "docs/distributed.md", "exec"), {})
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_nccl_two_gpus_match_single_gpu():
+    """Issue 28 point 1: one process per GPU with NCCL, cute and triton, contiguous / load-balanced / ragged
+    splits at full head_dim: gathered rows and kv/score gradients bitwise, grad_ape within 1e-6 relative, bad
+    layouts a ValueError on both ranks (tests/cp_worker.py, ``_nccl_suite``)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    per_rank = cp_worker.launch((2,), "nccl", timeout_s=float(os.environ.get("CP_NCCL_TIMEOUT", "400")))[2]
+    problems = [
+        f"rank {rank} {name}: {result['problems']}"
+        for rank, results in enumerate(per_rank)
+        for name, result in results.items()
+        if not result["ok"]
+    ]
+    seconds = {name: round(result.get("seconds", 0.0), 1) for name, result in per_rank[0].items()}
+    print("case seconds on rank 0:", seconds)
+    assert not problems, "\n".join(problems)
+    assert len(per_rank[0]) == len(cp_worker.suite(2, "nccl"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["whole", "pieces"])
+@pytest.mark.parametrize(("ratio", "coff", "head_dim"), [(4, 2, 512), (4, 2, 128), (128, 1, 512), (128, 2, 128)])
+def test_world_of_one_cute_equals_plain_op(split, ratio, coff, head_dim):
+    """Issue 27 point 2: on one GPU, the CP op on a world of one rank with the cute backend is the plain op,
+    bitwise (outputs, grad_kv, grad_score; grad_ape too in one piece, where it is the same call)."""
+    p = make_pack((4096, 1000, 3000), head_dim, ratio, coff, device="cuda", seed=3)
+    total = sum(p.seqlens)
+    pieces = [(0, total)] if split == "whole" else [(5000, total - 5000), (1999, 3001), (0, 1999)]
+    layout = CPLayout.from_pieces(p.cu_seqlens, pieces)
+    out, grads = _single_rank_gpu(p, layout)
+    ref_out, ref_grads = _plain(p, "cute")
+    assert torch.equal(out, ref_out)
+    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
+    if split == "whole":
+        assert torch.equal(grads[2], ref_grads[2])
+    else:
+        assert rel_l2(grads[2], ref_grads[2]) <= 1e-6
+
+
+def _single_rank_gpu(p, layout):
+    kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
+    ape = p.ape.clone().requires_grad_(True)
+    out, rows = compressor_pool_cp(kv, score, ape, layout, ratio=p.ratio, coff=p.coff, backend="cute")
+    out_all = gather_rows(out, rows, layout)
+    cp_worker._backward(out_all, p.grad_out)
+    idx = layout.local_token_index(p.kv.device)
+    grad_kv, grad_score = torch.zeros_like(p.kv), torch.zeros_like(p.score)
+    grad_kv[idx], grad_score[idx] = kv.grad, score.grad
+    return out_all.detach(), [grad_kv, grad_score, ape.grad]
