@@ -3,9 +3,6 @@ of bounds (support.py) that the checks and the per-call rechecks are generated f
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -407,14 +404,3 @@ def test_execute_and_check_support_raise_the_same_error(index, bad, match):
     with pytest.raises(ValueError, match=match) as from_check:
         CSACompressorForward(*args, **KW).check_support()
     assert str(from_execute.value) == str(from_check.value)
-
-
-# ---------------------------------------------------------------- docs/safety.md
-
-
-def test_safety_doc_examples_run():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "safety.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "docs/safety.md has no python examples"
-    for block in blocks:
-        exec(compile(block, "docs/safety.md", "exec"), {})
