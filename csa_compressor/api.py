@@ -6,8 +6,9 @@ import contextlib
 
 import torch
 
-from . import dispatch, reference, support
+from . import dispatch, support, thd
 from .support import Config
+from .windows import uses_softmax_stats
 
 __all__ = [
     "CSACompressorBackward",
@@ -21,7 +22,7 @@ __all__ = [
 class TupleDict(dict):
     """A dict of results that also unpacks, iterates and indexes like a tuple of its values.
 
-    ``out, = fwd(...)``, ``fwd(...)["out"]`` and ``fwd(...)[0]`` all work.
+    ``out, = fwd(...)``, ``fwd(...)["out"]``, ``fwd(...)[0]`` and ``bwd(...)[:2]`` all work.
     ``keys()`` / ``items()`` behave as for a dict.
     """
 
@@ -29,7 +30,7 @@ class TupleDict(dict):
         return iter(self.values())
 
     def __getitem__(self, key):
-        if isinstance(key, int):
+        if isinstance(key, (int, slice)):
             return tuple(self.values())[key]
         return super().__getitem__(key)
 
@@ -55,11 +56,12 @@ class _Op:
         self.backend: str | None = None
         self.config: Config | None = None
         self._module = None
-        # Per-call fast path, bound by compile(): the backend's launch function and the scalars it takes.
-        self._launch = None
+        # Per-call fast path, bound by compile(): the backend's launch function, the scalars it takes and the
+        # configuration's generated rechecks (support.Config).
+        self._launch = self._recheck = self._recheck_fresh = None
         self._ratio = self._coff = self._head_dim = 0
         # Long windows: the forward can save softmax statistics that the backward then uses (reference.py).
-        self.uses_stats = reference.uses_softmax_stats(ratio, coff) if isinstance(ratio, int) else False
+        self.uses_stats = False
 
     def _check(self) -> Config:
         raise NotImplementedError
@@ -72,6 +74,9 @@ class _Op:
             cfg = self._check()
             name = dispatch.resolve_backend(self.requested_backend, cfg.device, cfg.ratio, cfg.coff, cfg.head_dim)
             self.config, self.backend, self._module = cfg, name, dispatch.backend_module(name)
+            # The scalars as the checks converted them (numpy integers become ints).
+            self.ratio, self.coff, self.head_dim = cfg.ratio, cfg.coff, cfg.head_dim
+            self.uses_stats = uses_softmax_stats(cfg.ratio, cfg.coff)
             supports = getattr(self._module, "supports_stats", None)
             if self.uses_stats and (supports is None or not supports(cfg.ratio, cfg.coff, cfg.head_dim)):
                 raise RuntimeError(f"csa_compressor: backend {name!r} has no softmax-statistics path for {cfg}")
@@ -94,14 +99,18 @@ class _Op:
                 _COMPILED.add(key)
         # From here on execute() goes straight to the backend: nothing it does can compile.
         self._ratio, self._coff, self._head_dim = cfg.ratio, cfg.coff, cfg.head_dim
+        self._recheck = getattr(cfg, f"recheck_{self.direction}")
+        self._recheck_fresh = getattr(cfg, f"recheck_{self.direction}_fresh")
         self._launch = getattr(self._module, self.direction)
 
     def _release_samples(self) -> None:
         self._samples = None
 
-    def _check_stats(self, stats, rows: int) -> None:
-        if not (self.uses_stats and support.stats_ok(self.config, stats, rows)):
-            support.check_softmax_stats(self.config, stats, rows, self.uses_stats)
+    def _validate(self, kv, cu_seqlens, cu_seqlens_comp, rows: int, stream, validate) -> None:
+        """The validation mode: the offsets' contents on the device (thd.validate_pack), one synchronisation."""
+        if support.validation_requested(validate):
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                thd.validate_pack(cu_seqlens, cu_seqlens_comp, self._ratio, kv.shape[0], rows)
 
 
 def _keep_alive(stream, tensors) -> None:
@@ -136,17 +145,25 @@ class CSACompressorForward(_Op):
     def _check(self) -> Config:
         return support.check_forward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
 
-    def execute(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None, softmax_stats=None):
+    def execute(
+        self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None, softmax_stats=None, validate=False
+    ):
         """Write ``out``; with ``softmax_stats`` (a ``(total_comp, 3, head_dim)`` float32 buffer, long windows
-        only: ``uses_stats``) also the softmax statistics that ``CSACompressorBackward.execute`` can take."""
+        only: ``uses_stats``) also the softmax statistics that ``CSACompressorBackward.execute`` can take.
+
+        ``validate=True`` (or ``CSA_COMPRESSOR_VALIDATE=1``): check the offsets' contents first (one host
+        synchronisation; refused under CUDA-graph capture), see ``validate_pack``.
+        """
         # Hot path: one attribute test, the attribute-only recheck and the backend call.
         launch = self._launch
         if launch is None:
             self.compile()
             launch = self._launch
-        rows = _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
+        rows = self._recheck(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
         if softmax_stats is not None:
-            self._check_stats(softmax_stats, rows)
+            self.config.recheck_stats(softmax_stats, rows)
+        if validate or _validation_env() is not None:
+            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
         if rows == 0:
             return out
         if stream is not None:
@@ -154,14 +171,33 @@ class CSACompressorForward(_Op):
         launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, softmax_stats)
         return out
 
-    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats=None) -> None:
-        """``execute`` of a compiled op for the wrappers, whose ``out`` is ``kv.new_empty((rows, head_dim))``
-        (and ``stats``, if any, ``torch.empty((rows, 3, head_dim), float32)`` on kv's device)."""
-        if _recheck_forward(self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, True) == 0:
-            return
-        if stream is not None:
-            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats))
-        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, stats)
+    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate=False):
+        """``execute`` of a compiled op for the wrappers: recheck with ``total_comp`` (before anything is
+        allocated), allocate ``out``, launch."""
+        rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp)
+        if validate or _validation_env() is not None:
+            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
+        # Allocated on the current stream; with an explicit `stream`, the use is recorded there.
+        out = kv.new_empty((rows, self._head_dim))
+        if rows:
+            if stream is not None:
+                _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
+            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, None)
+        return out
+
+    def _run_fresh_stats(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate=False):
+        """``_run_fresh`` that also allocates and fills the softmax statistics: ``(out, softmax_stats)``."""
+        rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp)
+        stats = torch.empty((rows, 3, self._head_dim), dtype=torch.float32, device=kv.device)
+        self.config.recheck_stats(stats, rows)  # long windows only: names the bound otherwise
+        if validate or _validation_env() is not None:
+            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
+        out = kv.new_empty((rows, self._head_dim))
+        if rows:
+            if stream is not None:
+                _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats))
+            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, stats)
+        return out, stats
 
 
 class CSACompressorBackward(_Op):
@@ -214,81 +250,65 @@ class CSACompressorBackward(_Op):
         grad_ape,
         stream=None,
         softmax_stats=None,
+        validate=False,
     ):
         """Overwrite the three gradients. ``softmax_stats``: what ``CSACompressorForward.execute`` saved for these
-        inputs (long windows); the kernel then skips its own pass over the window for the row statistics."""
+        inputs (long windows); the kernel then skips its own pass over the window for the row statistics.
+        ``validate``: as for the forward."""
         if self._launch is None:
             self.compile()
-        return self._run(
-            kv,
-            score,
-            ape,
-            cu_seqlens,
-            cu_seqlens_comp,
-            grad_out,
-            grad_kv,
-            grad_score,
-            grad_ape,
-            stream,
-            stats=softmax_stats,
-        )
+        rows = self._recheck(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+        grads = grad_kv, grad_score, grad_ape
+        if rows == 0 or softmax_stats is not None or validate or stream is not None or _validation_env() is not None:
+            return self._launch_rows(
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, softmax_stats, validate
+            )
+        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, self._ratio, self._coff, None, None)
+        return grads
 
-    def _run(
-        self,
-        kv,
-        score,
-        ape,
-        cu_seqlens,
-        cu_seqlens_comp,
-        grad_out,
-        grad_kv,
-        grad_score,
-        grad_ape,
-        stream,
-        fresh=False,
-        stats=None,
-    ):
-        """``execute`` of a compiled op; ``fresh``: the gradients are ``torch.empty_like`` of kv, score, ape."""
-        rows = _recheck_backward(
-            self.config, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, fresh
-        )
+    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, stats=None, validate=False):
+        """``execute`` of a compiled op for the wrappers, which allocate the gradients (``torch.empty_like``)."""
+        rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
+        # The kernel writes every element: uninitialised buffers, one allocation each.
+        grads = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+        if rows == 0 or stats is not None or validate or stream is not None or _validation_env() is not None:
+            return self._launch_rows(
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate
+            )
+        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, self._ratio, self._coff, None, None)
+        return grads
+
+    def _launch_rows(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate):
+        """The rarer part of both paths (no rows, statistics, validation, an explicit stream), then the kernel."""
+        grad_kv, grad_score, grad_ape = grads
         if stats is not None:
-            self._check_stats(stats, rows)
+            self.config.recheck_stats(stats, rows)
+        if validate or _validation_env() is not None:
+            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
         if rows == 0:
             # Nothing consumed anything: the gradients are exact zeros.
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 grad_kv.zero_()
                 grad_score.zero_()
                 grad_ape.zero_()
-            return grad_kv, grad_score, grad_ape
+            return grads
         if stream is not None:
-            _keep_alive(
-                stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stats)
-            )
+            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, stats))
         self._launch(
             kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, self._ratio, self._coff,
             stream, stats,
         )  # fmt: skip
-        return grad_kv, grad_score, grad_ape
+        return grads
 
 
-_recheck_forward, _recheck_backward = support.recheck_forward, support.recheck_backward
+_validation_env = support.validation_env
 
 # ---------------------------------------------------------------- wrappers
 
 
-def _total_comp(cu_seqlens_comp: torch.Tensor, total_comp: int | None) -> int:
-    if total_comp is not None:
-        return int(total_comp)
+def _rows_on_device(cu_seqlens_comp) -> int:
     # Convenience path: one host synchronisation. Pass total_comp to avoid it (CUDA graphs must).
     return int(cu_seqlens_comp[-1].item())
-
-
-def _head_dim(kv: torch.Tensor, ratio: int, coff: int, head_dim: int | None) -> int:
-    if head_dim is not None:
-        return head_dim
-    support.check_config(ratio, coff)
-    return kv.shape[-1] // coff
 
 
 # Wrapper ops, compiled on the first call of a configuration (samples dropped after compile, so the cache
@@ -296,7 +316,7 @@ def _head_dim(kv: torch.Tensor, ratio: int, coff: int, head_dim: int | None) -> 
 # - _OPS: the full key (direction, ratio, coff, head_dim, dtype, device, resolved backend request);
 # - _FWD_FAST / _BWD_FAST: the wrapper's raw arguments (ratio, coff, head_dim or None, kv width, backend
 #   argument, raw $CSA_COMPRESSOR_BACKEND, dtype, device) -> op, filled after a successful slow call. A hit
-#   skips argument normalisation; execute() still rechecks every tensor against the op's configuration.
+#   skips argument normalisation; the op's recheck still tests every argument against its configuration.
 _OPS: dict[tuple, _Op] = {}
 _FWD_FAST: dict[tuple, _Op] = {}
 _BWD_FAST: dict[tuple, _Op] = {}
@@ -325,17 +345,41 @@ def _fast_key(kv, ratio, coff, head_dim, backend):
         return None
 
 
+def _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key) -> _Op:
+    """The forward wrapper's slow path: the scalars and tensors checked (the first broken bound named), the op
+    built and cached. ``total_comp`` is the op's recheck's business."""
+    ratio, coff, head_dim = support.check_config(ratio, coff, head_dim)
+    pack = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    head_dim = support.check_forward_fresh(*pack, 0, ratio=ratio, coff=coff, head_dim=head_dim).head_dim
+    op = _op(CSACompressorForward, "forward", (*pack, kv.new_empty((0, head_dim))), ratio, coff, head_dim, backend)
+    if key is not None:
+        _FWD_FAST[key] = op
+    return op
+
+
+def _backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, backend, key) -> _Op:
+    """The backward wrapper's slow path (see ``_forward_op``)."""
+    ratio, coff, head_dim = support.check_config(ratio, coff, head_dim)
+    pack = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
+    head_dim = support.check_backward_fresh(*pack, ratio=ratio, coff=coff, head_dim=head_dim).head_dim
+    grads = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
+    op = _op(CSACompressorBackward, "backward", (*pack, *grads), ratio, coff, head_dim, backend)
+    if key is not None:
+        _BWD_FAST[key] = op
+    return op
+
+
 _AUTOGRAD_STATS: dict[tuple, bool] = {}
 
 
 def autograd_uses_stats(kv, ratio, coff, backend) -> bool:
     """Whether the autograd function saves the forward's softmax statistics for this call's backend.
 
-    Long windows only (``reference.uses_softmax_stats``), and only on backends whose statistics pair is
+    Long windows only (``windows.uses_softmax_stats``), and only on backends whose statistics pair is
     validated at full size on the GPU (their ``AUTOGRAD_STATS``); elsewhere the backward makes its own
     statistics. Cached per (device, backend request, configuration, $CSA_COMPRESSOR_BACKEND).
     """
-    if type(ratio) is not int or type(coff) is not int or not reference.uses_softmax_stats(ratio, coff):
+    if type(ratio) is not int or type(coff) is not int or not uses_softmax_stats(ratio, coff):
         return False
     return _autograd_stats_for(kv.device, backend, ratio, coff, int(kv.shape[-1]))
 
@@ -372,55 +416,42 @@ def _pool_forward(
     head_dim=None,
     stream=None,
     return_stats=False,
+    validate=False,
 ):
     """The forward wrapper without the TupleDict: returns ``out`` (also the autograd op's eager path), or
     ``(out, softmax_stats)`` with ``return_stats`` (long windows only)."""
-    rows = total_comp if type(total_comp) is int else _total_comp(cu_seqlens_comp, total_comp)
     key = _fast_key(kv, ratio, coff, head_dim, backend)
     op = _FWD_FAST.get(key) if key is not None else None
     if op is None:  # first call of this configuration, or arguments that need normalising
-        head_dim = _head_dim(kv, ratio, coff, head_dim)
-        sample_out = kv.new_empty((rows, head_dim))
-        op = _op(
-            CSACompressorForward,
-            "forward",
-            (kv, score, ape, cu_seqlens, cu_seqlens_comp, sample_out),
-            ratio,
-            coff,
-            head_dim,
-            backend,
-        )
-        if key is not None:
-            _FWD_FAST[key] = op
-    # Allocated on the current stream; with an explicit `stream`, execute() records the use there.
-    out = kv.new_empty((rows, op._head_dim))
-    if not return_stats:
-        op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream)
-        return out
-    stats = torch.empty((rows, 3, op._head_dim), dtype=torch.float32, device=kv.device)
-    if not op.uses_stats:
-        support.check_softmax_stats(op.config, stats, rows, False)
-    op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
-    return out, stats
+        op = _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key)
+    if total_comp is None:
+        total_comp = _rows_on_device(cu_seqlens_comp)
+    if return_stats:
+        return op._run_fresh_stats(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate)
+    return op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate)
 
 
 def _pool_backward(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim=None, stream=None, stats=None
+    kv,
+    score,
+    ape,
+    cu_seqlens,
+    cu_seqlens_comp,
+    grad_out,
+    ratio,
+    coff,
+    backend,
+    head_dim=None,
+    stream=None,
+    stats=None,
+    validate=False,
 ):
     """The backward wrapper without the TupleDict: returns ``(grad_kv, grad_score, grad_ape)``."""
     key = _fast_key(kv, ratio, coff, head_dim, backend)
     op = _BWD_FAST.get(key) if key is not None else None
-    # The kernel writes every element: uninitialised buffers, one allocation each.
-    grad_kv, grad_score, grad_ape = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
     if op is None:
-        head_dim = _head_dim(kv, ratio, coff, head_dim)
-        tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
-        op = _op(CSACompressorBackward, "backward", tensors, ratio, coff, head_dim, backend)
-        if key is not None:
-            _BWD_FAST[key] = op
-    return op._run(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, True, stats
-    )
+        op = _backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, backend, key)
+    return op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, stats, validate)
 
 
 def csa_compressor_forward_wrapper(
@@ -436,18 +467,35 @@ def csa_compressor_forward_wrapper(
     stream=None,
     backend: str | None = "auto",
     return_softmax_stats: bool = False,
+    validate: bool = False,
 ) -> TupleDict:
     """Allocate ``out`` and run the forward. ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` (one host sync).
 
     ``return_softmax_stats=True`` (windows of more than 16 slots): also ``softmax_stats``, the
     ``(total_comp, 3, head_dim)`` float32 statistics the backward wrapper takes to skip a pass over the window.
+    ``validate=True`` (or ``CSA_COMPRESSOR_VALIDATE=1``): check the offsets' contents on the device first (one
+    host synchronisation; refused under CUDA-graph capture), see ``validate_pack``.
     """
     if return_softmax_stats:
         out, stats = _pool_forward(
-            kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim, stream, True
+            kv,
+            score,
+            ape,
+            cu_seqlens,
+            cu_seqlens_comp,
+            ratio,
+            coff,
+            total_comp,
+            backend,
+            head_dim,
+            stream,
+            True,
+            validate,
         )
         return TupleDict(out=out, softmax_stats=stats)
-    out = _pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim, stream)
+    out = _pool_forward(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, head_dim, stream, False, validate
+    )
     return TupleDict(out=out)
 
 
@@ -465,16 +513,17 @@ def csa_compressor_backward_wrapper(
     stream=None,
     backend: str | None = "auto",
     softmax_stats=None,
+    validate: bool = False,
 ) -> TupleDict:
     """Allocate and compute ``grad_kv``, ``grad_score`` (``empty``: the kernel writes every element) and ``grad_ape``.
 
     ``softmax_stats``: the forward wrapper's ``softmax_stats`` for the same inputs (long windows), or None.
+    ``validate``: as for the forward wrapper.
     """
-    if total_comp is not None and int(total_comp) != grad_out.shape[0]:
-        raise ValueError(
-            f"csa_compressor: total_comp must equal grad_out.shape[0]: got {total_comp} vs {grad_out.shape[0]}"
-        )
+    if total_comp is not None:
+        support.check_total_comp_rows(total_comp, grad_out)
     grad_kv, grad_score, grad_ape = _pool_backward(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim, stream, softmax_stats
-    )
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim, stream, softmax_stats,
+        validate,
+    )  # fmt: skip
     return TupleDict(grad_kv=grad_kv, grad_score=grad_score, grad_ape=grad_ape)

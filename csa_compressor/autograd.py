@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from . import api
+from . import api, support
 from .thd import compute_cu_seqlens_comp
 
 __all__ = ["CompressorPool", "CompressorPoolFunction", "compressor_pool"]
@@ -29,12 +29,23 @@ def _pool_forward(
     coff: int,
     total_comp: int,
     backend: str,
+    validate: bool = False,
 ) -> torch.Tensor:
-    return api._pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
+    return api._pool_forward(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate=validate
+    )
+
+
+def _traced_scalars(ratio, coff, total_comp) -> None:
+    # While tracing, the fake implementations are where a bad scalar would first fail (as a torch error).
+    support.check_config(ratio, coff)
+    if not isinstance(total_comp, torch.SymInt):
+        support.check_total_comp(total_comp)
 
 
 @_pool_forward.register_fake
-def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend):
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate=False):
+    _traced_scalars(ratio, coff, total_comp)
     return kv.new_empty((total_comp, kv.shape[-1] // coff))
 
 
@@ -49,14 +60,17 @@ def _pool_forward_stats(
     coff: int,
     total_comp: int,
     backend: str,
+    validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return api._pool_forward(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, return_stats=True
-    )
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, return_stats=True,
+        validate=validate,
+    )  # fmt: skip
 
 
 @_pool_forward_stats.register_fake
-def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend):
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate=False):
+    _traced_scalars(ratio, coff, total_comp)
     d = kv.shape[-1] // coff
     return kv.new_empty((total_comp, d)), kv.new_empty((total_comp, 3, d), dtype=torch.float32)
 
@@ -73,14 +87,16 @@ def _pool_backward(
     coff: int,
     backend: str,
     softmax_stats: torch.Tensor | None = None,
+    validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return api._pool_backward(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.contiguous(), ratio, coff, backend, stats=softmax_stats
-    )
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.contiguous(), ratio, coff, backend, stats=softmax_stats,
+        validate=validate,
+    )  # fmt: skip
 
 
 @_pool_backward.register_fake
-def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, softmax_stats=None):
+def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, softmax_stats=None, validate=False):
     return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
 
 
@@ -121,16 +137,19 @@ class CompressorPoolFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend):
-        ctx.ratio, ctx.coff, ctx.backend = ratio, coff, backend
+    def forward(ctx, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate=False):
+        ctx.ratio, ctx.coff, ctx.backend, ctx.validate = ratio, coff, backend, validate
         direct = _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp)
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
         if not api.autograd_uses_stats(kv, ratio, coff, backend):
             ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp)
             if direct:
-                return api._pool_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
-            return _pool_forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
-        out, stats = api._pool_forward(*args, return_stats=True) if direct else _pool_forward_stats_op(*args)
+                return api._pool_forward(*args, validate=validate)
+            return _pool_forward_op(*args, validate)
+        if direct:
+            out, stats = api._pool_forward(*args, return_stats=True, validate=validate)
+        else:
+            out, stats = _pool_forward_stats_op(*args, validate)
         ctx.save_for_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, stats)
         return out
 
@@ -150,12 +169,14 @@ class CompressorPoolFunction(torch.autograd.Function):
                 ctx.coff,
                 ctx.backend,
                 stats=stats,
+                validate=ctx.validate,
             )
         else:
             grad_kv, grad_score, grad_ape = _pool_backward_op(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ctx.ratio, ctx.coff, ctx.backend, stats
-            )
-        return grad_kv, grad_score, grad_ape, None, None, None, None, None, None
+                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ctx.ratio, ctx.coff, ctx.backend, stats,
+                ctx.validate,
+            )  # fmt: skip
+        return grad_kv, grad_score, grad_ape, None, None, None, None, None, None, None
 
 
 def compressor_pool(
@@ -168,15 +189,23 @@ def compressor_pool(
     coff: int = 2,
     total_comp: int | None = None,
     backend: str = "auto",
+    validate: bool = False,
 ) -> torch.Tensor:
     """Differentiable fused pooling: ``(T, coff*d)`` kv/score, ``(ratio, coff*d)`` ape -> ``(total_comp, d)``.
 
     ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` on the host (one synchronisation); pass an
-    int (a static capacity) for CUDA graphs and ``torch.compile``.
+    int (a static capacity) for CUDA graphs and ``torch.compile``. ``validate=True`` (or
+    ``CSA_COMPRESSOR_VALIDATE=1``) checks the offsets' contents before each launch (docs/safety.md).
     """
     if total_comp is None:
         total_comp = int(cu_seqlens_comp[-1].item())
-    return CompressorPoolFunction.apply(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
+    if type(ratio) is not int or type(coff) is not int:  # numpy integers become ints; others a ValueError
+        ratio, coff, _ = support.check_config(ratio, coff)
+    if type(total_comp) is not int and not isinstance(total_comp, torch.SymInt):
+        total_comp = support.check_total_comp(total_comp)
+    return CompressorPoolFunction.apply(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate
+    )
 
 
 class CompressorPool(nn.Module):
@@ -185,11 +214,17 @@ class CompressorPool(nn.Module):
     ``forward(kv, score, cu_seqlens, cu_seqlens_comp=None, total_comp=None)`` takes ``kv``/``score``
     as ``(T, coff*d)`` or Megatron-LM's ``(T, 1, coff*d)`` and returns ``(total_comp, d)`` or
     ``(total_comp, 1, d)`` to match. ``cu_seqlens_comp=None`` computes it on the device.
+    ``validate=True`` (an attribute too): check the offsets' contents before each launch (docs/safety.md).
     """
 
-    def __init__(self, ratio: int, head_dim: int, coff: int = 2, backend: str = "auto", device=None):
+    def __init__(
+        self, ratio: int, head_dim: int, coff: int = 2, backend: str = "auto", device=None, validate: bool = False
+    ):
         super().__init__()
-        self.ratio, self.head_dim, self.coff, self.backend = ratio, head_dim, coff, backend
+        if head_dim is None:
+            raise ValueError("csa_compressor: CompressorPool needs a head_dim (it sizes ape): got None")
+        ratio, coff, head_dim = support.check_config(ratio, coff, head_dim)
+        self.ratio, self.head_dim, self.coff, self.backend, self.validate = ratio, head_dim, coff, backend, validate
         self.ape = nn.Parameter(torch.empty(ratio, coff * head_dim, dtype=torch.float32, device=device))
         self.reset_parameters()
 
@@ -197,7 +232,7 @@ class CompressorPool(nn.Module):
         nn.init.normal_(self.ape, std=1.0 / math.sqrt(self.head_dim))
 
     def extra_repr(self) -> str:
-        return f"ratio={self.ratio}, head_dim={self.head_dim}, coff={self.coff}, backend={self.backend!r}"
+        return f"ratio={self.ratio}, head_dim={self.head_dim}, coff={self.coff}, backend={self.backend!r}, validate={self.validate}"
 
     def forward(self, kv, score, cu_seqlens, cu_seqlens_comp=None, total_comp=None):
         width = self.coff * self.head_dim
@@ -220,5 +255,6 @@ class CompressorPool(nn.Module):
             coff=self.coff,
             total_comp=total_comp,
             backend=self.backend,
+            validate=self.validate,
         )
         return out.unsqueeze(1) if three_d else out

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import support
 from .thd import row_layout
 from .windows import uses_softmax_stats
 
@@ -42,9 +43,10 @@ class _Window:
 
     Slot order is previous-group slots first (coff 2 only), then own slots.
     ``valid`` is False for previous-group slots of a segment's first group and
-    of padding rows: value 0, logit ``-inf``. ``gather_idx`` is clamped so that it
-    is always in range; ``scatter_idx`` sends invalid slots and padding rows to a
-    dummy row ``T`` so that scatters stay disjoint.
+    of padding rows: value 0, logit ``-inf``. ``gather_idx`` is always in
+    ``[0, T)``; ``scatter_idx`` sends invalid slots and rows without a gradient
+    (padding, and rows whose window leaves ``[0, T)``: ``thd.row_layout``) to a
+    dummy row ``T`` so that scatters stay inside the buffer.
     """
 
     gather_idx: torch.Tensor
@@ -54,7 +56,9 @@ class _Window:
 
 
 def _window(cu_seqlens, cu_seqlens_comp, total_comp, total_tokens, ratio, coff) -> _Window:
-    t0, is_first, is_real = row_layout(cu_seqlens, cu_seqlens_comp, total_comp, ratio)
+    # Padding rows read tokens 0..ratio-1: without them nothing is in range (the API rejects this too).
+    support.check_rows_need_tokens(total_comp, total_tokens, ratio)
+    t0, is_first, is_real = row_layout(cu_seqlens, cu_seqlens_comp, total_comp, ratio, total_tokens)
     offs = torch.arange(ratio, device=t0.device, dtype=torch.int64)
     own = t0[:, None] + offs
     own_valid = torch.ones_like(own, dtype=torch.bool)

@@ -1,327 +1,529 @@
-"""Input validation: the bounds of SPEC section 4, each with an error that names it.
+"""Input validation: the bounds of SPEC section 4 in one table, each with an error that names it.
 
-``check_forward`` / ``check_backward`` run once per configuration (``check_support``);
-``recheck_forward`` / ``recheck_backward`` are the cheap per-call versions used by
-``execute``: one pass of attribute reads (no torch op, no CUDA query) that compares every
-tensor against the compiled configuration. Any mismatch reruns the full checks, so a bad
-tensor gets the same error on every call as from ``check_support``.
+Every bound is written once, as a ``Bound``: a test (a Python expression over the names of the check),
+the bound as the error names it, and what was found. Two kinds of function are generated from the
+table (``_generate``):
+
+- the full checks (``check_forward`` / ``check_backward``, run by ``check_support``) test every bound
+  in table order and raise ``ValueError`` at the first that fails;
+- the per-call rechecks (``Config.recheck_*``, run by ``execute`` and the wrappers) test the bounds
+  marked ``per_call`` as one boolean expression of attribute reads (no torch op, no CUDA query), with
+  the compiled configuration's values bound as constants. Any failure reruns the full check on the
+  call's arguments, so a bad argument gets the same error on every call as from ``check_support``.
+
+Scalars (``ratio``, ``coff``, ``head_dim``, ``total_comp``) are exact integers: ``int`` or an integral
+type such as ``numpy.int64``, converted with ``operator.index``; ``bool`` and ``float`` (even ``4.0``)
+are rejected.
 """
 
 from __future__ import annotations
 
+import functools
+import numbers
+import operator
+import os
+import re
 from dataclasses import dataclass, field
 
 import torch
 
+from .windows import uses_softmax_stats
+
 __all__ = [
     "MAX_RATIO",
+    "VALIDATE_ENV_VAR",
+    "VARIANTS",
+    "Bind",
+    "Bound",
     "Config",
     "check_backward",
+    "check_backward_fresh",
+    "check_config",
     "check_forward",
+    "check_forward_fresh",
+    "check_offsets",
+    "check_rows_need_tokens",
     "check_softmax_stats",
-    "recheck_backward",
-    "recheck_forward",
+    "check_total_comp",
+    "check_total_comp_rows",
+    "check_total_tokens",
+    "validation_env",
+    "validation_requested",
 ]
 
 MAX_RATIO = 256
 INT32_LIMIT = 2**31
-_VALUE_DTYPES = (torch.bfloat16,)
+VALUE_DTYPES = (torch.bfloat16,)
+F32, I32 = torch.float32, torch.int32
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One bound. ``test`` holds for valid arguments; the error names ``bound`` and says what was ``found``
+    (both f-string bodies over the check's names). ``per_call=False``: fixed once the configuration is
+    (a scalar, the dtype family) or implied per call by the recheck's shape unpacking (a rank)."""
+
+    test: str
+    bound: str
+    found: str
+    per_call: bool = True
+
+
+@dataclass(frozen=True)
+class Bind:
+    """``names = expr`` for the bounds after it. Per call, shape unpackings also test ranks (a wrong rank
+    raises inside the recheck, which then reruns the full check); ``per_call=False``: full checks only."""
+
+    names: str
+    expr: str
+    per_call: bool = True
+
+
+# Where a full check takes the configuration's values: derived from the call, or given (softmax_stats).
+_DERIVE, _GIVEN = "derive", "given"
+_CONSTANTS = "DTYPE, WIDTH, HEAD_DIM, RATIO, COFF, APE_SHAPE, DEVICE, CUDA_INDEX, USES_STATS"
+
+# ``t.device == DEVICE`` builds a torch.device per read; the rechecks read the device as cheaply as is exact for
+# the configuration's device type (get_device() is -1 for CPU and meta alike, so it serves CUDA only).
+_DEVICE_TEST = re.compile(r"(\w+)\.device == DEVICE")
+_DEVICE_TESTS = {"cuda": r"\1.get_device() == CUDA_INDEX", "cpu": r"\1.is_cpu", "meta": r"\1.is_meta"}
+
+
+def _cuda_index(device: torch.device) -> int:
+    if device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @dataclass(frozen=True)
 class Config:
-    """What a compiled kernel depends on (sizes T and N are runtime values)."""
+    """What a compiled kernel depends on (sizes T and N are runtime values), with its per-call rechecks."""
 
     ratio: int
     coff: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
-    # Derived once, for the per-call rechecks.
     width: int = field(init=False, compare=False)
-    ape_shape: tuple[int, int] = field(init=False, compare=False)
-    device_index: int = field(init=False, compare=False)
-    is_cuda: bool = field(init=False, compare=False)
+    constants: tuple = field(init=False, compare=False, repr=False)
+    # Generated from the table with this configuration's values as constants (see _generate).
+    recheck_forward: object = field(init=False, compare=False, repr=False)
+    recheck_forward_fresh: object = field(init=False, compare=False, repr=False)
+    recheck_backward: object = field(init=False, compare=False, repr=False)
+    recheck_backward_fresh: object = field(init=False, compare=False, repr=False)
+    recheck_stats: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "width", self.coff * self.head_dim)
-        object.__setattr__(self, "ape_shape", (self.ratio, self.coff * self.head_dim))
-        index = self.device.index if self.device.type == "cuda" else -1
-        if self.device.type == "cuda" and index is None:
-            index = torch.cuda.current_device()
-        object.__setattr__(self, "device_index", index)
-        object.__setattr__(self, "is_cuda", self.device.type == "cuda")
+        width = self.coff * self.head_dim
+        constants = (
+            self.dtype,
+            width,
+            self.head_dim,
+            self.ratio,
+            self.coff,
+            (self.ratio, width),
+            self.device,
+            _cuda_index(self.device),
+            uses_softmax_stats(self.ratio, self.coff),
+        )
+        object.__setattr__(self, "width", width)
+        object.__setattr__(self, "constants", constants)
+        factories = _RECHECK_FACTORIES.get(self.device.type, _RECHECK_FACTORIES["other"])
+        for name, make in factories.items():
+            object.__setattr__(self, f"recheck_{name}", make(self))
 
 
 def _fail(bound: str, detail: str):
     raise ValueError(f"csa_compressor: {bound}: {detail}")
 
 
-def check_config(ratio: int, coff: int, head_dim: int | None = None) -> None:
-    if not isinstance(ratio, int) or isinstance(ratio, bool) or not 1 <= ratio <= MAX_RATIO:
-        _fail(f"ratio must be an int in [1, {MAX_RATIO}]", f"got ratio={ratio!r}")
-    if coff not in (1, 2) or isinstance(coff, bool):
-        _fail("coff must be 1 or 2", f"got coff={coff!r}")
-    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
-        _fail("head_dim must be a positive int", f"got head_dim={head_dim!r}")
+def _exact_int(value):
+    """``value`` as an int when it is an exact integer (not bool), else unchanged (the bound then names it)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return operator.index(value)
+    return value
 
 
-def _check_tensor(name: str, t, rank: int, dtype: torch.dtype, align: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        _fail(f"{name} must be a torch.Tensor", f"got {type(t).__name__}")
-    if t.dim() != rank:
-        _fail(f"{name} must have rank {rank}", f"got shape {tuple(t.shape)}")
-    if t.dtype != dtype:
-        _fail(f"{name} dtype must be {dtype}", f"got {t.dtype}")
-    if not t.is_contiguous():
-        _fail(f"{name} must be contiguous", f"got strides {t.stride()} for shape {tuple(t.shape)}")
-    if t.device.type != "meta" and t.numel() > 0 and t.data_ptr() % align != 0:
-        _fail(f"{name} must be {align}-byte aligned", f"data_ptr() % {align} = {t.data_ptr() % align}")
+# ---------------------------------------------------------------- the table
 
 
-def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tuple(t.shape) != shape:
-        _fail(f"{name} shape must be {shape}", f"got {tuple(t.shape)}")
+def _is_tensor(name):
+    return Bound(f"isinstance({name}, Tensor)", f"{name} must be a tensor", f"got {{type({name}).__name__}}", False)
 
 
-def _check_pack(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim) -> Config:
-    check_config(ratio, coff, head_dim)
-    if not isinstance(kv, torch.Tensor) or kv.dtype not in _VALUE_DTYPES:
-        got = kv.dtype if isinstance(kv, torch.Tensor) else type(kv).__name__
-        _fail(f"kv dtype must be one of {_VALUE_DTYPES}", f"got {got}")
-    dtype = kv.dtype
-    _check_tensor("kv", kv, 2, dtype, 16)
-    width = kv.shape[1]
-    if width % coff != 0:
-        _fail("kv.shape[1] must be coff * head_dim", f"got kv.shape[1]={width} with coff={coff}")
-    if head_dim is None:
-        head_dim = width // coff
-    if width != coff * head_dim:
-        _fail("kv.shape[1] must be coff * head_dim", f"got {width} != {coff} * {head_dim}")
-    if head_dim < 1:
-        _fail("head_dim must be >= 1", f"got head_dim={head_dim}")
-    tokens = kv.shape[0]
-    _check_tensor("score", score, 2, dtype, 16)
-    _check_shape("score", score, (tokens, width))
-    _check_tensor("ape", ape, 2, torch.float32, 16)
-    _check_shape("ape", ape, (ratio, width))
-    _check_tensor("cu_seqlens", cu_seqlens, 1, torch.int32, 4)
-    if cu_seqlens.shape[0] < 2:
-        _fail("cu_seqlens must have at least 2 entries", f"got shape {tuple(cu_seqlens.shape)}")
-    _check_tensor("cu_seqlens_comp", cu_seqlens_comp, 1, torch.int32, 4)
-    if cu_seqlens_comp.shape != cu_seqlens.shape:
-        _fail(
-            "cu_seqlens_comp shape must equal cu_seqlens shape",
-            f"got {tuple(cu_seqlens_comp.shape)} vs {tuple(cu_seqlens.shape)}",
-        )
-    if tokens * width >= INT32_LIMIT:
-        _fail("int32 offsets need T * coff * head_dim < 2**31", f"got {tokens} * {width} = {tokens * width}")
-    devices = {t.device for t in (kv, score, ape, cu_seqlens, cu_seqlens_comp)}
-    if len(devices) != 1:
-        _fail("all tensors must be on one device", f"got {sorted(str(d) for d in devices)}")
-    return Config(ratio, coff, head_dim, dtype, kv.device)
+def _rank(name, rank):
+    return Bound(
+        f"{name}.dim() == {rank}", f"{name} must have rank {rank}", f"got shape {{tuple({name}.shape)}}", False
+    )
 
 
-def _check_rows(name: str, t: torch.Tensor, cfg: Config, tokens: int) -> None:
-    _check_tensor(name, t, 2, cfg.dtype, 16)
-    if t.shape[1] != cfg.head_dim:
-        _fail(f"{name}.shape[1] must be head_dim={cfg.head_dim}", f"got shape {tuple(t.shape)}")
-    if t.device != cfg.device:
-        _fail("all tensors must be on one device", f"{name} is on {t.device}, kv on {cfg.device}")
-    rows = t.shape[0]
-    if rows * cfg.head_dim >= INT32_LIMIT:
-        _fail("int32 offsets need total_comp * head_dim < 2**31", f"got {rows} * {cfg.head_dim}")
-    if rows > 0 and tokens < cfg.ratio:
-        _fail(
-            "total_comp > 0 needs T >= ratio (padding rows read tokens 0..ratio-1)",
-            f"got total_comp={rows}, T={tokens}, ratio={cfg.ratio}",
-        )
+def _layout(name, dtype, align):
+    """dtype (an expression naming it), contiguity and alignment of one operand."""
+    return (
+        Bound(f"{name}.dtype is {dtype}", f"{name} dtype must be {{{dtype}}}", f"got {{{name}.dtype}}"),
+        Bound(
+            f"{name}.is_contiguous()",
+            f"{name} must be contiguous",
+            f"got strides {{{name}.stride()}} for shape {{tuple({name}.shape)}}",
+        ),
+        Bound(
+            f"not {name}.data_ptr() & {align - 1}",
+            f"{name} must be {align}-byte aligned",
+            f"data_ptr() % {align} = {{{name}.data_ptr() % {align}}}",
+        ),
+    )
+
+
+def _device(name):
+    # The rechecks read the device the cheapest exact way for the configuration's device type (_DEVICE_TESTS).
+    return Bound(
+        f"{name}.device == DEVICE",
+        "all tensors must be on one device",
+        f"{name} is on {{{name}.device}}, not {{DEVICE}}",
+    )
+
+
+def _shape(name, shape):
+    """``name.shape == shape`` (an expression; its value is named in the error)."""
+    return Bound(f"{name}.shape == {shape}", f"{name} shape must be {{tuple({shape})}}", f"got {{tuple({name}.shape)}}")
+
+
+def _operand(name, rank, dtype, align, shape):
+    return (_is_tensor(name), _rank(name, rank), *_layout(name, dtype, align), _shape(name, shape), _device(name))
+
+
+SCALARS = (
+    Bind("ratio, coff, head_dim", "_exact_int(ratio), _exact_int(coff), _exact_int(head_dim)", per_call=False),
+    Bound(
+        "type(ratio) is int and 1 <= ratio <= MAX_RATIO",
+        "ratio must be an int in [1, {MAX_RATIO}]",
+        "got ratio={ratio!r}",
+        False,
+    ),
+    Bound("type(coff) is int and coff in (1, 2)", "coff must be 1 or 2", "got coff={coff!r}", False),
+    Bound(
+        "head_dim is None or (type(head_dim) is int and head_dim >= 1)",
+        "head_dim must be a positive int",
+        "got head_dim={head_dim!r}",
+        False,
+    ),
+)
+
+TOTAL_TOKENS = (
+    Bind("total_tokens", "_exact_int(total_tokens)", per_call=False),
+    Bound(
+        "type(total_tokens) is int and total_tokens >= 0",
+        "total_tokens must be a non-negative int",
+        "got total_tokens={total_tokens!r}",
+    ),
+)
+
+TOTAL_COMP = Bound(
+    "type(total_comp) is int and total_comp >= 0",
+    "total_comp must be a non-negative int",
+    "got total_comp={total_comp!r}",
+)
+
+# The two offset arrays (also validate_pack's host-side part).
+OFFSETS = (
+    _is_tensor("cu_seqlens"),
+    _rank("cu_seqlens", 1),
+    *_layout("cu_seqlens", "I32", 4),
+    Bind("cu_shape", "cu_seqlens.shape"),
+    Bind("(offsets,)", "cu_shape"),
+    Bound("offsets >= 2", "cu_seqlens must have at least 2 entries", "got shape {tuple(cu_shape)}"),
+    _device("cu_seqlens"),
+    _is_tensor("cu_seqlens_comp"),
+    _rank("cu_seqlens_comp", 1),
+    *_layout("cu_seqlens_comp", "I32", 4),
+    Bound(
+        "cu_seqlens_comp.shape == cu_shape",
+        "cu_seqlens_comp shape must equal cu_seqlens shape",
+        "got {tuple(cu_seqlens_comp.shape)} vs {tuple(cu_shape)}",
+    ),
+    _device("cu_seqlens_comp"),
+)
+
+PACK = (
+    _is_tensor("kv"),
+    Bound("kv.dtype in VALUE_DTYPES", "kv dtype must be one of {VALUE_DTYPES}", "got {kv.dtype}", False),
+    _rank("kv", 2),
+    Bind("kv_shape", "kv.shape"),
+    Bind("T, width", "kv_shape"),
+    Bound(
+        "width % coff == 0", "kv.shape[1] must be coff * head_dim", "got kv.shape[1]={width} with coff={coff}", False
+    ),
+    _DERIVE,
+    Bound("HEAD_DIM >= 1", "head_dim must be >= 1", "got head_dim={HEAD_DIM}", False),
+    Bound("width == WIDTH", "kv.shape[1] must be coff * head_dim", "got {width} != {COFF} * {HEAD_DIM}"),
+    *_layout("kv", "DTYPE", 16),
+    _device("kv"),
+    *_operand("score", 2, "DTYPE", 16, "kv_shape"),
+    *_operand("ape", 2, "F32", 16, "APE_SHAPE"),
+    *OFFSETS,
+    Bound(
+        "T * width < INT32_LIMIT", "int32 offsets need T * coff * head_dim < 2**31", "got {T} * {width} = {T * width}"
+    ),
+)
+
+
+def _rows_operand(name):
+    """``out`` (forward) or ``grad_out`` (backward): ``(total_comp, head_dim)`` rows."""
+    return (
+        _is_tensor(name),
+        _rank(name, 2),
+        Bind(f"rows, {name}_width", f"{name}.shape"),
+        *_layout(name, "DTYPE", 16),
+        Bound(
+            f"{name}_width == HEAD_DIM",
+            f"{name}.shape[1] must be head_dim={{HEAD_DIM}}",
+            f"got shape {{tuple({name}.shape)}}",
+        ),
+        _device(name),
+    )
+
+
+ROWS_ARG = (Bind("total_comp", "_exact_int(total_comp)", per_call=False), TOTAL_COMP, Bind("rows", "total_comp"))
+
+ROWS_NEED_TOKENS = Bound(
+    "rows == 0 or T >= RATIO",
+    "total_comp > 0 needs T >= ratio (padding rows read tokens 0..ratio-1)",
+    "got total_comp={rows}, T={T}, ratio={RATIO}",
+)
+
+ROWS = (
+    Bound(
+        "rows * HEAD_DIM < INT32_LIMIT", "int32 offsets need total_comp * head_dim < 2**31", "got {rows} * {HEAD_DIM}"
+    ),
+    ROWS_NEED_TOKENS,
+)
+
+GRADS = (
+    *_operand("grad_kv", 2, "DTYPE", 16, "kv_shape"),
+    *_operand("grad_score", 2, "DTYPE", 16, "kv_shape"),
+    *_operand("grad_ape", 2, "F32", 16, "APE_SHAPE"),
+)
+
+STATS = (
+    _GIVEN,
+    Bound(
+        "USES_STATS",
+        "softmax_stats are used only for windows of more than 16 slots (coff * ratio > 16) on backends that "
+        "support them",
+        "got ratio={RATIO}, coff={COFF}; pass softmax_stats=None",
+    ),
+    *_operand("softmax_stats", 3, "F32", 16, "(rows, 3, HEAD_DIM)"),
+)
+
+# The backward wrapper's optional total_comp; a grad_out that is no tensor of rank >= 1 is named by its own bounds.
+TOTAL_COMP_ROWS = (
+    *ROWS_ARG,
+    Bound(
+        "not isinstance(grad_out, Tensor) or grad_out.dim() == 0 or total_comp == grad_out.shape[0]",
+        "total_comp must equal grad_out.shape[0]",
+        "got {total_comp} vs {grad_out.shape[0]}",
+    ),
+)
+
+# validate_pack's host-side part: the offsets on their own, on cu_seqlens' device.
+OFFSETS_ALONE = (
+    _is_tensor("cu_seqlens"),
+    Bind("DEVICE", "cu_seqlens.device"),
+    *OFFSETS,
+)
+
+_PACK_ARGS = ("kv", "score", "ape", "cu_seqlens", "cu_seqlens_comp")
+_GRAD_ARGS = ("grad_out", "grad_kv", "grad_score", "grad_ape")
+# name -> (arguments, steps). "_fresh": what the wrappers allocate themselves follows from kv, so is not read.
+VARIANTS = {
+    "forward": ((*_PACK_ARGS, "out"), (*SCALARS, *PACK, *_rows_operand("out"), *ROWS)),
+    "forward_fresh": ((*_PACK_ARGS, "total_comp"), (*SCALARS, *PACK, *ROWS_ARG, *ROWS)),
+    "backward": ((*_PACK_ARGS, *_GRAD_ARGS), (*SCALARS, *PACK, *_rows_operand("grad_out"), *ROWS, *GRADS)),
+    "backward_fresh": ((*_PACK_ARGS, "grad_out"), (*SCALARS, *PACK, *_rows_operand("grad_out"), *ROWS)),
+    "stats": (("softmax_stats", "rows"), STATS),
+}
+_PER_CALL_ERRORS = (AttributeError, TypeError, ValueError)  # not tensors, wrong ranks (shape unpacking)
+
+
+# ---------------------------------------------------------------- generation
+
+
+def fail_bound(bound: Bound, env: dict):
+    """Raise the error of ``bound``, its texts evaluated over ``env`` (the failing check's names)."""
+    _fail(*(eval(compile("f" + repr(text), "<bound>", "eval"), _NAMESPACE, env) for text in (bound.bound, bound.found)))
+
+
+def _full_source(name: str, params: str, steps, returns: str, bound_names: dict) -> str:
+    lines = [f"def {name}({params}):"]
+    for step in steps:
+        if step is _DERIVE:
+            lines.append(
+                "    cfg = Config(ratio, coff, width // coff if head_dim is None else head_dim, kv.dtype, kv.device)"
+            )
+        if step in (_DERIVE, _GIVEN):
+            lines.append(f"    {_CONSTANTS} = cfg.constants")
+        elif isinstance(step, Bind):
+            lines.append(f"    {step.names} = {step.expr}")
+        else:
+            lines.append(f"    if not ({step.test}):\n        _raise({bound_names[step]}, locals())")
+    lines.append(f"    return {returns}")
+    return "\n".join(lines)
+
+
+def _recheck_source(name: str, args: tuple, steps, device_type: str) -> str:
+    """``make_<name>_<device_type>(cfg)``: the recheck closure over ``cfg``'s constants; returns ``rows`` when every
+    per-call bound holds, else hands the arguments to the full check (``_recheck_failed``)."""
+    binds = [f"            {s.names} = {s.expr}" for s in steps if isinstance(s, Bind) and s.per_call]
+    tests = [f"({s.test})" for s in steps if isinstance(s, Bound) and s.per_call]
+    if device_type in _DEVICE_TESTS:
+        tests = [_DEVICE_TEST.sub(_DEVICE_TESTS[device_type], test) for test in tests]
+    arglist = ", ".join(args)
+    return "\n".join(
+        [
+            f"def make_{name}_{device_type}(cfg):",
+            f"    {_CONSTANTS} = cfg.constants",
+            f"    def recheck_{name}({arglist}):",
+            "        try:",
+            *binds,
+            "            if (\n                " + "\n                and ".join(tests) + "\n            ):",
+            "                return rows",
+            "        except _PER_CALL_ERRORS:",
+            "            pass",
+            f"        return _recheck_failed(cfg, {name!r}, recheck_{name}, ({arglist},))",
+            f"    return recheck_{name}",
+        ]
+    )
+
+
+def _generate():
+    """Compile the full checks and the recheck factories of every variant, and the scalar checks."""
+    bound_names: dict[Bound, str] = {}
+    for _, steps in VARIANTS.values():
+        for step in (*steps, *SCALARS, *TOTAL_COMP_ROWS, *TOTAL_TOKENS, *OFFSETS_ALONE):
+            if isinstance(step, Bound) and step not in bound_names:
+                bound_names[step] = f"_bound{len(bound_names)}"
+                _NAMESPACE[bound_names[step]] = step
+    sources = [
+        _full_source("check_config", "ratio, coff, head_dim=None", SCALARS, "ratio, coff, head_dim", bound_names),
+        _full_source("check_total_comp", "total_comp", ROWS_ARG, "total_comp", bound_names),
+        _full_source("check_rows_need_tokens", "rows, T, RATIO", (ROWS_NEED_TOKENS,), "None", bound_names),
+        _full_source("check_total_tokens", "total_tokens", TOTAL_TOKENS, "total_tokens", bound_names),
+        _full_source("check_offsets", "cu_seqlens, cu_seqlens_comp", OFFSETS_ALONE, "None", bound_names),
+        _full_source("check_total_comp_rows", "total_comp, grad_out", TOTAL_COMP_ROWS, "total_comp", bound_names),
+    ]
+    device_types = (*_DEVICE_TESTS, "other")
+    for name, (args, steps) in VARIANTS.items():
+        params = ", ".join((*args, "ratio", "coff", "head_dim", "cfg"))
+        sources.append(_full_source(f"full_{name}", params, steps, f"cfg, ({', '.join(args)},)", bound_names))
+        sources.extend(_recheck_source(name, args, steps, device_type) for device_type in device_types)
+    exec(compile("\n\n".join(sources), "<csa_compressor.support bounds>", "exec"), _NAMESPACE)
+    full = {name: _NAMESPACE[f"full_{name}"] for name in VARIANTS}
+    factories = {kind: {name: _NAMESPACE[f"make_{name}_{kind}"] for name in VARIANTS} for kind in device_types}
+    return full, factories
+
+
+def _recheck_failed(cfg: Config, name: str, recheck, args: tuple):
+    """A recheck failed: the full check names the first bound broken (ValueError). If none is, the call's scalars
+    needed converting (``numpy`` integers: the recheck then runs again on ints) or its configuration differs."""
+    got, normalized = _FULL[name](*args, cfg.ratio, cfg.coff, None, cfg)
+    if got == cfg and any(a is not b for a, b in zip(args, normalized, strict=True)):
+        return recheck(*normalized)
+    kv = args[0]
+    call = f"got kv {tuple(kv.shape)} {kv.dtype} on {kv.device}" if name != "stats" else f"got {args}"
+    _fail(
+        "execute() tensors must match the configuration compiled for",
+        f"compiled for head_dim={cfg.head_dim}, coff={cfg.coff}, {cfg.dtype} on {cfg.device}; {call}",
+    )
+
+
+_NAMESPACE: dict = {
+    "Tensor": torch.Tensor,
+    "Config": Config,
+    "INT32_LIMIT": INT32_LIMIT,
+    "MAX_RATIO": MAX_RATIO,
+    "VALUE_DTYPES": VALUE_DTYPES,
+    "F32": F32,
+    "I32": I32,
+    "_exact_int": _exact_int,
+    "_raise": fail_bound,
+    "_recheck_failed": _recheck_failed,
+    "_PER_CALL_ERRORS": _PER_CALL_ERRORS,
+}
+_FULL, _RECHECK_FACTORIES = _generate()
+check_config = _NAMESPACE["check_config"]
+check_config.__doc__ = "``(ratio, coff, head_dim)`` as ints (exact conversion), or ValueError naming the bound."
+check_total_comp = _NAMESPACE["check_total_comp"]
+check_total_comp.__doc__ = "``total_comp`` as an int (exact conversion), or ValueError naming the bound."
+check_rows_need_tokens = _NAMESPACE["check_rows_need_tokens"]
+check_rows_need_tokens.__doc__ = "The eager reference's own guard: ``rows > 0`` needs ``T >= ratio``."
+check_total_tokens = _NAMESPACE["check_total_tokens"]
+check_total_tokens.__doc__ = "``total_tokens`` (validate_pack's T) as an int, or ValueError naming the bound."
+check_offsets = _NAMESPACE["check_offsets"]
+check_offsets.__doc__ = (
+    "The offset arrays' own bounds (tensors, int32, 1-D, at least 2 entries, one shape, one device)."
+)
+check_total_comp_rows = _NAMESPACE["check_total_comp_rows"]
+check_total_comp_rows.__doc__ = "The backward wrapper's ``total_comp``: an int equal to ``grad_out.shape[0]``."
+
+
+def check_backward_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *, ratio, coff, head_dim=None):
+    """The backward wrappers' bounds (the gradients are theirs to allocate); returns the configuration."""
+    return _FULL["backward_fresh"](kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, None)[
+        0
+    ]
 
 
 def check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, *, ratio, coff, head_dim=None) -> Config:
-    cfg = _check_pack(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim)
-    _check_rows("out", out, cfg, kv.shape[0])
-    return cfg
+    """Every forward bound (``check_support``); returns the configuration, scalars converted to ints."""
+    return _FULL["forward"](kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, head_dim, None)[0]
+
+
+def check_forward_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, *, ratio, coff, head_dim=None):
+    """The forward wrappers' bounds (no ``out`` yet: ``total_comp`` instead); returns the configuration."""
+    return _FULL["forward_fresh"](kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, ratio, coff, head_dim, None)[
+        0
+    ]
 
 
 def check_backward(
     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, *, ratio, coff, head_dim=None
 ) -> Config:
-    cfg = _check_pack(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim)
-    _check_rows("grad_out", grad_out, cfg, kv.shape[0])
-    for name, t in (("grad_kv", grad_kv), ("grad_score", grad_score)):
-        _check_tensor(name, t, 2, cfg.dtype, 16)
-        _check_shape(name, t, tuple(kv.shape))
-        if t.device != cfg.device:
-            _fail("all tensors must be on one device", f"{name} is on {t.device}, kv on {cfg.device}")
-    _check_tensor("grad_ape", grad_ape, 2, torch.float32, 16)
-    _check_shape("grad_ape", grad_ape, tuple(ape.shape))
-    if grad_ape.device != cfg.device:
-        _fail("all tensors must be on one device", f"grad_ape is on {grad_ape.device}, kv on {cfg.device}")
-    return cfg
+    """Every backward bound (``check_support``); returns the configuration, scalars converted to ints."""
+    args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+    return _FULL["backward"](*args, ratio, coff, head_dim, None)[0]
 
 
-_F32, _I32 = torch.float32, torch.int32
-_PER_CALL_ERRORS = (AttributeError, TypeError, ValueError)
+def check_softmax_stats(cfg: Config, stats, rows: int) -> None:
+    """The optional ``softmax_stats``: ``(rows, 3, head_dim)`` float32, contiguous, 16-byte aligned, on the
+    configuration's device, and only for long windows (``windows.uses_softmax_stats``)."""
+    cfg.recheck_stats(stats, rows)
 
 
-def _on_device(device: torch.device, tensors) -> bool:
-    # Off CUDA, get_device() is -1 for CPU and meta alike: compare the devices themselves.
-    for t in tensors:
-        if t.device != device:
-            return False
-    return True
+# ---------------------------------------------------------------- the validation mode's switch
+
+VALIDATE_ENV_VAR = "CSA_COMPRESSOR_VALIDATE"
 
 
-def _inputs_ok(cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows: int, head_dim: int) -> bool:
-    """The part of the per-call check both directions share: the five inputs against ``cfg`` (sizes that
-    may change per call, dtype, contiguity, 16/4-byte alignment, int32 bounds, ``T >= ratio``, device)."""
-    shape = kv.shape
-    tokens, width = shape
-    cu_shape = cu_seqlens.shape
-    dtype = cfg.dtype
-    index = cfg.device_index
-    return (
-        width == cfg.width
-        and head_dim == cfg.head_dim
-        and kv.dtype is dtype
-        and score.dtype is dtype
-        and ape.dtype is _F32
-        and cu_seqlens.dtype is _I32
-        and cu_seqlens_comp.dtype is _I32
-        and score.shape == shape
-        and ape.shape == cfg.ape_shape
-        and len(cu_shape) == 1
-        and cu_shape[0] >= 2
-        and cu_seqlens_comp.shape == cu_shape
-        and kv.is_contiguous()
-        and score.is_contiguous()
-        and ape.is_contiguous()
-        and cu_seqlens.is_contiguous()
-        and cu_seqlens_comp.is_contiguous()
-        and not (kv.data_ptr() | score.data_ptr() | ape.data_ptr()) & 15
-        and not (cu_seqlens.data_ptr() | cu_seqlens_comp.data_ptr()) & 3
-        and tokens * width < INT32_LIMIT
-        and rows * head_dim < INT32_LIMIT
-        and (rows == 0 or tokens >= cfg.ratio)
-        and (
-            # CUDA: one index read per tensor (CPU and meta tensors read -1).
-            kv.is_cuda
-            and kv.get_device() == index
-            and score.get_device() == index
-            and ape.get_device() == index
-            and cu_seqlens.get_device() == index
-            and cu_seqlens_comp.get_device() == index
-            if cfg.is_cuda
-            else _on_device(cfg.device, (kv, score, ape, cu_seqlens, cu_seqlens_comp))
-        )
-    )
+def _raw_env_reader(name: str):
+    # os.environ.get encodes the key and decodes the value on every call; CPython's os.environ keeps the
+    # encoded pairs in ``_data``, which every write through os.environ updates (as dispatch.env_token reads).
+    data, encodekey = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and encodekey is not None:
+        return functools.partial(data.get, encodekey(name))
+    return functools.partial(os.environ.get, name)
 
 
-def _buffer_ok(cfg: Config, t, dtype) -> bool:
-    """One caller-provided buffer (output or gradient): dtype, contiguity, 16-byte alignment, device."""
-    return (
-        t.dtype is dtype
-        and t.is_contiguous()
-        and not t.data_ptr() & 15
-        and (t.get_device() == cfg.device_index if cfg.is_cuda else t.device == cfg.device)
-    )
+validation_env = _raw_env_reader(VALIDATE_ENV_VAR)
+validation_env.__doc__ = f"The raw value of ${VALIDATE_ENV_VAR} (None when unset), cheap enough for every call."
 
 
-def recheck_forward(cfg: Config, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, fresh: bool = False) -> int:
-    """Cheap per-call check; returns ``out.shape[0]``. Anything unexpected reruns the full checks for the message.
-
-    One pass of plain attribute reads (no torch op, no device or stream query): the sizes that may
-    change per call are compared against the compiled configuration; dtype, contiguity, 16/4-byte
-    alignment, the int32 bounds, ``T >= ratio`` and the device are read from every tensor.
-    ``fresh=True`` (the wrappers): ``out`` is ``kv.new_empty((rows, head_dim))``, so its dtype, device,
-    contiguity and (allocator) alignment follow from kv's and are not read again; its shape is.
-    """
-    try:
-        rows, head_dim = out.shape
-        if _inputs_ok(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, head_dim) and (
-            fresh or _buffer_ok(cfg, out, cfg.dtype)
-        ):
-            return rows
-    except _PER_CALL_ERRORS:  # not tensors, wrong ranks
-        pass
-    check_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio=cfg.ratio, coff=cfg.coff)
-    _check_same_config(cfg, kv, out)
-
-
-def recheck_backward(
-    cfg: Config,
-    kv,
-    score,
-    ape,
-    cu_seqlens,
-    cu_seqlens_comp,
-    grad_out,
-    grad_kv,
-    grad_score,
-    grad_ape,
-    fresh: bool = False,
-) -> int:
-    """The backward's cheap per-call check (returns ``grad_out.shape[0]``); see ``recheck_forward``.
-
-    ``fresh=True`` (the wrappers): the three gradients are ``torch.empty_like`` of kv, score and ape,
-    which this check finds contiguous, so nothing of theirs is read.
-    """
-    try:
-        rows, head_dim = grad_out.shape
-        dtype = cfg.dtype
-        if (
-            _inputs_ok(cfg, kv, score, ape, cu_seqlens, cu_seqlens_comp, rows, head_dim)
-            and _buffer_ok(cfg, grad_out, dtype)
-            and (
-                fresh
-                or (
-                    grad_kv.shape == kv.shape
-                    and grad_score.shape == kv.shape
-                    and grad_ape.shape == cfg.ape_shape
-                    and _buffer_ok(cfg, grad_kv, dtype)
-                    and _buffer_ok(cfg, grad_score, dtype)
-                    and _buffer_ok(cfg, grad_ape, _F32)
-                )
-            )
-        ):
-            return rows
-    except _PER_CALL_ERRORS:
-        pass
-    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
-    check_backward(*tensors, ratio=cfg.ratio, coff=cfg.coff)
-    _check_same_config(cfg, kv, grad_out)
-
-
-def check_softmax_stats(cfg: Config, stats, rows: int, uses_stats: bool) -> None:
-    """The optional ``softmax_stats`` tensor: ``(rows, 3, head_dim)`` float32, contiguous, 16-byte aligned, on
-    the configuration's device, and only where the configuration uses them (``uses_stats``)."""
-    if not uses_stats:
-        _fail(
-            "softmax_stats are used only for windows of more than 16 slots (coff * ratio > 16) on backends "
-            "that support them",
-            f"got ratio={cfg.ratio}, coff={cfg.coff}; pass softmax_stats=None",
-        )
-    if not isinstance(stats, torch.Tensor):
-        _fail("softmax_stats must be a tensor", f"got {type(stats).__name__}")
-    _check_tensor("softmax_stats", stats, 3, torch.float32, 16)
-    _check_shape("softmax_stats", stats, (rows, 3, cfg.head_dim))
-    if not _buffer_ok(cfg, stats, _F32):
-        _fail("all tensors must be on one device", f"softmax_stats is on {stats.device}, kv on {cfg.device}")
-
-
-def stats_ok(cfg: Config, stats, rows: int) -> bool:
-    """Per-call form of ``check_softmax_stats`` (attribute reads only)."""
-    try:
-        return stats.shape == (rows, 3, cfg.head_dim) and _buffer_ok(cfg, stats, _F32)
-    except _PER_CALL_ERRORS:
+def validation_requested(validate) -> bool:
+    """Whether a call validates its offsets: ``validate`` true, or ``$CSA_COMPRESSOR_VALIDATE`` set to 1."""
+    if validate:
+        return True
+    value = os.environ.get(VALIDATE_ENV_VAR, "")
+    if value in ("", "0"):
         return False
-
-
-def _check_same_config(cfg: Config, kv: torch.Tensor, rows: torch.Tensor) -> None:
-    """The full checks passed, so what differs from the compiled configuration is the configuration itself."""
-    _fail(
-        "execute() tensors must match the configuration compiled for",
-        f"compiled for head_dim={cfg.head_dim}, coff={cfg.coff}, {cfg.dtype} on {cfg.device}; "
-        f"got kv {tuple(kv.shape)} {kv.dtype} on {kv.device}, rows {tuple(rows.shape)}",
-    )
+    if value == "1":
+        return True
+    raise ValueError(f"csa_compressor: {VALIDATE_ENV_VAR} must be 0 or 1 (or unset): got {value!r}")

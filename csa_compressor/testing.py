@@ -8,7 +8,16 @@ import torch
 
 from .thd import compute_cu_seqlens_comp
 
-__all__ = ["Pack", "assert_contract", "bf16_ulp_distance", "contract_report", "make_pack", "misaligned_copy", "rel_l2"]
+__all__ = [
+    "Pack",
+    "assert_contract",
+    "bf16_ulp_distance",
+    "contract_report",
+    "make_pack",
+    "misaligned_copy",
+    "rel_l2",
+    "truncated_pack",
+]
 
 
 @dataclass
@@ -68,6 +77,46 @@ def make_pack(
     grad_out = torch.randn(total_comp, head_dim, generator=gen).to(dtype)
     tensors = [t.to(device) for t in (kv, score, ape, cu, cu_comp, grad_out)]
     return Pack(*tensors, ratio=ratio, coff=coff, head_dim=head_dim, total_comp=total_comp, seqlens=seqlens)
+
+
+def truncated_pack(pack: Pack) -> tuple[Pack, torch.Tensor]:
+    """The eager region truncated to ``pack.total_comp`` rows, as a well-formed pack of its own, and ``keep``: the
+    token of ``pack`` each of its tokens is (``pack`` itself and all tokens when nothing is truncated).
+
+    A segment keeps the tokens of its rows below ``total_comp`` (all of them, tail included, when every row is
+    kept); the tokens of dropped rows leave the pack. So ``pack``'s gradients are the truncated pack's at
+    ``keep`` and exact zeros elsewhere, and its output is the truncated pack's (SEMANTICS: total_comp below the
+    real rows). ``pack``'s offsets must be well-formed.
+    """
+    cu, comp = pack.cu_seqlens.tolist(), pack.cu_seqlens_comp.tolist()
+    rows, ratio, device = pack.total_comp, pack.ratio, pack.kv.device
+    if rows >= comp[-1]:
+        return pack, torch.arange(pack.kv.shape[0], device=device)
+    keep, seqlens = [], []
+    for b in range(len(cu) - 1):
+        segment_rows = comp[b + 1] - comp[b]
+        kept = max(0, min(segment_rows, rows - comp[b]))
+        length = cu[b + 1] - cu[b] if kept == segment_rows else kept * ratio
+        keep.extend(range(cu[b], cu[b] + length))
+        seqlens.append(length)
+    keep = torch.tensor(keep, dtype=torch.int64, device=device)
+    new_cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
+    new_cu[1:] = torch.cumsum(torch.tensor(seqlens, dtype=torch.int64), 0).to(torch.int32)
+    new_cu = new_cu.to(device)
+    truncated = Pack(
+        pack.kv[keep],
+        pack.score[keep],
+        pack.ape,
+        new_cu,
+        compute_cu_seqlens_comp(new_cu, ratio),
+        pack.grad_out,
+        ratio=ratio,
+        coff=pack.coff,
+        head_dim=pack.head_dim,
+        total_comp=rows,
+        seqlens=tuple(seqlens),
+    )
+    return truncated, keep
 
 
 def misaligned_copy(t: torch.Tensor) -> torch.Tensor:

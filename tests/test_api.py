@@ -1,5 +1,7 @@
 """Kernel API through every backend usable here: wrappers, classes, NaN canaries, N == 0, determinism."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from csa_compressor import (
     csa_compressor_forward_wrapper,
     reference,
 )
-from csa_compressor.testing import assert_contract, make_pack, rel_l2
+from csa_compressor.testing import assert_contract, make_pack, rel_l2, truncated_pack
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = available_backends(DEVICE)
@@ -36,7 +38,7 @@ def test_tupledict_unpacks_like_a_tuple():
     td = TupleDict(grad_kv=1, grad_score=2, grad_ape=3)
     a, b, c = td
     assert (a, b, c) == (1, 2, 3)
-    assert td["grad_score"] == 2 and td[2] == 3 and len(td) == 3
+    assert td["grad_score"] == 2 and td[2] == 3 and td[:2] == (1, 2) and len(td) == 3
     assert list(td.keys()) == ["grad_kv", "grad_score", "grad_ape"]
     (out,) = TupleDict(out=5)
     assert out == 5
@@ -117,3 +119,26 @@ def test_deterministic_algorithms_mode(backend):
         torch.use_deterministic_algorithms(False)
     g64 = reference.backward(*p.inputs, p.grad_out, ratio=p.ratio, coff=p.coff, precision="fp64")
     assert rel_l2(grads["grad_ape"], g64[2]) <= 1e-5
+
+
+@pytest.mark.parametrize("params", PACKS, ids=PACK_IDS)
+def test_class_api_truncates_to_total_comp(params):
+    """Buffers of total_comp rows below the real rows (the reference backend): the first rows are produced, the
+    gradients are the truncated pack's and the dropped rows' tokens get exact zeros, whatever the buffers held."""
+    p = _pack(params, seed=4)
+    rows = p.true_comp - 1
+    p = dataclasses.replace(p, total_comp=rows, grad_out=p.grad_out[:rows].contiguous())
+    short, keep = truncated_pack(p)
+    kw = dict(ratio=p.ratio, coff=p.coff, backend="reference")
+    out = torch.full((rows, p.head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    CSACompressorForward(*p.inputs, out, **kw).execute(*p.inputs, out)
+    want = reference.forward(*short.inputs, ratio=p.ratio, coff=p.coff, total_comp=rows, precision="fp32")
+    assert torch.equal(out, want)
+    grads = [torch.full_like(t, float("nan")) for t in (p.kv, p.score, p.ape)]
+    CSACompressorBackward(*p.inputs, p.grad_out, *grads, **kw).execute(*p.inputs, p.grad_out, *grads)
+    want = reference.backward(*short.inputs, short.grad_out, ratio=p.ratio, coff=p.coff, precision="fp32")
+    dropped = torch.ones(p.kv.shape[0], dtype=torch.bool, device=DEVICE)
+    dropped[keep] = False
+    for got, expected in zip(grads[:2], want[:2], strict=True):
+        assert torch.equal(got[keep], expected) and not bool(got[dropped].view(torch.int16).any())
+    assert torch.equal(grads[2], want[2])

@@ -21,8 +21,10 @@ def test_cu_seqlens_comp_matches_python(ratio):
 def test_cu_seqlens_comp_rejects_bad_input():
     with pytest.raises(ValueError, match="at least 2 entries"):
         compute_cu_seqlens_comp(torch.zeros(1, dtype=torch.int32), 4)
-    with pytest.raises(ValueError, match="ratio must be >= 1"):
+    with pytest.raises(ValueError, match="ratio must be an int >= 1, got 0"):
         compute_cu_seqlens_comp(torch.zeros(2, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match=r"ratio must be an int >= 1, got 4\.0"):
+        compute_cu_seqlens_comp(torch.zeros(2, dtype=torch.int32), 4.0)
 
 
 @pytest.mark.gpu
@@ -41,22 +43,30 @@ def test_validate_pack_accepts_and_names_broken_invariants():
     cu = torch.tensor([0, 5, 13], dtype=torch.int32)
     comp = compute_cu_seqlens_comp(cu, 4)
     validate_pack(cu, comp, 4, total_tokens=13, total_comp=3)
-    with pytest.raises(ValueError, match=r"cu_seqlens_comp is inconsistent.*segment 1 has 8 tokens but 1 rows"):
+    with pytest.raises(ValueError, match=r"count seqlen // ratio rows per segment: segment 1 has 8 tokens, 2 rows"):
         validate_pack(cu, torch.tensor([0, 1, 2], dtype=torch.int32), 4, total_tokens=13)
-    with pytest.raises(ValueError, match="non-decreasing; segment 1"):
+    with pytest.raises(ValueError, match="non-decreasing: segment 1 runs from 5 to 3"):
         validate_pack(torch.tensor([0, 5, 3], dtype=torch.int32), comp, 4, total_tokens=13)
-    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] = 13 exceeds the token count T = 12"):
+    with pytest.raises(ValueError, match=r"cu_seqlens\[-1\] must be <= T .*segment 1 ends at 13 > T = 12"):
         validate_pack(cu, comp, 4, total_tokens=12)
-    with pytest.raises(ValueError, match=r"cu_seqlens_comp\[-1\] = 3 exceeds total_comp = 2"):
+    with pytest.raises(
+        ValueError, match=r"total_comp must cover the real rows.*segment 1's rows end at 3 > total_comp = 2"
+    ):
         validate_pack(cu, comp, 4, total_tokens=13, total_comp=2)
-    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be 0"):
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be 0: got 1"):
         validate_pack(torch.tensor([1, 5, 13], dtype=torch.int32), comp, 4, total_tokens=13)
 
 
 def test_row_layout_padding_and_empty_segments():
     cu = torch.tensor([0, 9, 9, 11, 19], dtype=torch.int32)  # an empty and a short segment
     comp = compute_cu_seqlens_comp(cu, 4)  # [0, 2, 2, 2, 4]
-    t0, first, real = row_layout(cu, comp, 6, 4)
+    t0, first, real = row_layout(cu, comp, 6, 4, 19)
     assert t0.tolist() == [0, 4, 11, 15, 0, 0]
     assert first.tolist() == [True, False, True, False, True, True]
     assert real.tolist() == [True, True, True, True, False, False]
+
+
+def test_row_layout_needs_two_offsets():
+    one = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens and cu_seqlens_comp need at least 2 entries each"):
+        row_layout(one, one, 2, 4, 8)
