@@ -36,7 +36,11 @@ def _wrap_int32(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_layout(
-    cu_seqlens: torch.Tensor, cu_seqlens_comp: torch.Tensor, total_comp: int, ratio: int, total_tokens: int
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_comp: torch.Tensor,
+    total_comp: int,
+    ratio: int,
+    total_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per output row: first token ``t0``, ``is_first`` (previous half masked), ``is_real`` (the row has a gradient).
 
@@ -46,7 +50,8 @@ def row_layout(
     and ``t0 = cu_seqlens[b] + j * ratio`` in int32 arithmetic. A real row whose own tokens
     ``[t0, t0 + ratio)`` leave ``[0, total_tokens)`` is computed as a padding row (``t0 = 0``, first group, no
     gradient); the previous half is read only when ``j > 0`` and ``t0 >= ratio``. Every index is therefore
-    inside the tensors. Runs on the device with no host synchronisation.
+    inside the tensors. ``total_tokens=None``: no upper bound (for well-formed offsets, where it never binds).
+    Runs on the device with no host synchronisation.
     """
     device = cu_seqlens.device
     num_segments = min(cu_seqlens.numel(), cu_seqlens_comp.numel()) - 1
@@ -57,7 +62,7 @@ def row_layout(
     seg = (torch.searchsorted(comp[:num_segments], rows, right=True) - 1).clamp_(0, num_segments - 1)
     j = _wrap_int32(rows - comp[seg])
     t0 = _wrap_int32(cu_seqlens.to(torch.int64)[seg] + j * ratio)
-    in_range = (t0 >= 0) & (t0 <= total_tokens - ratio)
+    in_range = t0 >= 0 if total_tokens is None else (t0 >= 0) & (t0 <= total_tokens - ratio)
     is_real = (rows < comp[num_segments]) & in_range
     t0 = torch.where(is_real, t0, torch.zeros_like(t0))
     is_first = ~is_real | (j <= 0) | (t0 < ratio)

@@ -61,6 +61,7 @@ def test_row_layout_padding_and_empty_segments():
     cu = torch.tensor([0, 9, 9, 11, 19], dtype=torch.int32)  # an empty and a short segment
     comp = compute_cu_seqlens_comp(cu, 4)  # [0, 2, 2, 2, 4]
     t0, first, real = row_layout(cu, comp, 6, 4, 19)
+    assert [t.tolist() for t in row_layout(cu, comp, 6, 4)] == [t0.tolist(), first.tolist(), real.tolist()]
     assert t0.tolist() == [0, 4, 11, 15, 0, 0]
     assert first.tolist() == [True, False, True, False, True, True]
     assert real.tolist() == [True, True, True, True, False, False]
