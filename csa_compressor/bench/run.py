@@ -279,7 +279,7 @@ def run_bench(
     if not torch.cuda.is_available():
         raise NoGPUError("no CUDA device is available")
     device = torch.device(device) if device is not None else torch.device("cuda")
-    if device.index is None:  # "cuda": the current device, named by its index as set_device needs
+    if device.type == "cuda" and device.index is None:  # the current device, by index as set_device needs
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     method = method or Method(reps=QUICK_REPS if quick else FULL_REPS)
