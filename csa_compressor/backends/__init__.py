@@ -24,6 +24,24 @@ row max, sum and output. ``supports_stats(ratio, coff, head_dim) -> bool`` says 
 ``compile`` builds the stats variants too. ``AUTOGRAD_STATS`` (bool): whether the autograd function uses
 them with this backend (only where the pair has passed the full-size contract on the GPU).
 
+The fused tail (RMSNorm, then RoPE; ``csa_compressor.tail``, docs/tail.md): optional.
+``supports_tail(ratio, coff, head_dim, tail_config) -> bool`` says where a backend fuses it (``tail_config`` a
+``tail.TailConfig``); a backend without the function has no tail, and the API refuses a tail on it
+(``ValueError``), never computing one another way. Where it is supported:
+
+- ``compile(..., tail_config=None)`` takes the ``TailConfig`` as a keyword; the API passes it only for a tail;
+- ``forward(..., stream, stats=None, tail=None, rstd=None)``: with a ``tail.Tail``, ``out[r]`` is
+  ``round_bf16(rope(rmsnorm(x)))`` of the fp32 pooled row ``x``; ``rstd``, when given, a ``(N,)`` float32 buffer
+  filled with every row's ``rsqrt(mean(x*x) + eps)`` (padding rows too; 1.0 without a norm); ``stats[:, 2]``
+  (long windows) still holds ``x`` itself;
+- ``backward(..., stream, stats=None, tail=None, grad_norm_weight=None, rstd=None)``: ``grad_out`` is the
+  gradient of the tail's output; ``grad_norm_weight`` a ``(d,)`` float32 buffer, overwritten with the weight's
+  gradient summed over the real rows in a fixed order (required when the tail has a norm, else None);
+  ``rstd``: the forward's, or None (then recomputed). Padding rows' ``grad_out`` is ignored as without a tail.
+
+An identity tail (neither norm nor rope) is passed as None, so a backend sees exactly the pooling then.
+``csa_compressor.tail.check_backend`` is the contract a backend's tail is held to.
+
 Optional: ``config_unsupported_reason(ratio, coff, head_dim) -> str | None`` for
 backends that cover only part of the configuration space.
 
