@@ -1,13 +1,14 @@
-"""Public kernel API: check_support / compile / execute classes and allocating wrappers (SPEC section 4)."""
+"""Public kernel API: the check_support / compile / execute classes (``kernel_api``) and the allocating wrappers
+(SPEC section 4), each with the optional fused tail (docs/tail.md)."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from . import dispatch, support, thd
-from .support import Config
+from . import dispatch, support
+from .kernel_api import CSACompressorBackward, CSACompressorForward, TupleDict, _Op
+from .tail import Tail
+from .tail_args import tail_config
 from .windows import uses_softmax_stats
 
 __all__ = [
@@ -17,291 +18,6 @@ __all__ = [
     "csa_compressor_backward_wrapper",
     "csa_compressor_forward_wrapper",
 ]
-
-
-class TupleDict(dict):
-    """A dict of results that also unpacks, iterates and indexes like a tuple of its values.
-
-    ``out, = fwd(...)``, ``fwd(...)["out"]``, ``fwd(...)[0]`` and ``bwd(...)[:2]`` all work.
-    ``keys()`` / ``items()`` behave as for a dict.
-    """
-
-    def __iter__(self):
-        return iter(self.values())
-
-    def __getitem__(self, key):
-        if isinstance(key, (int, slice)):
-            return tuple(self.values())[key]
-        return super().__getitem__(key)
-
-
-# Configurations whose kernels were built: (backend, direction, Config). A first build
-# under CUDA-graph capture is refused here, whatever the backend.
-_COMPILED: set[tuple[str, str, Config]] = set()
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-class _Op:
-    direction = ""
-
-    def __init__(self, samples, ratio, coff, head_dim, backend):
-        self._samples = samples
-        self.ratio = ratio
-        self.coff = coff
-        self.head_dim = head_dim
-        self.requested_backend = backend
-        self.backend: str | None = None
-        self.config: Config | None = None
-        self._module = None
-        # Per-call fast path, bound by compile(): the backend's launch function, the scalars it takes and the
-        # configuration's generated rechecks (support.Config).
-        self._launch = self._recheck = self._recheck_fresh = None
-        self._ratio = self._coff = self._head_dim = 0
-        # Long windows: the forward can save softmax statistics that the backward then uses (reference.py).
-        self.uses_stats = False
-
-    def _check(self) -> Config:
-        raise NotImplementedError
-
-    def check_support(self) -> bool:
-        """Validate the samples against every bound; ValueError (shapes, dtypes, bounds) or RuntimeError (device)."""
-        if self.config is None:
-            if self._samples is None:
-                raise RuntimeError("csa_compressor: check_support() needs the sample tensors, which were released")
-            cfg = self._check()
-            name = dispatch.resolve_backend(self.requested_backend, cfg.device, cfg.ratio, cfg.coff, cfg.head_dim)
-            self.config, self.backend, self._module = cfg, name, dispatch.backend_module(name)
-            # The scalars as the checks converted them (numpy integers become ints).
-            self.ratio, self.coff, self.head_dim = cfg.ratio, cfg.coff, cfg.head_dim
-            self.uses_stats = uses_softmax_stats(cfg.ratio, cfg.coff)
-            supports = getattr(self._module, "supports_stats", None)
-            if self.uses_stats and (supports is None or not supports(cfg.ratio, cfg.coff, cfg.head_dim)):
-                raise RuntimeError(f"csa_compressor: backend {name!r} has no softmax-statistics path for {cfg}")
-        return True
-
-    def compile(self) -> None:
-        """Build the kernels for this configuration, so that later calls (and graph capture) never compile."""
-        self.check_support()
-        key = (self.backend, self.direction, self.config)
-        cfg = self.config
-        if key not in _COMPILED:
-            if _capturing(cfg.device):
-                raise RuntimeError(
-                    f"csa_compressor: the {self.backend} {self.direction} kernel for ratio={cfg.ratio}, "
-                    f"coff={cfg.coff}, head_dim={cfg.head_dim} would be compiled during CUDA-graph capture; "
-                    "call compile() (or run the op once) before capturing"
-                )
-            if cfg.device.type != "meta":
-                self._module.compile(self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
-                _COMPILED.add(key)
-        # From here on execute() goes straight to the backend: nothing it does can compile.
-        self._ratio, self._coff, self._head_dim = cfg.ratio, cfg.coff, cfg.head_dim
-        self._recheck = getattr(cfg, f"recheck_{self.direction}")
-        self._recheck_fresh = getattr(cfg, f"recheck_{self.direction}_fresh")
-        self._launch = getattr(self._module, self.direction)
-
-    def _release_samples(self) -> None:
-        self._samples = None
-
-    def _validate(self, kv, cu_seqlens, cu_seqlens_comp, rows: int, stream, validate) -> None:
-        """The validation mode: the offsets' contents on the device (thd.validate_pack), one synchronisation."""
-        if support.validation_requested(validate):
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                thd.validate_pack(cu_seqlens, cu_seqlens_comp, self._ratio, kv.shape[0], rows)
-
-
-def _keep_alive(stream, tensors) -> None:
-    # The caller may free its tensors before the kernel on `stream` has run; record the use.
-    if stream != torch.cuda.current_stream(stream.device):
-        for t in tensors:
-            if t is not None and t.device.type == "cuda":
-                t.record_stream(stream)
-
-
-class CSACompressorForward(_Op):
-    """Forward pooling. ``execute`` writes ``out`` ``(total_comp, head_dim)``."""
-
-    direction = "forward"
-
-    def __init__(
-        self,
-        sample_kv,
-        sample_score,
-        sample_ape,
-        sample_cu_seqlens,
-        sample_cu_seqlens_comp,
-        sample_out,
-        ratio: int = 4,
-        coff: int = 2,
-        head_dim: int | None = None,
-        backend: str | None = "auto",
-    ):
-        samples = (sample_kv, sample_score, sample_ape, sample_cu_seqlens, sample_cu_seqlens_comp, sample_out)
-        super().__init__(samples, ratio, coff, head_dim, backend)
-
-    def _check(self) -> Config:
-        return support.check_forward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
-
-    def execute(
-        self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream=None, softmax_stats=None, validate=False
-    ):
-        """Write ``out``; with ``softmax_stats`` (a ``(total_comp, 3, head_dim)`` float32 buffer, long windows
-        only: ``uses_stats``) also the softmax statistics that ``CSACompressorBackward.execute`` can take.
-
-        ``validate=True`` (or ``CSA_COMPRESSOR_VALIDATE=1``): check the offsets' contents first (one host
-        synchronisation; refused under CUDA-graph capture), see ``validate_pack``.
-        """
-        # Hot path: one attribute test, the attribute-only recheck and the backend call.
-        launch = self._launch
-        if launch is None:
-            self.compile()
-            launch = self._launch
-        rows = self._recheck(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
-        if softmax_stats is not None:
-            self.config.recheck_stats(softmax_stats, rows)
-        if validate or _validation_env() is not None:
-            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
-        if rows == 0:
-            return out
-        if stream is not None:
-            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats))
-        launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, softmax_stats)
-        return out
-
-    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate=False):
-        """``execute`` of a compiled op for the wrappers: recheck with ``total_comp`` (before anything is
-        allocated), allocate ``out``, launch."""
-        rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp)
-        if validate or _validation_env() is not None:
-            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
-        # Allocated on the current stream; with an explicit `stream`, the use is recorded there.
-        out = kv.new_empty((rows, self._head_dim))
-        if rows:
-            if stream is not None:
-                _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out))
-            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, None)
-        return out
-
-    def _run_fresh_stats(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate=False):
-        """``_run_fresh`` that also allocates and fills the softmax statistics: ``(out, softmax_stats)``."""
-        rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp)
-        stats = torch.empty((rows, 3, self._head_dim), dtype=torch.float32, device=kv.device)
-        self.config.recheck_stats(stats, rows)  # long windows only: names the bound otherwise
-        if validate or _validation_env() is not None:
-            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
-        out = kv.new_empty((rows, self._head_dim))
-        if rows:
-            if stream is not None:
-                _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats))
-            self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, self._ratio, self._coff, stream, stats)
-        return out, stats
-
-
-class CSACompressorBackward(_Op):
-    """Backward pooling. ``execute`` overwrites ``grad_kv``, ``grad_score`` (exact zeros where unconsumed) and ``grad_ape``."""
-
-    direction = "backward"
-
-    def __init__(
-        self,
-        sample_kv,
-        sample_score,
-        sample_ape,
-        sample_cu_seqlens,
-        sample_cu_seqlens_comp,
-        sample_grad_out,
-        sample_grad_kv,
-        sample_grad_score,
-        sample_grad_ape,
-        ratio: int = 4,
-        coff: int = 2,
-        head_dim: int | None = None,
-        backend: str | None = "auto",
-    ):
-        samples = (
-            sample_kv,
-            sample_score,
-            sample_ape,
-            sample_cu_seqlens,
-            sample_cu_seqlens_comp,
-            sample_grad_out,
-            sample_grad_kv,
-            sample_grad_score,
-            sample_grad_ape,
-        )
-        super().__init__(samples, ratio, coff, head_dim, backend)
-
-    def _check(self) -> Config:
-        return support.check_backward(*self._samples, ratio=self.ratio, coff=self.coff, head_dim=self.head_dim)
-
-    def execute(
-        self,
-        kv,
-        score,
-        ape,
-        cu_seqlens,
-        cu_seqlens_comp,
-        grad_out,
-        grad_kv,
-        grad_score,
-        grad_ape,
-        stream=None,
-        softmax_stats=None,
-        validate=False,
-    ):
-        """Overwrite the three gradients. ``softmax_stats``: what ``CSACompressorForward.execute`` saved for these
-        inputs (long windows); the kernel then skips its own pass over the window for the row statistics.
-        ``validate``: as for the forward."""
-        if self._launch is None:
-            self.compile()
-        rows = self._recheck(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
-        grads = grad_kv, grad_score, grad_ape
-        if rows == 0 or softmax_stats is not None or validate or stream is not None or _validation_env() is not None:
-            return self._launch_rows(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, softmax_stats, validate
-            )
-        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, self._ratio, self._coff, None, None)
-        return grads
-
-    def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, stats=None, validate=False):
-        """``execute`` of a compiled op for the wrappers, which allocate the gradients (``torch.empty_like``)."""
-        rows = self._recheck_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
-        # The kernel writes every element: uninitialised buffers, one allocation each.
-        grads = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
-        if rows == 0 or stats is not None or validate or stream is not None or _validation_env() is not None:
-            return self._launch_rows(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate
-            )
-        self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, self._ratio, self._coff, None, None)
-        return grads
-
-    def _launch_rows(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate):
-        """The rarer part of both paths (no rows, statistics, validation, an explicit stream), then the kernel."""
-        grad_kv, grad_score, grad_ape = grads
-        if stats is not None:
-            self.config.recheck_stats(stats, rows)
-        if validate or _validation_env() is not None:
-            self._validate(kv, cu_seqlens, cu_seqlens_comp, rows, stream, validate)
-        if rows == 0:
-            # Nothing consumed anything: the gradients are exact zeros.
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                grad_kv.zero_()
-                grad_score.zero_()
-                grad_ape.zero_()
-            return grads
-        if stream is not None:
-            _keep_alive(stream, (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, stats))
-        self._launch(
-            kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, self._ratio, self._coff,
-            stream, stats,
-        )  # fmt: skip
-        return grads
-
-
-_validation_env = support.validation_env
 
 # ---------------------------------------------------------------- wrappers
 
@@ -313,22 +29,32 @@ def _rows_on_device(cu_seqlens_comp) -> int:
 
 # Wrapper ops, compiled on the first call of a configuration (samples dropped after compile, so the cache
 # holds no device memory). Two levels:
-# - _OPS: the full key (direction, ratio, coff, head_dim, dtype, device, resolved backend request);
+# - _OPS: the full key (direction, ratio, coff, head_dim, dtype, device, resolved backend request, TailConfig);
 # - _FWD_FAST / _BWD_FAST: the wrapper's raw arguments (ratio, coff, head_dim or None, kv width, backend
 #   argument, raw $CSA_COMPRESSOR_BACKEND, dtype, device) -> op, filled after a successful slow call. A hit
 #   skips argument normalisation; the op's recheck still tests every argument against its configuration.
+#   _FWD_TAIL_FAST / _BWD_TAIL_FAST: the same key and the tail's raw configuration (_tail_key).
 _OPS: dict[tuple, _Op] = {}
 _FWD_FAST: dict[tuple, _Op] = {}
 _BWD_FAST: dict[tuple, _Op] = {}
+_FWD_TAIL_FAST: dict[tuple, _Op] = {}
+_BWD_TAIL_FAST: dict[tuple, _Op] = {}
 _env_token = dispatch.env_token
+_TAIL_NAMES = ("norm_weight", "norm_eps", "rope_cos", "rope_sin", "rope_dim", "rope_interleaved", "position_start")
 
 
-def _op(cls, direction: str, tensors, ratio, coff, head_dim, backend) -> _Op:
+def _op(cls, direction: str, tensors, ratio, coff, head_dim, backend, tail_args=None) -> _Op:
+    """The cached op of a configuration; ``tail_args`` (the seven tail arguments, checked here) pick its tail."""
     backend = dispatch.requested_backend(backend)
-    key = (direction, ratio, coff, head_dim, tensors[0].dtype, tensors[0].device, backend)
+    kv, cu_seqlens = tensors[0], tensors[3]
+    tail_kw = {} if tail_args is None else dict(zip(_TAIL_NAMES, tail_args, strict=True))
+    tail_cfg = None
+    if tail_args is not None:
+        tail_cfg = tail_config(Tail(*tail_args), head_dim=head_dim, batch=cu_seqlens.shape[0] - 1, device=kv.device)
+    key = (direction, ratio, coff, head_dim, kv.dtype, kv.device, backend, tail_cfg)
     op = _OPS.get(key)
     if op is None:
-        op = cls(*tensors, ratio=ratio, coff=coff, head_dim=head_dim, backend=backend)
+        op = cls(*tensors, ratio=ratio, coff=coff, head_dim=head_dim, backend=backend, **tail_kw)
         op.compile()
         op._release_samples()
         _OPS[key] = op
@@ -345,27 +71,37 @@ def _fast_key(kv, ratio, coff, head_dim, backend):
         return None
 
 
-def _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key) -> _Op:
+def _tail_key(key, norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start):
+    """``key`` with the tail's raw configuration, or None (the full path); the op's TailCheck tests the rest."""
+    if key is None or type(rope_dim) is not int or type(rope_interleaved) is not bool:
+        return None
+    return (*key, getattr(norm_weight, "dtype", None), rope_dim, rope_interleaved, position_start is None)
+
+
+def _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key, tail_args=None):
     """The forward wrapper's slow path: the scalars and tensors checked (the first broken bound named), the op
     built and cached. ``total_comp`` is the op's recheck's business."""
     ratio, coff, head_dim = support.check_config(ratio, coff, head_dim)
     pack = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
     head_dim = support.check_forward_fresh(*pack, 0, ratio=ratio, coff=coff, head_dim=head_dim).head_dim
-    op = _op(CSACompressorForward, "forward", (*pack, kv.new_empty((0, head_dim))), ratio, coff, head_dim, backend)
+    samples = (*pack, kv.new_empty((0, head_dim)))
+    op = _op(CSACompressorForward, "forward", samples, ratio, coff, head_dim, backend, tail_args)
     if key is not None:
-        _FWD_FAST[key] = op
+        (_FWD_FAST if tail_args is None else _FWD_TAIL_FAST)[key] = op
     return op
 
 
-def _backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, backend, key) -> _Op:
+def _backward_op(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, backend, key, tail_args=None
+):
     """The backward wrapper's slow path (see ``_forward_op``)."""
     ratio, coff, head_dim = support.check_config(ratio, coff, head_dim)
     pack = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
     head_dim = support.check_backward_fresh(*pack, ratio=ratio, coff=coff, head_dim=head_dim).head_dim
     grads = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
-    op = _op(CSACompressorBackward, "backward", (*pack, *grads), ratio, coff, head_dim, backend)
+    op = _op(CSACompressorBackward, "backward", (*pack, *grads), ratio, coff, head_dim, backend, tail_args)
     if key is not None:
-        _BWD_FAST[key] = op
+        (_BWD_FAST if tail_args is None else _BWD_TAIL_FAST)[key] = op
     return op
 
 
@@ -454,6 +190,36 @@ def _pool_backward(
     return op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, stats, validate)
 
 
+def _pool_forward_tail(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, tail_args, head_dim=None,
+    stream=None, return_stats=False, return_rstd=False, validate=False,
+):  # fmt: skip
+    """The forward with the seven tail arguments ``tail_args``: ``(out, rstd, softmax_stats)``, rstd (with a
+    norm and ``return_rstd``) and the statistics (``return_stats``) None where absent."""
+    key = _tail_key(_fast_key(kv, ratio, coff, head_dim, backend), *tail_args)
+    op = _FWD_TAIL_FAST.get(key) if key is not None else None
+    if op is None:
+        op = _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key, tail_args)
+    if total_comp is None:
+        total_comp = _rows_on_device(cu_seqlens_comp)
+    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    return op._run_fresh_tail(inputs, total_comp, tail_args, stream, return_stats, return_rstd, validate)
+
+
+def _pool_backward_tail(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, tail_args, head_dim=None,
+    stream=None, stats=None, rstd=None, validate=False,
+):  # fmt: skip
+    """The backward with the tail: ``(grad_kv, grad_score, grad_ape, grad_norm_weight or None)``."""
+    key = _tail_key(_fast_key(kv, ratio, coff, head_dim, backend), *tail_args)
+    op = _BWD_TAIL_FAST.get(key) if key is not None else None
+    if op is None:
+        pack = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
+        op = _backward_op(*pack, ratio, coff, head_dim, backend, key, tail_args)
+    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    return op._run_fresh_tail(inputs, grad_out, tail_args, stream, stats, rstd, validate)
+
+
 def csa_compressor_forward_wrapper(
     kv,
     score,
@@ -468,14 +234,38 @@ def csa_compressor_forward_wrapper(
     backend: str | None = "auto",
     return_softmax_stats: bool = False,
     validate: bool = False,
+    norm_weight=None,
+    norm_eps: float = 1e-6,
+    rope_cos=None,
+    rope_sin=None,
+    rope_dim: int = 0,
+    rope_interleaved: bool = True,
+    position_start=None,
 ) -> TupleDict:
     """Allocate ``out`` and run the forward. ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` (one host sync).
 
     ``return_softmax_stats=True`` (windows of more than 16 slots): also ``softmax_stats``, the
-    ``(total_comp, 3, head_dim)`` float32 statistics the backward wrapper takes to skip a pass over the window.
+    ``(total_comp, 3, head_dim)`` float32 statistics the backward wrapper takes to skip a pass over the window
+    (``softmax_stats[:, 2]`` is the pooled row before any tail).
     ``validate=True`` (or ``CSA_COMPRESSOR_VALIDATE=1``): check the offsets' contents on the device first (one
     host synchronisation; refused under CUDA-graph capture), see ``validate_pack``.
+    ``norm_weight`` .. ``position_start``: the fused tail, RMSNorm then RoPE on each row (docs/tail.md).
     """
+    if not (
+        norm_weight is None
+        and rope_cos is None
+        and rope_sin is None
+        and position_start is None
+        and rope_dim == 0
+        and rope_interleaved is True
+        and norm_eps == 1e-6
+    ):
+        tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+        out, _, stats = _pool_forward_tail(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, tail_args, head_dim,
+            stream, return_softmax_stats, False, validate,
+        )  # fmt: skip
+        return TupleDict(out=out, softmax_stats=stats) if return_softmax_stats else TupleDict(out=out)
     if return_softmax_stats:
         out, stats = _pool_forward(
             kv,
@@ -514,14 +304,40 @@ def csa_compressor_backward_wrapper(
     backend: str | None = "auto",
     softmax_stats=None,
     validate: bool = False,
+    norm_weight=None,
+    norm_eps: float = 1e-6,
+    rope_cos=None,
+    rope_sin=None,
+    rope_dim: int = 0,
+    rope_interleaved: bool = True,
+    position_start=None,
 ) -> TupleDict:
     """Allocate and compute ``grad_kv``, ``grad_score`` (``empty``: the kernel writes every element) and ``grad_ape``.
 
     ``softmax_stats``: the forward wrapper's ``softmax_stats`` for the same inputs (long windows), or None.
-    ``validate``: as for the forward wrapper.
+    ``validate``: as for the forward wrapper. With the tail's arguments (as given to the forward), ``grad_out``
+    is the gradient of the tail's output, and a norm adds ``grad_norm_weight`` ``(head_dim,)`` float32.
     """
     if total_comp is not None:
         support.check_total_comp_rows(total_comp, grad_out)
+    if not (
+        norm_weight is None
+        and rope_cos is None
+        and rope_sin is None
+        and position_start is None
+        and rope_dim == 0
+        and rope_interleaved is True
+        and norm_eps == 1e-6
+    ):
+        tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+        *grads, grad_weight = _pool_backward_tail(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, tail_args, head_dim, stream,
+            softmax_stats, None, validate,
+        )  # fmt: skip
+        result = TupleDict(grad_kv=grads[0], grad_score=grads[1], grad_ape=grads[2])
+        if grad_weight is not None:
+            result["grad_norm_weight"] = grad_weight
+        return result
     grad_kv, grad_score, grad_ape = _pool_backward(
         kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, head_dim, stream, softmax_stats,
         validate,

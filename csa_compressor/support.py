@@ -112,6 +112,8 @@ class Config:
     recheck_backward: object = field(init=False, compare=False, repr=False)
     recheck_backward_fresh: object = field(init=False, compare=False, repr=False)
     recheck_stats: object = field(init=False, compare=False, repr=False)
+    recheck_rstd: object = field(init=False, compare=False, repr=False)
+    recheck_grad_norm_weight: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         width = self.coff * self.head_dim
@@ -315,6 +317,11 @@ STATS = (
     *_operand("softmax_stats", 3, "F32", 16, "(rows, 3, HEAD_DIM)"),
 )
 
+# The fused tail's buffers (its inputs' bounds are csa_compressor.tail.check_tail's): the forward's per-row
+# rsqrt(mean(x*x) + eps) and the norm weight's gradient.
+RSTD = (_GIVEN, *_operand("rstd", 1, "F32", 16, "(rows,)"))
+GRAD_NORM_WEIGHT = (_GIVEN, *_operand("grad_norm_weight", 1, "F32", 16, "(HEAD_DIM,)"))
+
 # The backward wrapper's optional total_comp; a grad_out that is no tensor of rank >= 1 is named by its own bounds.
 TOTAL_COMP_ROWS = (
     *ROWS_ARG,
@@ -341,7 +348,10 @@ VARIANTS = {
     "backward": ((*_PACK_ARGS, *_GRAD_ARGS), (*SCALARS, *PACK, *_rows_operand("grad_out"), *ROWS, *GRADS)),
     "backward_fresh": ((*_PACK_ARGS, "grad_out"), (*SCALARS, *PACK, *_rows_operand("grad_out"), *ROWS)),
     "stats": (("softmax_stats", "rows"), STATS),
+    "rstd": (("rstd", "rows"), RSTD),
+    "grad_norm_weight": (("grad_norm_weight", "rows"), GRAD_NORM_WEIGHT),
 }
+_PACK_VARIANTS = ("forward", "forward_fresh", "backward", "backward_fresh")
 _PER_CALL_ERRORS = (AttributeError, TypeError, ValueError)  # not tensors, wrong ranks (shape unpacking)
 
 
@@ -429,7 +439,7 @@ def _recheck_failed(cfg: Config, name: str, recheck, args: tuple):
     if got == cfg and any(a is not b for a, b in zip(args, normalized, strict=True)):
         return recheck(*normalized)
     kv = args[0]
-    call = f"got kv {tuple(kv.shape)} {kv.dtype} on {kv.device}" if name != "stats" else f"got {args}"
+    call = f"got kv {tuple(kv.shape)} {kv.dtype} on {kv.device}" if name in _PACK_VARIANTS else f"got {args}"
     _fail(
         "execute() tensors must match the configuration compiled for",
         f"compiled for head_dim={cfg.head_dim}, coff={cfg.coff}, {cfg.dtype} on {cfg.device}; {call}",
