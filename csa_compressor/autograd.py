@@ -1,8 +1,11 @@
-"""Differentiable pooling: torch.library custom ops, an autograd.Function over them, and an nn.Module.
+"""Differentiable pooling and its fused tail: torch.library custom ops, an autograd.Function over them, and an
+nn.Module.
 
 The kernels are opaque to the compiler, so each direction is a ``torch.library``
 custom op with a fake (meta) implementation: ``torch.compile(fullgraph=True)``
 traces through it without graph breaks, and CUDA graphs capture it like any op.
+The pooling alone keeps its own ops; a tail (RMSNorm, RoPE: docs/tail.md) has two more
+(``pool_forward_tail``, ``pool_backward_tail``) with the tail's seven arguments.
 """
 
 from __future__ import annotations
@@ -100,12 +103,104 @@ def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backen
     return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
 
 
+@torch.library.custom_op("csa_compressor::pool_forward_tail", mutates_args=())
+def _pool_forward_tail(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_comp: torch.Tensor,
+    ratio: int,
+    coff: int,
+    total_comp: int,
+    backend: str,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    rope_dim: int,
+    rope_interleaved: bool,
+    position_start: torch.Tensor | None,
+    return_stats: bool = False,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, rstd, softmax_stats)``: ``rstd`` ``(total_comp,)`` with a norm, else ``(0,)``; the statistics
+    ``(total_comp, 3, d)`` with ``return_stats``, else ``(0, 3, d)`` (an op returns tensors, never None)."""
+    tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+    out, rstd, stats = api._pool_forward_tail(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, tail_args,
+        return_stats=return_stats, return_rstd=True, validate=validate,
+    )  # fmt: skip
+    empty_rstd, empty_stats = _absent_forward_outputs(kv, coff)
+    return out, empty_rstd if rstd is None else rstd, empty_stats if stats is None else stats
+
+
+def _absent_forward_outputs(kv, coff):
+    d = kv.shape[-1] // coff
+    return kv.new_empty((0,), dtype=torch.float32), kv.new_empty((0, 3, d), dtype=torch.float32)
+
+
+@_pool_forward_tail.register_fake
+def _(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, norm_weight, norm_eps, rope_cos,
+    rope_sin, rope_dim, rope_interleaved, position_start, return_stats=False, validate=False,
+):  # fmt: skip
+    _traced_scalars(ratio, coff, total_comp)
+    d = kv.shape[-1] // coff
+    rstd = kv.new_empty((total_comp if norm_weight is not None else 0,), dtype=torch.float32)
+    stats = kv.new_empty((total_comp if return_stats else 0, 3, d), dtype=torch.float32)
+    return kv.new_empty((total_comp, d)), rstd, stats
+
+
+@torch.library.custom_op("csa_compressor::pool_backward_tail", mutates_args=())
+def _pool_backward_tail(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_comp: torch.Tensor,
+    grad_out: torch.Tensor,
+    ratio: int,
+    coff: int,
+    backend: str,
+    norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    rope_cos: torch.Tensor | None,
+    rope_sin: torch.Tensor | None,
+    rope_dim: int,
+    rope_interleaved: bool,
+    position_start: torch.Tensor | None,
+    softmax_stats: torch.Tensor | None = None,
+    rstd: torch.Tensor | None = None,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_kv, grad_score, grad_ape, grad_norm_weight)``, the last ``(d,)`` float32 with a norm, else ``(0,)``."""
+    tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+    *grads, grad_weight = api._pool_backward_tail(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.contiguous(), ratio, coff, backend, tail_args,
+        stats=softmax_stats, rstd=rstd, validate=validate,
+    )  # fmt: skip
+    return (*grads, kv.new_empty((0,), dtype=torch.float32) if grad_weight is None else grad_weight)
+
+
+@_pool_backward_tail.register_fake
+def _(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, norm_weight, norm_eps, rope_cos,
+    rope_sin, rope_dim, rope_interleaved, position_start, softmax_stats=None, rstd=None, validate=False,
+):  # fmt: skip
+    d = kv.shape[-1] // coff if norm_weight is not None else 0
+    grad_weight = kv.new_empty((d,), dtype=torch.float32)
+    return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape), grad_weight
+
+
 _PLAIN = (torch.Tensor, nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _pool_forward_op = torch.ops.csa_compressor.pool_forward.default
 _pool_forward_stats_op = torch.ops.csa_compressor.pool_forward_stats.default
 _pool_backward_op = torch.ops.csa_compressor.pool_backward.default
+_pool_forward_tail_op = torch.ops.csa_compressor.pool_forward_tail.default
+_pool_backward_tail_op = torch.ops.csa_compressor.pool_backward_tail.default
 
 
 def _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp) -> bool:
@@ -127,18 +222,40 @@ def _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp) -> bool:
     )
 
 
+def _direct_tail(norm_weight, rope_cos, rope_sin, position_start) -> bool:
+    return all(t is None or type(t) in _PLAIN for t in (norm_weight, rope_cos, rope_sin, position_start))
+
+
 class CompressorPoolFunction(torch.autograd.Function):
-    """autograd over the two custom ops; gradients flow to ``kv``, ``score`` and ``ape``.
+    """autograd over the custom ops; gradients flow to ``kv``, ``score``, ``ape`` and ``norm_weight``.
 
     In plain eager mode (see ``_direct``) both directions call the wrappers' code directly. Long windows
     save the forward's softmax statistics ``(total_comp, 3, d)`` fp32 for the backward, which then reads
     each input once instead of twice, on the backends whose statistics pair is validated
-    (``api.autograd_uses_stats``).
+    (``api.autograd_uses_stats``). With a norm the forward also saves each row's ``rstd`` (``total_comp``
+    floats). The norm weight's gradient is computed in fp32 and handed back in the weight's dtype; the
+    rotary tables and ``position_start`` get none.
     """
 
     @staticmethod
-    def forward(ctx, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate=False):
+    def forward(
+        ctx, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate=False,
+        norm_weight=None, norm_eps=1e-6, rope_cos=None, rope_sin=None, rope_dim=0, rope_interleaved=True,
+        position_start=None,
+    ):  # fmt: skip
         ctx.ratio, ctx.coff, ctx.backend, ctx.validate = ratio, coff, backend, validate
+        if not (
+            norm_weight is None
+            and rope_cos is None
+            and rope_sin is None
+            and position_start is None
+            and rope_dim == 0
+            and rope_interleaved is True
+            and norm_eps == 1e-6
+        ):
+            tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+            return _forward_tail(ctx, (kv, score, ape, cu_seqlens, cu_seqlens_comp), total_comp, tail_args)
+        ctx.tail_scalars = None
         direct = _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp)
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
         if not api.autograd_uses_stats(kv, ratio, coff, backend):
@@ -155,6 +272,8 @@ class CompressorPoolFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.tail_scalars is not None:
+            return _backward_tail(ctx, grad_out)
         kv, score, ape, cu_seqlens, cu_seqlens_comp, *rest = ctx.saved_tensors
         stats = rest[0] if rest else None
         if _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp) and type(grad_out) in _PLAIN:
@@ -179,6 +298,52 @@ class CompressorPoolFunction(torch.autograd.Function):
         return grad_kv, grad_score, grad_ape, None, None, None, None, None, None, None
 
 
+def _forward_tail(ctx, inputs, total_comp, tail_args):
+    """``CompressorPoolFunction.forward`` with a tail: the tail ops (or their code, eagerly), rstd saved."""
+    ratio, coff, backend, validate = ctx.ratio, ctx.coff, ctx.backend, ctx.validate
+    norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start = tail_args
+    ctx.tail_scalars = (norm_eps, rope_dim, rope_interleaved)
+    ctx.norm_dtype = None if norm_weight is None else norm_weight.dtype
+    use_stats = api.autograd_uses_stats(inputs[0], ratio, coff, backend)
+    if _direct(*inputs) and _direct_tail(norm_weight, rope_cos, rope_sin, position_start):
+        out, rstd, stats = api._pool_forward_tail(
+            *inputs, ratio, coff, total_comp, backend, tail_args, return_stats=use_stats, return_rstd=True,
+            validate=validate,
+        )  # fmt: skip
+    else:
+        out, rstd, stats = _pool_forward_tail_op(
+            *inputs, ratio, coff, total_comp, backend, *tail_args, use_stats, validate
+        )
+        rstd = rstd if norm_weight is not None else None
+        stats = stats if use_stats else None
+    ctx.save_for_backward(*inputs, norm_weight, rope_cos, rope_sin, position_start, stats, rstd)
+    return out
+
+
+def _backward_tail(ctx, grad_out):
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, norm_weight, rope_cos, rope_sin, position_start, stats, rstd = (
+        ctx.saved_tensors
+    )
+    norm_eps, rope_dim, rope_interleaved = ctx.tail_scalars
+    tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    scalars = (ctx.ratio, ctx.coff, ctx.backend)
+    direct = _direct(*inputs) and _direct_tail(norm_weight, rope_cos, rope_sin, position_start)
+    if direct and type(grad_out) in _PLAIN:
+        grad_kv, grad_score, grad_ape, grad_weight = api._pool_backward_tail(
+            *inputs, grad_out.contiguous(), *scalars, tail_args, stats=stats, rstd=rstd, validate=ctx.validate
+        )
+    else:
+        grad_kv, grad_score, grad_ape, grad_weight = _pool_backward_tail_op(
+            *inputs, grad_out, *scalars, *tail_args, stats, rstd, ctx.validate
+        )
+    if norm_weight is None:
+        grad_weight = None
+    elif grad_weight.dtype != ctx.norm_dtype:
+        grad_weight = grad_weight.to(ctx.norm_dtype)  # computed in fp32 (a sum over rows), stored as the weight
+    return grad_kv, grad_score, grad_ape, *(None,) * 7, grad_weight, *(None,) * 6
+
+
 def compressor_pool(
     kv: torch.Tensor,
     score: torch.Tensor,
@@ -190,12 +355,21 @@ def compressor_pool(
     total_comp: int | None = None,
     backend: str = "auto",
     validate: bool = False,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_dim: int = 0,
+    rope_interleaved: bool = True,
+    position_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Differentiable fused pooling: ``(T, coff*d)`` kv/score, ``(ratio, coff*d)`` ape -> ``(total_comp, d)``.
 
     ``total_comp=None`` reads ``cu_seqlens_comp[-1]`` on the host (one synchronisation); pass an
     int (a static capacity) for CUDA graphs and ``torch.compile``. ``validate=True`` (or
     ``CSA_COMPRESSOR_VALIDATE=1``) checks the offsets' contents before each launch (docs/safety.md).
+    ``norm_weight`` .. ``position_start``: the fused tail, RMSNorm then RoPE on each row in the same kernels
+    (docs/tail.md); gradients also flow to ``norm_weight``.
     """
     if total_comp is None:
         total_comp = int(cu_seqlens_comp[-1].item())
@@ -203,17 +377,31 @@ def compressor_pool(
         ratio, coff, _ = support.check_config(ratio, coff)
     if type(total_comp) is not int and not isinstance(total_comp, torch.SymInt):
         total_comp = support.check_total_comp(total_comp)
+    if (
+        norm_weight is None
+        and rope_cos is None
+        and rope_sin is None
+        and position_start is None
+        and rope_dim == 0
+        and rope_interleaved is True
+        and norm_eps == 1e-6
+    ):
+        return CompressorPoolFunction.apply(
+            kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate
+        )
     return CompressorPoolFunction.apply(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate
-    )
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate, norm_weight,
+        norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start,
+    )  # fmt: skip
 
 
 class CompressorPool(nn.Module):
     """The pooling step of a CSA/HCA compressor, owning the absolute position embedding ``ape``.
 
-    ``forward(kv, score, cu_seqlens, cu_seqlens_comp=None, total_comp=None)`` takes ``kv``/``score``
-    as ``(T, coff*d)`` or Megatron-LM's ``(T, 1, coff*d)`` and returns ``(total_comp, d)`` or
-    ``(total_comp, 1, d)`` to match. ``cu_seqlens_comp=None`` computes it on the device.
+    ``forward(kv, score, cu_seqlens, cu_seqlens_comp=None, total_comp=None, *, norm_weight=None, ...)`` takes
+    ``kv``/``score`` as ``(T, coff*d)`` or Megatron-LM's ``(T, 1, coff*d)`` and returns ``(total_comp, d)`` or
+    ``(total_comp, 1, d)`` to match. ``cu_seqlens_comp=None`` computes it on the device. The tail's keyword
+    arguments (``compressor_pool``'s; the norm weight stays the caller's parameter) fuse RMSNorm and RoPE.
     ``validate=True`` (an attribute too): check the offsets' contents before each launch (docs/safety.md).
     """
 
@@ -234,7 +422,10 @@ class CompressorPool(nn.Module):
     def extra_repr(self) -> str:
         return f"ratio={self.ratio}, head_dim={self.head_dim}, coff={self.coff}, backend={self.backend!r}, validate={self.validate}"
 
-    def forward(self, kv, score, cu_seqlens, cu_seqlens_comp=None, total_comp=None):
+    def forward(
+        self, kv, score, cu_seqlens, cu_seqlens_comp=None, total_comp=None, *, norm_weight=None, norm_eps=1e-6,
+        rope_cos=None, rope_sin=None, rope_dim=0, rope_interleaved=True, position_start=None,
+    ):  # fmt: skip
         width = self.coff * self.head_dim
         three_d = kv.dim() == 3
         if three_d:
@@ -256,5 +447,12 @@ class CompressorPool(nn.Module):
             total_comp=total_comp,
             backend=self.backend,
             validate=self.validate,
+            norm_weight=norm_weight,
+            norm_eps=norm_eps,
+            rope_cos=rope_cos,
+            rope_sin=rope_sin,
+            rope_dim=rope_dim,
+            rope_interleaved=rope_interleaved,
+            position_start=position_start,
         )
         return out.unsqueeze(1) if three_d else out
