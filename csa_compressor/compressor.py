@@ -1,9 +1,8 @@
 """The DeepSeek-V4 compressor as one ``nn.Module``: projections, gated pooling, RMSNorm and RoPE.
 
-The pooling runs in the fused kernels (``compressor_pool``). The tail (RMSNorm over ``head_dim``, then the
-rotary embedding of the last ``rope_dim`` columns at each row's position) runs in PyTorch for now, in
-``_norm_rope``, whose arguments are the ones the fused tail of the pooling op takes; moving the tail into the
-kernels replaces ``Compressor._pool_and_tail`` by one ``compressor_pool`` call with those arguments.
+The pooling and its tail (RMSNorm over ``head_dim``, then the rotary embedding of the last ``rope_dim``
+columns at each row's position) run in the same kernels: one ``compressor_pool`` call with the fused tail's
+arguments (docs/tail.md).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import torch
 from torch import nn
 
 from .autograd import compressor_pool
-from .tail import row_positions
 from .thd import compute_cu_seqlens_comp
 
 __all__ = ["Compressor", "rope_tables"]
@@ -35,40 +33,6 @@ def rope_tables(
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
-def _norm_rope(
-    pooled: torch.Tensor,
-    is_real: torch.Tensor,
-    positions: torch.Tensor,
-    norm_weight: torch.Tensor | None,
-    norm_eps: float,
-    rope_cos: torch.Tensor | None,
-    rope_sin: torch.Tensor | None,
-    rope_dim: int,
-    rope_interleaved: bool,
-) -> torch.Tensor:
-    """RMSNorm, then RoPE on the last ``rope_dim`` columns, in fp32 with one rounding to ``pooled.dtype``.
-
-    Padding rows (``~is_real``) keep their values but pass no gradient, as in the pooling itself.
-    """
-    y = pooled.float()
-    if norm_weight is not None:
-        y = y * torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + norm_eps) * norm_weight.float()
-    if rope_dim > 0:
-        # Positions past the table read its last row rather than memory outside it.
-        index = positions.clamp(0, rope_cos.shape[0] - 1)
-        cos, sin = rope_cos[index], rope_sin[index]
-        keep, rot = y[:, : y.shape[1] - rope_dim], y[:, y.shape[1] - rope_dim :]
-        if rope_interleaved:
-            a, b = rot[:, 0::2], rot[:, 1::2]
-            rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(1)
-        else:
-            a, b = rot[:, : rope_dim // 2], rot[:, rope_dim // 2 :]
-            rot = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
-        y = torch.cat((keep, rot), dim=-1)
-    out = y.to(pooled.dtype)
-    return torch.where(is_real[:, None], out, out.detach())
-
-
 class Compressor(nn.Module):
     """The compressor of DeepSeek-V4-style attention (CSA and HCA) over a THD pack.
 
@@ -76,6 +40,7 @@ class Compressor(nn.Module):
     fused gated pooling with ``ape`` over groups of ``ratio`` tokens (``coff = 2``: overlapping windows),
     RMSNorm over ``head_dim`` with ``norm.weight``, and the rotary embedding of the last ``rope_dim``
     columns at each row's position -> ``(total_comp, head_dim)`` (``(total_comp, 1, head_dim)`` for 3-D ``x``).
+    Pooling, norm and rotation are one fused op, fp32 inside with one rounding at the end.
 
     DeepSeek-V4's configurations: ``ratio=4`` (coff 2, the CSA compressors), ``ratio=128`` (coff 1, HCA),
     ``ratio=2, coff=1, learned_ape=False`` (a zero ``ape`` buffer instead of a parameter).
@@ -147,9 +112,10 @@ class Compressor(nn.Module):
 
         ``cu_seqlens`` ``(B+1,)`` int32; ``cu_seqlens_comp`` (computed on the device when None);
         ``total_comp``: output rows (an int capacity for CUDA graphs and ``torch.compile``; None reads
-        ``cu_seqlens_comp[-1]``, one host synchronisation); ``position_start`` ``(B,)``: position of each
-        segment's first token (default 0); ``rope_cos`` / ``rope_sin``: tables ``(max_position, rope_dim // 2)``
-        float32 in place of the module's own (``rope_tables``).
+        ``cu_seqlens_comp[-1]``, one host synchronisation); ``position_start`` ``(B,)`` integers: position of
+        each segment's first token (default 0); ``rope_cos`` / ``rope_sin``: tables ``(max_position,
+        rope_dim // 2)`` float32 in place of the module's own (``rope_tables``). Every real row's position must
+        lie inside the tables (``csa_compressor.tail.validate_positions`` checks it).
         """
         three_d = x.dim() == 3
         if three_d:
@@ -174,7 +140,10 @@ class Compressor(nn.Module):
         return out.unsqueeze(1) if three_d else out
 
     def _pool_and_tail(self, kv, score, cu_seqlens, cu_seqlens_comp, total_comp, position_start, cos, sin):
-        pooled = compressor_pool(
+        rope = self.rope_dim > 0
+        if rope and position_start is not None and position_start.dtype != torch.int32:
+            position_start = position_start.to(torch.int32)  # the op's dtype; a device-side cast, no sync
+        return compressor_pool(
             kv,
             score,
             self.ape,
@@ -184,17 +153,11 @@ class Compressor(nn.Module):
             coff=self.coff,
             total_comp=total_comp,
             backend=self.backend,
-        )
-        positions = row_positions(cu_seqlens_comp, total_comp, self.ratio, position_start)
-        is_real = torch.arange(total_comp, device=positions.device) < cu_seqlens_comp[-1]
-        return _norm_rope(
-            pooled,
-            is_real,
-            positions,
-            self.norm.weight,
-            self.norm.eps if self.norm.eps is not None else 1e-6,
-            cos,
-            sin,
-            self.rope_dim,
-            self.rope_interleaved,
+            norm_weight=self.norm.weight,
+            norm_eps=self.norm.eps if self.norm.eps is not None else 1e-6,
+            rope_cos=cos if rope else None,
+            rope_sin=sin if rope else None,
+            rope_dim=self.rope_dim,
+            rope_interleaved=self.rope_interleaved,
+            position_start=position_start if rope else None,
         )
