@@ -7,13 +7,15 @@ Public entry points:
   ``compile``, ``execute``): the kernel API;
 - ``compressor_pool`` (autograd + ``torch.library`` custom op) and ``CompressorPool``
   (an ``nn.Module`` owning ``ape``): the training API;
-- ``Compressor``: the whole DeepSeek-V4 compressor (projections, pooling, RMSNorm, RoPE) as an
-  ``nn.Module``, with ``rope_tables`` for its rotary tables;
+- every one of them with the optional fused tail (RMSNorm, then RoPE; ``tail`` holds its semantics,
+  bounds and references);
+- ``Compressor``: the whole DeepSeek-V4 compressor (projections, pooling, RMSNorm, RoPE in one fused op) as
+  an ``nn.Module``, with ``rope_tables`` for its rotary tables;
 - ``compute_cu_seqlens_comp`` / ``validate_pack``: THD helpers;
 - ``reference``: the eager references (upstream, fp32, fp64).
 """
 
-from . import reference
+from . import reference, tail
 from .api import (
     CSACompressorBackward,
     CSACompressorForward,
@@ -43,5 +45,6 @@ __all__ = [
     "csa_compressor_forward_wrapper",
     "reference",
     "rope_tables",
+    "tail",
     "validate_pack",
 ]
