@@ -70,20 +70,63 @@ def tail_backend(requested, name: str, device: torch.device, ratio: int, coff: i
     )
 
 
-def _device_test(device: torch.device):
-    # As support's rechecks: the cheapest exact device read for the configuration's device type.
-    if device.type == "cpu":
-        return lambda t: t.is_cpu
-    if device.type == "meta":
-        return lambda t: t.is_meta
+# The per-call recheck is generated per configuration (as support's rechecks are): one boolean expression of
+# attribute reads with the configuration's values as constants. Device reads as support's: the cheapest exact one
+# for the configuration's device type.
+_DEVICE_READS = {"cpu": "{t}.is_cpu", "meta": "{t}.is_meta", "cuda": "{t}.get_device() == INDEX"}
+
+
+def _laid_out(t: str, dtype: str, align: int, device_read: str) -> str:
+    on_device = device_read.format(t=t)
+    return f"{t}.dtype is {dtype} and {t}.is_contiguous() and not {t}.data_ptr() & {align - 1} and {on_device}"
+
+
+def _holds_source(config: TailConfig | None, device_type: str) -> str:
+    """``holds(cu_seqlens, <the seven>)``: whether a call's tail arguments are this configuration's, all bounds
+    kept (it may raise on arguments of the wrong kind; the caller then runs the full check)."""
+    device_read = _DEVICE_READS.get(device_type, "{t}.device == DEVICE")
+    tests = ["(type(norm_eps) is float or type(norm_eps) is int) and 0 <= norm_eps < INF", "type(rope_dim) is int"]
+    if config is None:
+        tests += ["rope_dim == 0", "type(rope_interleaved) is bool", "norm_weight is None"]
+    else:
+        tests += ["rope_dim == ROPE_DIM", "rope_interleaved is INTERLEAVED"]
+        if config.norm_dtype is None:
+            tests.append("norm_weight is None")
+        else:
+            tests += ["norm_weight.shape == WEIGHT_SHAPE", _laid_out("norm_weight", "NORM_DTYPE", 16, device_read)]
+    if config is None or config.rope_dim == 0:
+        tests.append("rope_cos is None and rope_sin is None and position_start is None")
+    else:
+        tests += [
+            "len(cos_shape := rope_cos.shape) == 2 and cos_shape[1] == HALF and 0 < cos_shape[0]",
+            "cos_shape[0] * HALF < INT32_LIMIT and rope_sin.shape == cos_shape",
+            _laid_out("rope_cos", "F32", 16, device_read),
+            _laid_out("rope_sin", "F32", 16, device_read),
+        ]
+        if not config.has_positions:
+            tests.append("position_start is None")
+        else:
+            tests += [
+                "position_start.shape == (cu_seqlens.shape[0] - 1,)",
+                _laid_out("position_start", "I32", 4, device_read),
+            ]
+    body = "\n        and ".join(f"({test})" for test in tests)
+    params = "cu_seqlens, norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start"
+    return f"def holds({params}):\n    return (\n        {body}\n    )"
+
+
+def _make_holds(config: TailConfig | None, head_dim: int, device: torch.device):
+    index = -1
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return lambda t: t.get_device() == index
-    return lambda t: t.device == device
-
-
-def _laid_out(t, dtype, align_mask: int, on_device) -> bool:
-    return t.dtype is dtype and t.is_contiguous() and not t.data_ptr() & align_mask and on_device(t)
+    namespace = dict(
+        INF=math.inf, INT32_LIMIT=INT32_LIMIT, F32=_F32, I32=_I32, DEVICE=device, INDEX=index,
+        WEIGHT_SHAPE=(head_dim,), NORM_DTYPE=None if config is None else config.norm_dtype,
+        ROPE_DIM=0 if config is None else config.rope_dim, HALF=0 if config is None else config.rope_dim // 2,
+        INTERLEAVED=None if config is None else config.rope_interleaved,
+    )  # fmt: skip
+    exec(compile(_holds_source(config, device.type), "<csa_compressor.tail_args recheck>", "exec"), namespace)
+    return namespace["holds"]
 
 
 class TailCheck:
@@ -91,13 +134,7 @@ class TailCheck:
 
     def __init__(self, config: TailConfig | None, head_dim: int, device: torch.device):
         self.config, self.head_dim, self.device = config, head_dim, device
-        self._on_device = _device_test(device)
-        plain = config is None
-        self._norm_dtype = None if plain else config.norm_dtype
-        self._rope_dim = 0 if plain else config.rope_dim
-        self._interleaved = None if plain else config.rope_interleaved
-        self._positions = not plain and config.has_positions
-        self._weight_shape = (head_dim,)
+        self._holds = _make_holds(config, head_dim, device)
 
     def __call__(
         self, cu_seqlens, norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start
@@ -111,33 +148,6 @@ class TailCheck:
         except _PER_CALL_ERRORS:
             pass
         return self._full(cu_seqlens, args)
-
-    def _holds(self, cu_seqlens, norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start):
-        if not ((type(norm_eps) is float or type(norm_eps) is int) and 0 <= norm_eps < math.inf):
-            return False  # NaN fails the comparison too
-        if type(rope_dim) is not int or rope_dim != self._rope_dim or type(rope_interleaved) is not bool:
-            return False
-        if self._interleaved is not None and rope_interleaved is not self._interleaved:
-            return False
-        on_device = self._on_device
-        if self._norm_dtype is None:
-            if norm_weight is not None:
-                return False
-        elif not (norm_weight.shape == self._weight_shape and _laid_out(norm_weight, self._norm_dtype, 15, on_device)):
-            return False
-        if not rope_dim:
-            return rope_cos is None and rope_sin is None and position_start is None
-        max_position, half = rope_cos.shape
-        if not (half * 2 == rope_dim and max_position >= 1 and max_position * half < INT32_LIMIT):
-            return False
-        if not (rope_sin.shape == rope_cos.shape and _laid_out(rope_cos, _F32, 15, on_device)):
-            return False
-        if not _laid_out(rope_sin, _F32, 15, on_device):
-            return False
-        if not self._positions:
-            return position_start is None
-        (batch,) = position_start.shape
-        return batch == cu_seqlens.shape[0] - 1 and _laid_out(position_start, _I32, 3, on_device)
 
     def _full(self, cu_seqlens, args):
         tail = Tail(*args)

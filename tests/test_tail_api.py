@@ -34,7 +34,7 @@ from csa_compressor.backends.reference import launch as reference_launch
 from csa_compressor.testing import make_pack
 from csa_compressor.windows import uses_softmax_stats
 
-from .test_tail import BAD_TAILS, CASES, case_pack_and_tail
+from .test_tail import BAD_TAILS, CASES, _on_cuda, case_pack_and_tail
 
 NAMES = tuple(f.name for f in dataclasses.fields(T.Tail))
 
@@ -65,6 +65,14 @@ def _marks(backend: str):
 BACKENDS = [pytest.param(b, marks=_marks(b)) for b in ("reference", "triton")]
 # The Triton interpreter is slow on the CPU: there it gets the cases without ratio 128 (a GPU runs them all).
 _INTERPRETED = not torch.cuda.is_available()
+TAIL_BACKENDS = [b for b in ("reference", "triton") if b == "reference" or _TRITON_REASON is None]
+
+
+def _on_device(backend, fns):
+    """A GPU backend on a GPU machine runs on CUDA copies (results compared on the CPU); else as given."""
+    if backend == "reference" or _INTERPRETED:
+        return fns
+    return tuple(_on_cuda(fn) for fn in fns)
 
 
 def _entry_cases(entries):
@@ -198,7 +206,7 @@ def test_entry_points_meet_the_contract(entry, backend, name):
     pack, tail = case_pack_and_tail(name, seed=11)
     if entry == "compressor_pool":
         tail = dataclasses.replace(tail, norm_weight=None if tail.norm_weight is None else tail.norm_weight.float())
-    T.check_backend(*ENTRY_POINTS[entry](backend), pack, tail)
+    T.check_backend(*_on_device(backend, ENTRY_POINTS[entry](backend)), pack, tail)
 
 
 COMPILE_CASES = ["r4c2d72-rope64-bf16w-pos", "r2c1d4-rope4-only-pos", "r128c2d6-rope6-pos"]
@@ -212,9 +220,9 @@ def test_torch_compile_fullgraph_meets_the_contract(backend, name):
     torch._dynamo.reset()
     pack, tail = case_pack_and_tail(name, seed=12)
     tail = dataclasses.replace(tail, norm_weight=None if tail.norm_weight is None else tail.norm_weight.float())
-    T.check_backend(*_pool(backend, compile_it=True), pack, tail)
+    T.check_backend(*_on_device(backend, _pool(backend, compile_it=True)), pack, tail)
     # The compiled graph and plain eager agree bitwise, the norm weight's gradient included.
-    eager, compiled = (_autograd_backward(_pool_region(backend, c)) for c in (False, True))
+    eager, compiled = (_on_device(backend, (_autograd_backward(_pool_region(backend, c)),))[0] for c in (False, True))
     args = (*pack.inputs, pack.grad_out, tail)
     kw = dict(ratio=pack.ratio, coff=pack.coff)
     for got, want in zip(compiled(*args, **kw), eager(*args, **kw), strict=True):
@@ -446,6 +454,39 @@ def test_tail_op_with_an_identity_tail_is_the_pooling_op():
     args = (*pack.inputs, pack.ratio, pack.coff, pack.total_comp, "reference")
     out, rstd, stats = torch.ops.csa_compressor.pool_forward_tail(*args, None, 1e-5, None, None, 0, True, None)
     assert torch.equal(out, torch.ops.csa_compressor.pool_forward(*args)) and rstd.numel() == stats.numel() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", TAIL_BACKENDS)
+def test_cuda_graph_captures_the_tail(backend):
+    """compressor_pool with norm, rope and positions, forward and backward, captured and replayed: no host sync on
+    the tail's path, the replay equal to the eager call bitwise."""
+    pack = make_pack((96, 50, 7), 64, 4, 2, comp_padding=3, device="cuda", seed=19)
+    tail = T.random_tail(pack, rope_dim=32, positions=True, seed=20)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape, tail.norm_weight)]
+    kw = _kwargs(dataclasses.replace(tail, norm_weight=leaves[3]))
+
+    def step():
+        out = compressor_pool(*leaves[:3], *pack.inputs[3:], 4, 2, pack.total_comp, backend, **kw)
+        out.backward(pack.grad_out)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = step().detach().clone()  # the warm-up compiles outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    eager_grads = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.detach(), eager)
+    for t, want in zip(leaves, eager_grads, strict=True):
+        assert torch.equal(t.grad, want)
 
 
 # ---------------------------------------------------------------- host cost (python -m tests.test_tail_api)
