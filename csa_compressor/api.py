@@ -8,7 +8,7 @@ import torch
 from . import dispatch, support
 from .kernel_api import CSACompressorBackward, CSACompressorForward, TupleDict, _Op
 from .tail import Tail
-from .tail_args import tail_config
+from .tail_args import TAIL_ARGS, tail_config
 from .windows import uses_softmax_stats
 
 __all__ = [
@@ -40,14 +40,13 @@ _BWD_FAST: dict[tuple, _Op] = {}
 _FWD_TAIL_FAST: dict[tuple, _Op] = {}
 _BWD_TAIL_FAST: dict[tuple, _Op] = {}
 _env_token = dispatch.env_token
-_TAIL_NAMES = ("norm_weight", "norm_eps", "rope_cos", "rope_sin", "rope_dim", "rope_interleaved", "position_start")
 
 
 def _op(cls, direction: str, tensors, ratio, coff, head_dim, backend, tail_args=None) -> _Op:
     """The cached op of a configuration; ``tail_args`` (the seven tail arguments, checked here) pick its tail."""
     backend = dispatch.requested_backend(backend)
     kv, cu_seqlens = tensors[0], tensors[3]
-    tail_kw = {} if tail_args is None else dict(zip(_TAIL_NAMES, tail_args, strict=True))
+    tail_kw = {} if tail_args is None else dict(zip(TAIL_ARGS, tail_args, strict=True))
     tail_cfg = None
     if tail_args is not None:
         tail_cfg = tail_config(Tail(*tail_args), head_dim=head_dim, batch=cu_seqlens.shape[0] - 1, device=kv.device)

@@ -5,6 +5,10 @@
 failure reruns ``check_tail`` (the error names the bound), and arguments that pass it but belong to another
 configuration get an error that says so. An identity tail (neither norm nor rope) is None throughout: the
 backends then see exactly the pooling.
+
+The entry points test for the defaults (no tail) inline on their hot path, before any of this: ``norm_weight``,
+``rope_cos``, ``rope_sin`` and ``position_start`` None, ``rope_dim == 0``, ``rope_interleaved is True`` and
+``norm_eps == 1e-6``. Other identity tails (an ``eps`` of their own, half-split pairs) take the checked path.
 """
 
 from __future__ import annotations
@@ -16,26 +20,11 @@ import torch
 from . import dispatch
 from .tail import INT32_LIMIT, Tail, TailConfig, check_tail
 
-__all__ = ["TAIL_ARGS", "TailCheck", "is_plain", "tail_backend", "tail_config"]
+__all__ = ["TAIL_ARGS", "TailCheck", "tail_backend", "tail_config"]
 
 TAIL_ARGS = ("norm_weight", "norm_eps", "rope_cos", "rope_sin", "rope_dim", "rope_interleaved", "position_start")
-DEFAULT_EPS = 1e-6
 _F32, _I32 = torch.float32, torch.int32
 _PER_CALL_ERRORS = (AttributeError, TypeError, ValueError)  # not tensors, wrong ranks (shape unpacking)
-
-
-def is_plain(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start) -> bool:
-    """True for the defaults (no tail): the test the entry points inline on their hot path. Other identity tails
-    (a ``norm_eps`` of their own, ``rope_interleaved=False``) take the checked path and end as None there."""
-    return (
-        norm_weight is None
-        and rope_cos is None
-        and rope_sin is None
-        and position_start is None
-        and rope_dim == 0
-        and rope_interleaved is True
-        and norm_eps == DEFAULT_EPS
-    )
 
 
 def tail_config(tail: Tail, *, head_dim: int, batch: int, device: torch.device) -> TailConfig | None:
