@@ -14,7 +14,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _OFFSETS, LOG2E, WINDOW_EVICT, _program_segment, _real_rows, _round, _row_start
+from .forward import (
+    _OFFSETS,
+    _TAIL_OFFSETS,
+    LOG2E,
+    WINDOW_EVICT,
+    _program_segment,
+    _real_rows,
+    _round,
+    _row_position,
+    _row_start,
+)
+from .norm_rope import _load_norm_weight, _tail_forward
 
 
 @triton.jit
@@ -124,10 +135,14 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
 
 @triton.jit
 def _long_row_finish(
-    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr,
+    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
+    HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
-    """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics)."""
+    """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics).
+
+    With a tail (the program owns the whole row) the output is the fp32 row normalised and rotated at position
+    ``pos`` (``[1]``), and ``rstd_ptr`` (not None) receives the row's rstd; the statistics keep the pooled row."""
     mx = tl.max(m, axis=0)
     if WRITE_STATS:  # log2 domain
         scale = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)[None, :])
@@ -137,7 +152,17 @@ def _long_row_finish(
     total = tl.sum(den * scale, axis=0)
     res = tl.math.div_rn(num, total)
     omask = cols < tl.where(ok, HEAD_DIM, 0)
-    tl.store(out_ptr + row * HEAD_DIM + cols, _round(res, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
+    y = res
+    if HAS_NORM or ROPE_DIM > 0:
+        # Columns past head_dim hold 0 / 0: out of the row's sum of squares.
+        y2, r = _tail_forward(
+            tl.where(cols < HEAD_DIM, res, 0.0)[None, :], pos, cols, cols < HEAD_DIM, w, norm_eps, cos_ptr, sin_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM,
+            ROPE_INTERLEAVED,
+        )  # fmt: skip
+        y = tl.reshape(y2, [BLOCK_D])
+        if rstd_ptr is not None:
+            tl.store(rstd_ptr + row, tl.sum(r, axis=0), mask=ok)
+    tl.store(out_ptr + row * HEAD_DIM + cols, _round(y, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
     if WRITE_STATS:
         # From the very values out was made of; mx is the max of y = (score + ape) * log2e.
         sptr = stats_ptr + (row - row_base) * (3 * HEAD_DIM) + cols
@@ -146,7 +171,10 @@ def _long_row_finish(
         tl.store(sptr + 2 * HEAD_DIM, res, mask=omask)
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog"], do_not_specialize_on_alignment=_OFFSETS)
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog"],
+    do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
+)
 def csa_fwd_long_kernel(
     kv_ptr,
     score_ptr,
@@ -160,6 +188,12 @@ def csa_fwd_long_kernel(
     n_iter,
     rows_per_prog,
     stats_ptr,
+    norm_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    rstd_ptr,
+    norm_eps,
     RATIO: tl.constexpr,
     COFF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -172,6 +206,9 @@ def csa_fwd_long_kernel(
     MANUAL_RTNE: tl.constexpr,
     WRITE_STATS: tl.constexpr,
     DEPTH: tl.constexpr = 1,
+    HAS_NORM: tl.constexpr = False,
+    ROPE_DIM: tl.constexpr = 0,
+    ROPE_INTERLEAVED: tl.constexpr = True,
 ):
     """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next ``DEPTH`` chunks (of this
     row or the next) loaded before the current one is computed (``DEPTH`` 2 needs two chunks per row).
@@ -180,8 +217,10 @@ def csa_fwd_long_kernel(
     ``acc``; a chunk's slots in a thread are folded in-thread, the lanes are combined once per row.
     ``WRITE_STATS``: also store the row's softmax statistics (``reference.softmax_stats``) into the contiguous
     ``(N, 3, HEAD_DIM)`` fp32 ``stats_ptr``: max of ``y = x * log2e``, ``1 / sum 2^(y - max)`` and the fp32 output.
-    Grid: ``ceil(N / rows_per_prog) * N_COL``.
+    Grid: ``ceil(N / rows_per_prog) * N_COL``. The tail (``HAS_NORM``, ``ROPE_DIM > 0``; None pointers without
+    it) needs ``N_COL == 1``: see ``_long_row_finish``.
     """
+    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     NCH: tl.constexpr = COFF * NCH_HALF
     CS: tl.constexpr = CS_IN * LANES
     EVEN_D: tl.constexpr = HEAD_DIM % BLOCK_D == 0
@@ -190,8 +229,12 @@ def csa_fwd_long_kernel(
     col_start = (pid % N_COL) * BLOCK_D
     n_real = _real_rows(cu_comp_ptr, B, N)
     row_base = rp * rows_per_prog
-    uniform, comp0, tok0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr)
+    uniform, comp0, tok0, seg0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr)
     slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES)
+    w = None
+    if TAIL:
+        tl.static_assert(N_COL == 1, "the tail needs whole rows per program")
+        w = _load_norm_weight(norm_w_ptr, cols, cols < HEAD_DIM, HAS_NORM)
     row_end = tl.minimum(row_base + rows_per_prog, N)
     if WRITE_STATS:
         # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM.
@@ -230,8 +273,14 @@ def csa_fwd_long_kernel(
                 COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D,
             )  # fmt: skip
             m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+            pos = None
+            if ROPE_DIM > 0:
+                pos, _real = _row_position(
+                    row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
+                )  # fmt: skip
             _long_row_finish(
-                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
+                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr,
+                rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
             )  # fmt: skip
             ok = okn
     else:
@@ -291,8 +340,14 @@ def csa_fwd_long_kernel(
                 )  # fmt: skip
                 ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
                 m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+            pos = None
+            if ROPE_DIM > 0:
+                pos, _real = _row_position(
+                    row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
+                )  # fmt: skip
             _long_row_finish(
-                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
+                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr,
+                rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
             )  # fmt: skip
             t0 = tn
             hp = hpn
