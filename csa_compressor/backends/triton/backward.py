@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .backward_tail import _stats_tail_dx, _tail_dx
+from .backward_tail import _stats_tail_dx, _tail_dx, csa_tail_dx_kernel  # noqa: F401 (launched from here)
 from .forward import (
     _OFFSETS,
     _TAIL_OFFSETS,
@@ -577,17 +577,16 @@ def dape_reduce_kernel(ws_ptr, grad_ape_ptr, P, SIZE: tl.constexpr, BLOCK: tl.co
     _reduce_partials(ws_ptr, grad_ape_ptr, P, tl.program_id(0), SIZE, BLOCK, CHUNK)
 
 
-@triton.jit(do_not_specialize=["P"])
+@triton.jit(do_not_specialize=["P", "P_W"])
 def tail_reduce_kernel(
-    ws_ptr, grad_ape_ptr, wws_ptr, grad_w_ptr, P,
+    ws_ptr, grad_ape_ptr, wws_ptr, grad_w_ptr, P, P_W,
     SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, W_SIZE: tl.constexpr, W_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``dape_reduce_kernel`` and, in the same launch, the norm weight's gradient ``grad_w = sum_p wws[p]``
-    (``(P, W_SIZE)`` partials, one per compute program of the backward): programs past ``cdiv(SIZE, BLOCK)`` reduce
-    ``W_BLOCK`` entries of it each."""
+    (``(P_W, W_SIZE)`` partials): programs past ``cdiv(SIZE, BLOCK)`` reduce ``W_BLOCK`` entries of it each."""
     pid = tl.program_id(0)
     APE_PROGRAMS: tl.constexpr = (SIZE + BLOCK - 1) // BLOCK
     if pid < APE_PROGRAMS:
         _reduce_partials(ws_ptr, grad_ape_ptr, P, pid, SIZE, BLOCK, CHUNK)
     else:
-        _reduce_partials(wws_ptr, grad_w_ptr, P, pid - APE_PROGRAMS, W_SIZE, W_BLOCK, CHUNK)
+        _reduce_partials(wws_ptr, grad_w_ptr, P_W, pid - APE_PROGRAMS, W_SIZE, W_BLOCK, CHUNK)

@@ -2,9 +2,11 @@
 ``grad_out`` (the rotation turned back, the norm's input gradient) and the rows' terms of the weight's gradient.
 
 Short windows (``_tail_dx``): a program owns whole rows and recomputes their pooled values from the window it
-holds anyway. The statistics backward (``_stats_tail_dx``): a program owns a column block of its rows; the norm's
-two row reductions (``rsqrt(mean(x * x) + eps)``, ``mean(x * w * dy)``) run over the whole row, read from the
-forward's saved pooled row ``stats[:, 2]`` and ``grad_out``.
+holds anyway. The statistics backward, whose programs own a column block of their rows, either reduces the
+norm's two row sums (``rsqrt(mean(x * x) + eps)``, ``mean(x * w * dy)``) over the whole row in every program
+(``_stats_tail_dx``: no other launch, for grids of one wave), or runs on ``dx`` that ``csa_tail_dx_kernel`` wrote
+first (the statistics kernel unchanged, at its own register count: for larger grids). Both read the pooled row
+from the forward's ``stats[:, 2]``.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _positions, _sum_slots
-from .norm_rope import _norm_backward, _row_rstd, _turn_back
+from .forward import _OFFSETS, _TAIL_OFFSETS, _guard_row, _positions, _real_rows, _segment_of, _sum_slots
+from .norm_rope import _load_norm_weight, _norm_backward, _row_rstd, _turn_back
 
 
 @triton.jit
@@ -95,3 +97,43 @@ def _stats_tail_dx(
         return rc * wdy - o * (rc * rc * rc) * mean[:, None], dy * o * rc
     else:
         return dy, None
+
+
+@triton.jit(do_not_specialize=["N", "T", "B", "n_iter"], do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS)
+def csa_tail_dx_kernel(
+    stats_ptr, grad_out_ptr, dx_ptr, wws_ptr, cu_ptr, cu_comp_ptr, N, T, B, n_iter,
+    norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps,
+    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """The pooling's upstream gradient ``dx`` ``(N, HEAD_DIM)`` fp32 of the statistics backward, ``BLOCK_R`` whole
+    rows per program: ``grad_out`` turned back, then the norm's input gradient from the pooled rows ``stats[:, 2]``
+    (and ``rstd_ptr`` when not None). Padding rows (and rows failing the bounds guard) get 0 and add nothing to the
+    weight's gradient, whose partial of the program's rows goes to row ``pid`` of ``wws_ptr``."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < N
+    col_ok = cols < HEAD_DIM
+    seg = _segment_of(rows, cu_comp_ptr, B, n_iter)
+    j = rows - tl.load(cu_comp_ptr + seg)
+    _t0, _hp, is_real = _guard_row(tl.load(cu_ptr + seg) + j * RATIO, j, rows < _real_rows(cu_comp_ptr, B, N), T, RATIO)
+    gmask = is_real[:, None] & col_ok[None, :]
+    g = tl.load(grad_out_ptr + rows[:, None] * HEAD_DIM + cols[None, :], mask=gmask, other=0.0).to(tl.float32)
+    dx = g
+    if ROPE_DIM > 0:
+        pos = _positions(rows, is_real, True, seg, rows - j, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
+        dx = _turn_back(g, grad_out_ptr, rows, cols, gmask, pos, cos_ptr, sin_ptr, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
+    if HAS_NORM:
+        xmask = row_ok[:, None] & col_ok[None, :]
+        x_offs = rows.to(tl.int64)[:, None] * (3 * HEAD_DIM) + 2 * HEAD_DIM + cols[None, :]
+        x = tl.load(stats_ptr + x_offs, mask=xmask, other=0.0)
+        if rstd_ptr is not None:
+            r = tl.load(rstd_ptr + rows, mask=row_ok, other=1.0)
+        else:
+            r = _row_rstd(x, norm_eps, HEAD_DIM)
+        w = _load_norm_weight(norm_w_ptr, cols, col_ok, HAS_NORM)
+        dx, gw = _norm_backward(x, dx, r, w, HEAD_DIM)
+        dx = tl.where(is_real[:, None], dx, 0.0)
+        tl.store(wws_ptr + pid * HEAD_DIM + cols, tl.sum(tl.where(is_real[:, None], gw, 0.0), axis=0), mask=col_ok)
+    tl.store(dx_ptr + rows[:, None] * HEAD_DIM + cols[None, :], dx, mask=row_ok[:, None] & col_ok[None, :])

@@ -25,6 +25,7 @@ __all__ = [
     "long_rows",
     "long_shape",
     "pow2",
+    "rotation_gathers",
     "rows_per_prog",
     "search_iters",
     "stats_rows",
@@ -46,6 +47,12 @@ STATS_WORKSPACE_BYTES = 20 << 20
 MAX_TAIL_WARPS = 16
 # The statistics backward with a norm reduces each row over at most this many columns at a time.
 TAIL_ROW_BLOCK = 512
+# Statistics-backward programs with the tail's in-program row sums resident per SM (about 250 registers at 4 warps,
+# twice today's): grids up to this many programs per SM run them, larger ones write dx first (csa_tail_dx_kernel)
+# and keep the statistics kernel's own occupancy.
+STATS_TAIL_RESIDENT = 2
+# Rows per program of csa_tail_dx_kernel: about 4096 elements per program.
+TAIL_DX_ELEMENTS = 4096
 
 
 def pow2(n: int) -> int:
@@ -166,16 +173,26 @@ def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> Kernel
     return KernelConfig(1, block_d, num_warps, rows_per_prog=0, vec=8, sweep_d=min(256, d2))
 
 
-def whole_rows(cfg: KernelConfig, head_dim: int) -> KernelConfig:
+def whole_rows(cfg: KernelConfig, head_dim: int, gathers: bool = False) -> KernelConfig:
     """``cfg`` widened so that a program owns whole rows (the tail's row reductions need every column): ``block_d``
     covers ``head_dim`` and the warps grow with it (up to ``MAX_TAIL_WARPS``), so that each thread keeps the
     elements of the tile it had and the window loads keep their width. A ``cfg`` narrower than ``head_dim`` spans
-    one row tile per warp already (``block_r == 1``)."""
+    one row tile per warp already (``block_r == 1``).
+
+    Long-window forwards keep two chunks in flight (the grid has one program per row, so each must keep more bytes
+    in flight), except where the rotation ``gathers`` its partners across the row (``rotation_gathers``): those
+    registers and a second chunk's would spill."""
     d2 = pow2(head_dim)
     if cfg.block_d >= d2:
         return cfg
-    warps = min(MAX_TAIL_WARPS, cfg.num_warps * (d2 // cfg.block_d))
-    return dataclasses.replace(cfg, block_d=d2, num_warps=warps)
+    warps = max(1, min(MAX_TAIL_WARPS, cfg.num_warps * (d2 // cfg.block_d)))
+    return dataclasses.replace(cfg, block_d=d2, num_warps=warps, prefetch_depth=1 if gathers else 2)
+
+
+def rotation_gathers(tail_config, head_dim: int) -> bool:
+    """Whether the forward's rotation exchanges values across the row (``norm_rope._rotate``): half-split pairs, or
+    interleaved pairs that start on an odd column. Interleaved pairs from an even column are adjacent elements."""
+    return tail_config.rope_dim > 0 and not (tail_config.rope_interleaved and head_dim % 2 == 0)
 
 
 def stats_tile(ratio: int, coff: int, head_dim: int, interpret: bool) -> StatsTile:

@@ -31,7 +31,7 @@ from .norm_rope import _load_norm_weight, _tail_forward
 @triton.jit
 def _long_base(
     col_start, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
-    CS_IN: tl.constexpr, LANES: tl.constexpr,
+    CS_IN: tl.constexpr, LANES: tl.constexpr, SLOT_AXIS: tl.constexpr = 1,
 ):  # fmt: skip
     """Per-thread constants of the long-window tiles: the slot of each ``[l, i]`` (``i * LANES + l``,
     ``[LANES, CS_IN, 1]``), element offsets ``slot * W + col`` (``[LANES, CS_IN, BLOCK_D]``), the column mask and
@@ -39,7 +39,12 @@ def _long_base(
     W: tl.constexpr = COFF * HEAD_DIM
     # Lanes first: with the slot-in-thread axis second, Triton's coalescing order spreads threads over the
     # columns, then the lanes, and keeps CS_IN in each thread (reductions over axis 1 stay in-thread).
-    slot = tl.arange(0, LANES)[:, None, None] + tl.arange(0, CS_IN)[None, :, None] * LANES
+    if SLOT_AXIS == 1:
+        slot = tl.arange(0, LANES)[:, None, None] + tl.arange(0, CS_IN)[None, :, None] * LANES
+    else:
+        # [CS_IN, LANES, BLOCK_D]: where the warps outnumber a row's column span (whole-row programs), Triton's
+        # order gives the spare warps to the lanes, not to the in-thread slots.
+        slot = tl.arange(0, CS_IN)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
     lane = tl.arange(0, BLOCK_D)
     # Contiguous in runs of VEC only: caps the vector width Triton picks at VEC elements.
     cols = col_start + (lane // VEC) * VEC + lane % VEC
@@ -105,7 +110,7 @@ def _load_chunk(
 
 
 @triton.jit
-def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
+def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr, SLOT_AXIS: tl.constexpr = 1):
     """Fold one chunk into the running (max, sum of exp, weighted sum) of each (lane, column).
 
     ``LOG2_DOMAIN`` (the statistics forward): ``y = (score + ape) * log2e`` rounded once per element and ``m``
@@ -113,23 +118,24 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
     of ``x = score + ape`` and the exponents are ``x * log2e - m * log2e``: each lane then carries its own
     rounding of ``m * log2e`` into its weights, which the bf16 output absorbs but the fp32 output saved as a
     statistic does not: at full size that rounding put dScore past the contract's fp32 slack.
+    ``SLOT_AXIS``: the chunk's in-thread slot axis (``_long_base``).
     """
     if LOG2_DOMAIN:
         y = tl.where(lmask, (sc.to(tl.float32) + ape) * LOG2E, float("-inf"))
-        m_new = tl.maximum(m, tl.max(y, axis=1))
+        m_new = tl.maximum(m, tl.max(y, axis=SLOT_AXIS))
         # An all -inf column keeps m = -inf and adds exact zeros.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
-        e = tl.exp2(y - m_use[:, None, :])
+        e = tl.exp2(y - tl.expand_dims(m_use, SLOT_AXIS))
     else:
         x = tl.where(lmask, sc.to(tl.float32) + ape, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
+        m_new = tl.maximum(m, tl.max(x, axis=SLOT_AXIS))
         # exp(x - m) as exp2(x * log2e - m * log2e); an all -inf column keeps m = -inf and adds exact zeros.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
         alpha = tl.exp2(m * LOG2E - m_use)
-        e = tl.exp2(x * LOG2E - m_use[:, None, :])
-    den = den * alpha + tl.sum(e, axis=1)
-    acc = acc * alpha + tl.sum(e * kv.to(tl.float32), axis=1)
+        e = tl.exp2(x * LOG2E - tl.expand_dims(m_use, SLOT_AXIS))
+    den = den * alpha + tl.sum(e, axis=SLOT_AXIS)
+    acc = acc * alpha + tl.sum(e * kv.to(tl.float32), axis=SLOT_AXIS)
     return m_new, den, acc
 
 
@@ -209,6 +215,7 @@ def csa_fwd_long_kernel(
     HAS_NORM: tl.constexpr = False,
     ROPE_DIM: tl.constexpr = 0,
     ROPE_INTERLEAVED: tl.constexpr = True,
+    SLOT_AXIS: tl.constexpr = 1,
 ):
     """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next ``DEPTH`` chunks (of this
     row or the next) loaded before the current one is computed (``DEPTH`` 2 needs two chunks per row).
@@ -230,7 +237,7 @@ def csa_fwd_long_kernel(
     n_real = _real_rows(cu_comp_ptr, B, N)
     row_base = rp * rows_per_prog
     uniform, comp0, tok0, seg0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr)
-    slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES)
+    slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES, SLOT_AXIS)
     w = None
     if TAIL:
         tl.static_assert(N_COL == 1, "the tail needs whole rows per program")
@@ -259,7 +266,7 @@ def csa_fwd_long_kernel(
                     kv_ptr, score_ptr, ape_ptr, c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS,
                     NCH_HALF, EVEN_D,
                 )  # fmt: skip
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
             # Last chunk of this row; prefetch chunk 0 of the next row.
             kv_c = kv_n
             sc_c = sc_n
@@ -272,7 +279,7 @@ def csa_fwd_long_kernel(
                 kv_ptr, score_ptr, ape_ptr, row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO,
                 COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D,
             )  # fmt: skip
-            m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+            m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
             pos = None
             if ROPE_DIM > 0:
                 pos, _real = _row_position(
@@ -316,7 +323,7 @@ def csa_fwd_long_kernel(
                 kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
                 aoffs, amask = _long_ape_at(c + 1, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D)
                 ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
             # The row's last two chunks; chunks 0 and 1 of the next row go in flight.
             tn, hpn, _ir, okn = _row_start(
                 row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
@@ -339,7 +346,7 @@ def csa_fwd_long_kernel(
                     row * 0 + (NCH - 1 + h) % NCH, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
                 )  # fmt: skip
                 ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
             pos = None
             if ROPE_DIM > 0:
                 pos, _real = _row_position(

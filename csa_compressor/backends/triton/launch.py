@@ -17,7 +17,16 @@ import os
 
 import torch
 
-from .config import MAX_RATIO, KernelConfig, StatsTile, choose_config, is_long, stats_tile, whole_rows
+from .config import (
+    MAX_RATIO,
+    KernelConfig,
+    StatsTile,
+    choose_config,
+    is_long,
+    rotation_gathers,
+    stats_tile,
+    whole_rows,
+)
 from .plans import NO_TAIL, BackwardPlan, ForwardPlan
 
 __all__ = [
@@ -106,11 +115,13 @@ def _kernels():
     mode = _interpret()
     mods = _KERNELS.get(mode)
     if mods is None:
-        from . import backward, forward, forward_long
+        from . import backward, backward_tail, forward, forward_long, norm_rope
 
-        mods = (forward, forward_long, backward)
         if (type(forward.csa_fwd_kernel).__name__ == "InterpretedFunction") != mode:
-            mods = tuple(importlib.reload(mod) for mod in mods)
+            # The helper modules too, before the kernels that import their functions.
+            for mod in (norm_rope, forward, forward_long, backward_tail, backward):
+                importlib.reload(mod)
+        mods = (forward, forward_long, backward)
         _KERNELS[mode] = mods
     return mods
 
@@ -195,7 +206,7 @@ def _plan(direction, ratio, coff, head_dim, dtype, device, with_stats, cfg=None,
     if cfg is None:
         cfg = choose_config(direction, ratio, coff, head_dim, interpret)
         if tail is not None:
-            cfg = whole_rows(cfg, head_dim)
+            cfg = whole_rows(cfg, head_dim, rotation_gathers(tail, head_dim))
     if direction == "backward" and tile is None:
         tile = stats_tile(ratio, coff, head_dim, interpret)
     # The dtype is part of the key: a bound kernel's compiled code is specialised on its pointers' element types.

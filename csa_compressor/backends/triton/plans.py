@@ -11,6 +11,8 @@ import torch
 
 from .binding import BoundKernel
 from .config import (
+    STATS_TAIL_RESIDENT,
+    TAIL_DX_ELEMENTS,
     TAIL_ROW_BLOCK,
     KernelConfig,
     StatsTile,
@@ -46,13 +48,18 @@ def tail_consts(tail_config) -> dict:
     )
 
 
-def _workspace(shape, device, stream=None, dtype=torch.float32) -> torch.Tensor:
-    """A buffer the kernels write whole before reading (the dAPE and norm-weight partials, recomputed statistics;
-    tests fill the partials with NaN to check that), allocated on ``stream``."""
+def _workspace(shape, device) -> torch.Tensor:
+    """The dAPE and norm-weight partials (every entry is written by the backward kernel; tests fill it with NaN to
+    check that)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _on_stream(stream, make):
+    """``make()`` with ``stream`` current (None: the current stream), for allocations used on it."""
     if stream is None:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return make()
     with torch.cuda.stream(stream):
-        return torch.empty(shape, dtype=dtype, device=device)
+        return make()
 
 
 class _Plan:
@@ -93,6 +100,8 @@ class ForwardPlan(_Plan):
             nch_half = cdiv(ratio, lanes * cs_in)
             depth = 2 if cfg.prefetch_depth == 2 and coff * nch_half >= 2 else 1
             consts.update(LANES=lanes, CS_IN=cs_in, NCH_HALF=nch_half, WRITE_STATS=with_stats, DEPTH=depth)
+            if tail is not None:
+                consts.update(SLOT_AXIS=0)  # whole-row programs: see forward_long._long_base
             self.kernel = BoundKernel(kernel, consts, self.index)
         else:
             consts.update(
@@ -139,7 +148,11 @@ class BackwardPlan(_Plan):
 
     ``tail``: the ``TailConfig`` the kernels are specialised on, or None. ``stats_forward``: a statistics forward
     plan, for long windows with a tail called without statistics: the norm needs whole rows of pooled values, which
-    only the statistics pair provides, so such a call first recomputes the statistics into a workspace."""
+    only the statistics pair provides, so such a call first recomputes the statistics into a workspace.
+
+    The statistics backward with a tail has two routes (``backward_tail``): grids of at most
+    ``in_program_programs`` compute programs reduce the norm's row sums in every program; larger ones launch
+    ``csa_tail_dx_kernel`` first and run the statistics kernel without a tail on its ``dx``."""
 
     def __init__(
         self, bwd_mod, ratio, coff, head_dim, cfg, tile: StatsTile, with_stats, device, interpret, sm_count,
@@ -159,7 +172,25 @@ class BackwardPlan(_Plan):
             raise ValueError(f"the tail needs whole rows per program: block_d={cfg.block_d} < head_dim={head_dim}")
         kernel, consts = self._window_kernel(bwd_mod, interpret, tail)
         self.kernel = BoundKernel(kernel, consts, self.index)
+        self.tail, self.dx_kernel, self.in_program_programs = tail, None, 0
+        if tail is not None and self.family == "stats":
+            self._bind_dx_route(bwd_mod, interpret)
         self._bind_reduction(bwd_mod)
+
+    def _bind_dx_route(self, bwd_mod, interpret) -> None:
+        """The statistics backward's second route: ``csa_tail_dx_kernel``, then the statistics kernel on its fp32
+        ``dx`` (no tail constexprs: the pooling's own kernel)."""
+        _kernel, consts = self._window_kernel(bwd_mod, interpret, None)
+        self.from_dx = BoundKernel(bwd_mod.csa_bwd_stats_kernel, consts, self.index)
+        block_d = pow2(self.head_dim)
+        self.dx_rows = max(1, min(64, TAIL_DX_ELEMENTS // block_d))
+        dx_consts = dict(
+            RATIO=self.ratio, HEAD_DIM=self.head_dim, BLOCK_R=self.dx_rows, BLOCK_D=block_d, num_warps=4,
+            **tail_consts(self.tail),
+        )  # fmt: skip
+        self.dx_kernel = BoundKernel(bwd_mod.csa_tail_dx_kernel, dx_consts, self.index)
+        # The in-program route's programs (4 warps, about 250 registers) fit STATS_TAIL_RESIDENT per SM.
+        self.in_program_programs = self.sm_count * STATS_TAIL_RESIDENT
 
     def _window_kernel(self, bwd_mod, interpret, tail):
         """The window kernel of this family and its constexprs."""
@@ -198,15 +229,21 @@ class BackwardPlan(_Plan):
         dape = dict(SIZE=size, BLOCK=block, CHUNK=cfg.dape_chunk, num_warps=4, enable_fp_fusion=False)
         self.dape_grid = cdiv(size, block)
         if self.has_norm:
-            w_block = min(block, pow2(self.head_dim))
+            w_block = min(cfg.dape_block, pow2(self.head_dim))
             dape.update(W_SIZE=self.head_dim, W_BLOCK=w_block)
             self.dape = BoundKernel(bwd_mod.tail_reduce_kernel, dape, self.index)
             self.dape_grid += cdiv(self.head_dim, w_block)
         else:
             self.dape = BoundKernel(bwd_mod.dape_reduce_kernel, dape, self.index)
 
+    def _recomputed(self, n_rows: int, dtype) -> tuple:
+        """Buffers of the statistics forward a long-window tail backward runs first: statistics, and its output."""
+        stats = torch.empty((n_rows, 3, self.head_dim), dtype=torch.float32, device=self.device)
+        return stats, torch.empty((n_rows, self.head_dim), dtype=dtype, device=self.device)
+
     def _size(self, n_rows: int, tokens: int, num_segments: int) -> tuple:
-        """(programs, search halvings, rows or row tiles per program, dAPE partials, compute programs)."""
+        """(programs, search halvings, rows or row tiles per program, dAPE partials, compute programs, dx programs:
+        0 unless the statistics backward with a tail takes the dx route)."""
         cfg = self.cfg
         if self.family == "stats":
             per_prog = stats_rows(self.tile, self.ratio, self.coff, self.head_dim, n_rows)
@@ -223,8 +260,9 @@ class BackwardPlan(_Plan):
             compute = parts * self.n_col
         # Compute programs first, then the zero-sweep programs.
         grid = compute + cdiv(tokens, cfg.sweep_t)
+        dx_programs = cdiv(n_rows, self.dx_rows) if self.dx_kernel and compute > self.in_program_programs else 0
         return self._remember(
-            (n_rows, tokens, num_segments), (grid, search_iters(num_segments), per_prog, parts, compute)
+            (n_rows, tokens, num_segments), (grid, search_iters(num_segments), per_prog, parts, compute, dx_programs)
         )
 
     def __call__(
@@ -241,22 +279,34 @@ class BackwardPlan(_Plan):
                 )  # fmt: skip
         n_rows, tokens, num_segments = grad_out.shape[0], kv.shape[0], cu_seqlens.shape[0] - 1
         key = (n_rows, tokens, num_segments)
-        grid, n_iter, per_prog, parts, compute = self._sizes.get(key) or self._size(*key)
+        grid, n_iter, per_prog, parts, compute, dx_programs = self._sizes.get(key) or self._size(*key)
         if self.stats_forward is not None:
-            stats = _workspace((n_rows, 3, self.head_dim), self.device, stream)
-            out = _workspace((n_rows, self.head_dim), self.device, stream, grad_out.dtype)
+            stats, out = _on_stream(stream, lambda: self._recomputed(n_rows, grad_out.dtype))
             self.stats_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
-        workspace = _workspace((parts, self.ratio, self.width), self.device, stream)
+        if stream is None:
+            workspace = _workspace((parts, self.ratio, self.width), self.device)
+        else:
+            with torch.cuda.stream(stream):
+                workspace = _workspace((parts, self.ratio, self.width), self.device)
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
         sizes = (n_rows, tokens, num_segments, n_iter, per_prog, compute)
-        norm_parts = _workspace((parts, self.head_dim), self.device, stream) if self.has_norm else None
-        if self.family == "stats":
+        norm_parts, norm_count = None, dx_programs or parts
+        if self.has_norm:
+            norm_parts = _on_stream(stream, lambda: _workspace((norm_count, self.head_dim), self.device))
+        if dx_programs:
+            dx = _on_stream(stream, lambda: torch.empty(grad_out.shape, dtype=torch.float32, device=self.device))
+            offsets = (cu_seqlens, cu_seqlens_comp, n_rows, tokens, num_segments, n_iter)
+            self.dx_kernel.launch(dx_programs, stream, stats, grad_out, dx, norm_parts, *offsets, *tail)
+            args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, dx, grad_kv, grad_score, workspace)
+            self.from_dx.launch(grid, stream, *args, stats, *sizes, *NO_TAIL, None)
+        elif self.family == "stats":
             self.kernel.launch(grid, stream, *args, stats, *sizes, *tail, norm_parts)
         elif self.family == "short":
             self.kernel.launch(grid, stream, *args, *sizes, *tail, norm_parts)
         else:
             self.kernel.launch(grid, stream, *args, *sizes)
         if self.has_norm:
-            self.dape.launch(self.dape_grid, stream, workspace, grad_ape, norm_parts, grad_norm_weight, parts)
+            reduce_args = (workspace, grad_ape, norm_parts, grad_norm_weight, parts, norm_count)
+            self.dape.launch(self.dape_grid, stream, *reduce_args)
         else:
             self.dape.launch(self.dape_grid, stream, workspace, grad_ape, parts)
