@@ -27,13 +27,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .backward_tail import _stats_tail_dx, _tail_dx, csa_tail_dx_kernel  # noqa: F401 (launched from here)
 from .forward import (
     _OFFSETS,
+    _TAIL_OFFSETS,
     LOG2E,
     _load_ape,
     _program_segment,
     _real_rows,
     _round,
+    _row_position,
     _row_start,
     _segment_of,
     _slot_columns,
@@ -42,6 +45,7 @@ from .forward import (
     _tile,
 )
 from .forward_long import _long_base
+from .norm_rope import _load_norm_weight
 
 
 @triton.jit
@@ -104,7 +108,8 @@ def _zero_sweep(
 
 
 @triton.jit(
-    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"], do_not_specialize_on_alignment=_OFFSETS
+    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"],
+    do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
 )
 def csa_bwd_kernel(
     kv_ptr,
@@ -122,6 +127,13 @@ def csa_bwd_kernel(
     n_iter,
     tiles_per_prog,
     n_compute,
+    norm_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    rstd_ptr,
+    norm_eps,
+    wws_ptr,
     RATIO: tl.constexpr,
     SP: tl.constexpr,
     COFF: tl.constexpr,
@@ -135,8 +147,17 @@ def csa_bwd_kernel(
     PRECISE_EXP: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
     TORCH_ORDER: tl.constexpr,
+    HAS_NORM: tl.constexpr = False,
+    ROPE_DIM: tl.constexpr = 0,
+    ROPE_INTERLEAVED: tl.constexpr = True,
 ):
+    """The tail (``HAS_NORM``, ``ROPE_DIM > 0``; None pointers without it): programs own whole rows
+    (``N_COL == 1``); a tile's ``grad_out`` is turned back (``_turn_back``) and, with a norm, the pooled rows are
+    recomputed from the window (``rstd_ptr`` None: their rstd too) for the norm's input gradient, which then enters
+    the pooling backward in place of ``grad_out``. The weight's gradient of the program's real rows goes to row
+    ``rp`` of the ``(P, HEAD_DIM)`` fp32 partials ``wws_ptr``."""
     W: tl.constexpr = COFF * HEAD_DIM
+    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     pid = tl.program_id(0)
     gdt = grad_kv_ptr.dtype.element_ty
     if pid < n_compute:
@@ -144,10 +165,16 @@ def csa_bwd_kernel(
         col_start = (pid % N_COL) * BLOCK_D
         n_real = _real_rows(cu_comp_ptr, B, N)
         row_base = rp * tiles_per_prog * BLOCK_R
-        uniform, comp0, tok0 = _program_segment(
+        uniform, comp0, tok0, seg0 = _program_segment(
             row_base, tiles_per_prog * BLOCK_R, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr
         )
         ape = _load_ape(ape_ptr, col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+        if TAIL:
+            tl.static_assert(N_COL == 1, "the tail needs whole rows per program")
+            _s, _own, _so, tcols, tcol_ok, _col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+            w = _load_norm_weight(norm_w_ptr, tcols, tcol_ok, HAS_NORM)
+            if HAS_NORM:
+                grad_w = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         # dAPE partial kept per (slot, row lane, column); rows are summed once, after the loop.
         dape = tl.zeros([COFF * SP, BLOCK_R, BLOCK_D], dtype=tl.float32)
         # Tile i + 1 is loaded before tile i is computed (a load always in flight behind the arithmetic).
@@ -165,7 +192,7 @@ def csa_bwd_kernel(
             score_cur = score_next
             g_cur = g_next
             row_start = row_base + it * BLOCK_R
-            _r, _ro, is_real, _c, _co, slot_ok, valid, offs_cur, lmask_cur = _tile(
+            rows_cur, row_ok_cur, is_real, _c, _co, slot_ok, valid, offs_cur, lmask_cur = _tile(
                 row_start, col_start, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
                 RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
             )  # fmt: skip
@@ -180,6 +207,15 @@ def csa_bwd_kernel(
 
             v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
             g = g_cur.to(tl.float32)[None, :, :]
+            if TAIL:
+                dx, gw_rows = _tail_dx(
+                    v, p, g_cur.to(tl.float32), rows_cur, row_ok_cur, is_real, tcols, tcol_ok, w, uniform, seg0, comp0,
+                    B, n_iter, cu_comp_ptr, grad_out_ptr, norm_eps, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, RATIO,
+                    HEAD_DIM, TORCH_ORDER, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+                )  # fmt: skip
+                g = dx[None, :, :]
+                if HAS_NORM:
+                    grad_w += tl.where(is_real[:, None], gw_rows, 0.0)
             # Reference order: dv = g*p; gv = g*v; dlogit = p*(gv - sum(gv*p)).
             dv = g * p
             gv = g * v
@@ -194,6 +230,8 @@ def csa_bwd_kernel(
         s, _own, slot_ok, cols, col_ok, col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
         wmask = slot_ok[:, None] & col_ok[None, :]
         tl.store(ws_ptr + rp * (RATIO * W) + s[:, None] * W + col, tl.sum(dape, axis=1), mask=wmask)
+        if HAS_NORM:
+            tl.store(wws_ptr + rp * HEAD_DIM + tcols, tl.sum(grad_w, axis=0), mask=tcol_ok)
     else:
         _zero_sweep(
             pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, cu_comp_ptr, N, T, B, n_iter, RATIO, COFF, HEAD_DIM,
@@ -273,7 +311,7 @@ def csa_bwd_long_kernel(
         col_start = (pid % N_COL) * BLOCK_D
         n_real = _real_rows(cu_comp_ptr, B, N)
         row_base = rp * rows_per_prog
-        uniform, comp0, tok0 = _program_segment(
+        uniform, comp0, tok0, _seg = _program_segment(
             row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr
         )  # fmt: skip
         k, base, aoffs, amask, _col_ok, cols = _long_window_base(
@@ -346,7 +384,8 @@ def _stats_row_mask(w, has_prev, ok, col_ok, PREV: tl.constexpr, WIN: tl.constex
 
 
 @triton.jit(
-    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"], do_not_specialize_on_alignment=_OFFSETS
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"],
+    do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
 )
 def csa_bwd_stats_kernel(
     kv_ptr,
@@ -365,6 +404,13 @@ def csa_bwd_stats_kernel(
     n_iter,
     rows_per_prog,
     n_compute,
+    norm_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    rstd_ptr,
+    norm_eps,
+    wws_ptr,
     RATIO: tl.constexpr,
     COFF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -376,6 +422,10 @@ def csa_bwd_stats_kernel(
     SWEEP_T: tl.constexpr,
     SWEEP_D: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
+    HAS_NORM: tl.constexpr = False,
+    ROPE_DIM: tl.constexpr = 0,
+    ROPE_INTERLEAVED: tl.constexpr = True,
+    ROW_BLOCK: tl.constexpr = 1,
 ):
     """Long-window backward from the forward's softmax statistics (``(N, 3, HEAD_DIM)`` fp32 at ``stats_ptr``:
     max ``m`` of ``y = (score + ape) * log2e``, ``1 / l = 1 / sum 2^(y - m)``, the fp32 output ``o``).
@@ -394,7 +444,13 @@ def csa_bwd_stats_kernel(
     fp32 accumulator; at the end that is its slice of the dAPE partial ``ws[rp]`` (``[RATIO, COFF * HEAD_DIM]``,
     the slices of a row range's programs are disjoint and cover it). Rows past ``cu_seqlens_comp[-1]`` are not
     visited. Programs ``pid >= n_compute`` are the zero sweep of ``csa_bwd_kernel``.
+
+    The tail (``HAS_NORM``, ``ROPE_DIM > 0``; None pointers without it): ``g`` becomes the norm's input gradient
+    ``dx`` of the program's columns (``_stats_tail_dx``), from row scalars each program reduces over the whole row
+    in ``ROW_BLOCK`` columns at a time; the chunk-0 programs write the weight's gradient of their rows and columns
+    into row ``rp`` of the ``(P, HEAD_DIM)`` fp32 partials ``wws_ptr``.
     """
+    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     W: tl.constexpr = COFF * HEAD_DIM
     WIN: tl.constexpr = COFF * RATIO
     PREV: tl.constexpr = (COFF - 1) * RATIO
@@ -409,7 +465,7 @@ def csa_bwd_stats_kernel(
         row_base = rp * rows_per_prog
         # Padding rows (>= cu_seqlens_comp[-1]) store nothing and add nothing: the row loop ends before them.
         row_end = tl.minimum(row_base + rows_per_prog, n_real)
-        uniform, comp0, tok0 = _program_segment(
+        uniform, comp0, tok0, seg0 = _program_segment(
             row_base, rows_per_prog, row_end, B, n_iter, n_real, cu_ptr, cu_comp_ptr
         )  # fmt: skip
 
@@ -439,6 +495,10 @@ def csa_bwd_stats_kernel(
         kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
         sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
         dape = tl.zeros([SLOTS, BLOCK_D], dtype=tl.float32)
+        if TAIL:
+            norm_w = _load_norm_weight(norm_w_ptr, cols, col_ok, HAS_NORM)
+            if HAS_NORM:
+                grad_w = tl.zeros([1, BLOCK_D], dtype=tl.float32)
         for row in range(row_base, row_end):
             kv_c = kv_n
             sc_c = sc_n
@@ -458,6 +518,17 @@ def csa_bwd_stats_kernel(
             inv_l = tl.load(st + HEAD_DIM, mask=col_ok, other=0.0)[None, :]
             o = tl.load(st + 2 * HEAD_DIM, mask=col_ok, other=0.0)[None, :]
             g = tl.load(grad_out_ptr + row * HEAD_DIM + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if TAIL:
+                pos, row_real = _row_position(
+                    row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
+                )  # fmt: skip
+                x_row = stats_ptr + (row_base.to(tl.int64) + (row - row_base)) * (3 * HEAD_DIM) + 2 * HEAD_DIM
+                g, gw_row = _stats_tail_dx(
+                    g, o, row, pos, cols, col_ok, norm_w, x_row, grad_out_ptr, norm_w_ptr, norm_eps, cos_ptr, sin_ptr,
+                    rstd_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, ROW_BLOCK,
+                )  # fmt: skip
+                if HAS_NORM:
+                    grad_w += tl.where(row_real & (ch == 0), gw_row, 0.0)
 
             p = tl.exp2((sc_c.to(tl.float32) + ape) * LOG2E - m) * inv_l
             dv = g * p
@@ -468,6 +539,11 @@ def csa_bwd_stats_kernel(
             dape += tl.where(mask_c, dlogit, 0.0)
         # The dAPE partial has grad_ape's [RATIO, COFF * HEAD_DIM] layout: slot w added ape entry aoffs.
         tl.store(ws_ptr + rp * (RATIO * W) + aoffs, dape, mask=amask)
+        if HAS_NORM:
+            # (A threshold rather than a scalar-bool broadcast, as in _stats_row_mask.)
+            tl.store(
+                wws_ptr + rp * HEAD_DIM + cols[None, :], grad_w, mask=cols[None, :] < tl.where(ch == 0, HEAD_DIM, 0)
+            )
     else:
         _zero_sweep(
             pid - n_compute, grad_kv_ptr, grad_score_ptr, cu_ptr, cu_comp_ptr, N, T, B, n_iter, RATIO, COFF, HEAD_DIM,
@@ -475,21 +551,42 @@ def csa_bwd_stats_kernel(
         )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["P"])
-def dape_reduce_kernel(ws_ptr, grad_ape_ptr, P, SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """``grad_ape[i] = sum_{p < P} ws[p, i]``: lane ``c`` of a ``[CHUNK, BLOCK]`` accumulator sums partials
-    ``c, c + CHUNK, ...`` in increasing order, then the ``CHUNK`` lanes are summed as a tile. One fixed order for a
-    given ``P``, so bitwise reproducible.
-
-    No cross-thread sum (shuffles, barriers) inside the loop: a step is its loads and adds. Per step ptxas keeps
-    about three of a thread's LDG.128 in flight (sm_90), so the chain is ~3 L2 round trips x ``P / CHUNK`` steps:
-    the launcher sizes ``CHUNK`` to keep ``P / CHUNK`` at 1-3 steps on common problems.
-    """
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+@triton.jit
+def _reduce_partials(ws_ptr, out_ptr, P, block_id, SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """``out[i] = sum_{p < P} ws[p, i]`` for the ``BLOCK`` entries of block ``block_id``: lane ``c`` of a
+    ``[CHUNK, BLOCK]`` accumulator sums partials ``c, c + CHUNK, ...`` in increasing order, then the ``CHUNK``
+    lanes are summed as a tile. One fixed order for a given ``P``, so bitwise reproducible."""
+    offs = block_id * BLOCK + tl.arange(0, BLOCK)
     mask = offs < SIZE
     parts = tl.arange(0, CHUNK)
     acc = tl.zeros([CHUNK, BLOCK], dtype=tl.float32)
     for first in range(0, P, CHUNK):
         pmask = (first + parts < P)[:, None] & mask[None, :]
         acc += tl.load(ws_ptr + (first + parts)[:, None] * SIZE + offs[None, :], mask=pmask, other=0.0)
-    tl.store(grad_ape_ptr + offs, tl.sum(acc, axis=0), mask=mask)
+    tl.store(out_ptr + offs, tl.sum(acc, axis=0), mask=mask)
+
+
+@triton.jit(do_not_specialize=["P"])
+def dape_reduce_kernel(ws_ptr, grad_ape_ptr, P, SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """``grad_ape = sum_p ws[p]`` (``_reduce_partials``), ``BLOCK`` entries per program.
+
+    No cross-thread sum (shuffles, barriers) inside the loop: a step is its loads and adds. Per step ptxas keeps
+    about three of a thread's LDG.128 in flight (sm_90), so the chain is ~3 L2 round trips x ``P / CHUNK`` steps:
+    the launcher sizes ``CHUNK`` to keep ``P / CHUNK`` at 1-3 steps on common problems.
+    """
+    _reduce_partials(ws_ptr, grad_ape_ptr, P, tl.program_id(0), SIZE, BLOCK, CHUNK)
+
+
+@triton.jit(do_not_specialize=["P", "P_W"])
+def tail_reduce_kernel(
+    ws_ptr, grad_ape_ptr, wws_ptr, grad_w_ptr, P, P_W,
+    SIZE: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, W_SIZE: tl.constexpr, W_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``dape_reduce_kernel`` and, in the same launch, the norm weight's gradient ``grad_w = sum_p wws[p]``
+    (``(P_W, W_SIZE)`` partials): programs past ``cdiv(SIZE, BLOCK)`` reduce ``W_BLOCK`` entries of it each."""
+    pid = tl.program_id(0)
+    APE_PROGRAMS: tl.constexpr = (SIZE + BLOCK - 1) // BLOCK
+    if pid < APE_PROGRAMS:
+        _reduce_partials(ws_ptr, grad_ape_ptr, P, pid, SIZE, BLOCK, CHUNK)
+    else:
+        _reduce_partials(wws_ptr, grad_w_ptr, P_W, pid - APE_PROGRAMS, W_SIZE, W_BLOCK, CHUNK)

@@ -9,6 +9,7 @@ problem size and the device's SM count.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,12 +25,14 @@ __all__ = [
     "long_rows",
     "long_shape",
     "pow2",
+    "rotation_gathers",
     "rows_per_prog",
     "search_iters",
     "stats_rows",
     "stats_sweep_d",
     "stats_tile",
     "torch_order",
+    "whole_rows",
 ]
 
 MAX_RATIO = 256
@@ -40,6 +43,16 @@ SMALL_BWD_RESIDENT = 8
 STATS_PROGRAMS = 528
 STATS_ROWS = (2, 32)
 STATS_WORKSPACE_BYTES = 20 << 20
+# The tail's window programs own whole rows; their warps grow with head_dim up to this many.
+MAX_TAIL_WARPS = 16
+# The statistics backward with a norm reduces each row over at most this many columns at a time.
+TAIL_ROW_BLOCK = 512
+# Statistics-backward programs with the tail's in-program row sums resident per SM (about 250 registers at 4 warps,
+# twice today's): grids up to this many programs per SM run them, larger ones write dx first (csa_tail_dx_kernel)
+# and keep the statistics kernel's own occupancy.
+STATS_TAIL_RESIDENT = 2
+# Rows per program of csa_tail_dx_kernel: about 4096 elements per program.
+TAIL_DX_ELEMENTS = 4096
 
 
 def pow2(n: int) -> int:
@@ -160,6 +173,28 @@ def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> Kernel
     return KernelConfig(1, block_d, num_warps, rows_per_prog=0, vec=8, sweep_d=min(256, d2))
 
 
+def whole_rows(cfg: KernelConfig, head_dim: int, gathers: bool = False) -> KernelConfig:
+    """``cfg`` widened so that a program owns whole rows (the tail's row reductions need every column): ``block_d``
+    covers ``head_dim`` and the warps grow with it (up to ``MAX_TAIL_WARPS``), so that each thread keeps the
+    elements of the tile it had and the window loads keep their width. A ``cfg`` narrower than ``head_dim`` spans
+    one row tile per warp already (``block_r == 1``).
+
+    Long-window forwards keep two chunks in flight (the grid has one program per row, so each must keep more bytes
+    in flight), except where the rotation ``gathers`` its partners across the row (``rotation_gathers``): those
+    registers and a second chunk's would spill."""
+    d2 = pow2(head_dim)
+    if cfg.block_d >= d2:
+        return cfg
+    warps = max(1, min(MAX_TAIL_WARPS, cfg.num_warps * (d2 // cfg.block_d)))
+    return dataclasses.replace(cfg, block_d=d2, num_warps=warps, prefetch_depth=1 if gathers else 2)
+
+
+def rotation_gathers(tail_config, head_dim: int) -> bool:
+    """Whether the forward's rotation exchanges values across the row (``norm_rope._rotate``): half-split pairs, or
+    interleaved pairs that start on an odd column. Interleaved pairs from an even column are adjacent elements."""
+    return tail_config.rope_dim > 0 and not (tail_config.rope_interleaved and head_dim % 2 == 0)
+
+
 def stats_tile(ratio: int, coff: int, head_dim: int, interpret: bool) -> StatsTile:
     """Default tile of the statistics backward. Never depends on the problem size (only ``rows``, a runtime
     argument, does), so what compile() builds serves every later call.
@@ -184,7 +219,7 @@ def stats_sweep_d(tile: StatsTile, cfg: KernelConfig) -> int:
 def torch_order(cfg: KernelConfig, ratio: int, coff: int) -> bool:
     """Sum slots in PyTorch's order: only where all slots of a column sit in one thread (small windows)."""
     k = coff * pow2(ratio)
-    return cfg.torch_order and k % 4 == 0 and k * cfg.vec <= 32 and cfg.block_d <= 32 * cfg.vec
+    return cfg.torch_order and k % 4 == 0 and k * cfg.vec <= 32 and cfg.block_d <= 32 * cfg.vec * cfg.num_warps
 
 
 def long_shape(direction: str, cfg: KernelConfig, ratio: int, coff: int) -> tuple[int, int]:
@@ -215,7 +250,8 @@ def rows_per_prog(cfg: KernelConfig, direction: str, n_rows: int, n_col: int, k:
     """
     if cfg.rows_per_prog > 0:
         return cfg.rows_per_prog
-    one_tile_programs = cdiv(n_rows, cfg.block_r) * n_col
+    # Counted in one-warp programs (the tail's whole-row programs have several warps).
+    one_tile_programs = cdiv(n_rows, cfg.block_r) * n_col * cfg.num_warps
     if direction == "forward":
         target, lo, hi = 4096, 1, 4
     elif k <= 16:

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .norm_rope import _load_norm_weight, _tail_forward
+
 # Eviction policy of the forward kernels' window loads (kv, score): read exactly once, so "evict_first"
 # (``ld.global.L1::evict_first.L2::cache_hint`` with an evict-first L2 policy) makes the stream replace its own L2
 # lines instead of evicting other, possibly dirty, data. (Triton 3.6 rejects the ``.cs`` operator cute uses on
@@ -30,6 +32,8 @@ WINDOW_EVICT = tl.constexpr("evict_first")
 # The offset arrays are only read by scalar and gather loads, and the API checks them for 4-byte alignment only: no
 # specialisation on their alignment, so that one compiled kernel serves every call (binding.py relies on it).
 _OFFSETS = ["cu_ptr", "cu_comp_ptr"]
+# The tail's scalar and gather reads: position_start is checked for 4-byte alignment only, rstd is written per row.
+_TAIL_OFFSETS = ["pos_ptr", "rstd_ptr"]
 
 
 @triton.jit
@@ -139,13 +143,30 @@ def _program_segment(row_first, n_rows, N, B, n_iter, n_real, cu_ptr, cu_comp_pt
     """Whether a program's rows ``[row_first, row_first + n_rows)`` (clipped to N) are real rows of one segment.
 
     If so (the common case: segments are long), every row's first token is
-    ``tok0 + (r - comp0) * ratio`` and the tiles need no per-row search.
+    ``tok0 + (r - comp0) * ratio`` and the tiles need no per-row search. Returns
+    ``(uniform, comp0, tok0, seg)``, ``seg`` the segment of the first row.
     """
     row_last = tl.minimum(row_first + n_rows, N) - 1
     seg_first = _segment_of(row_first, cu_comp_ptr, B, n_iter)
     seg_last = _segment_of(row_last, cu_comp_ptr, B, n_iter)
     uniform = (seg_first == seg_last) & (row_last < n_real)
-    return uniform, tl.load(cu_comp_ptr + seg_first), tl.load(cu_ptr + seg_first)
+    return uniform, tl.load(cu_comp_ptr + seg_first), tl.load(cu_ptr + seg_first), seg_first
+
+
+@triton.jit
+def _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO: tl.constexpr):
+    """Row positions ``position_start[b] + j * ratio`` (``pos_ptr`` None: zeros for ``position_start``); padding
+    rows (``is_real`` false) 0. ``uniform``: every row is in segment ``seg0``, whose first row is ``comp0``."""
+    if uniform:
+        j = rows - comp0
+        seg = seg0 + rows * 0
+    else:
+        seg = _segment_of(rows, cu_comp_ptr, B, n_iter)
+        j = rows - tl.load(cu_comp_ptr + seg)
+    pos = j * RATIO
+    if pos_ptr is not None:
+        pos += tl.load(pos_ptr + seg)
+    return tl.where(is_real, pos, 0)
 
 
 @triton.jit
@@ -232,7 +253,10 @@ def _softmax(kv, score, ape, valid, PRECISE_EXP: tl.constexpr):
     return v, tl.fma(resid, inv, q)
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog"], do_not_specialize_on_alignment=_OFFSETS)
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog"],
+    do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
+)
 def csa_fwd_kernel(
     kv_ptr,
     score_ptr,
@@ -245,6 +269,12 @@ def csa_fwd_kernel(
     B,
     n_iter,
     tiles_per_prog,
+    norm_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    rstd_ptr,
+    norm_eps,
     RATIO: tl.constexpr,
     SP: tl.constexpr,
     COFF: tl.constexpr,
@@ -256,21 +286,33 @@ def csa_fwd_kernel(
     PRECISE_EXP: tl.constexpr,
     MANUAL_RTNE: tl.constexpr,
     TORCH_ORDER: tl.constexpr,
+    HAS_NORM: tl.constexpr = False,
+    ROPE_DIM: tl.constexpr = 0,
+    ROPE_INTERLEAVED: tl.constexpr = True,
 ):
     """Grid: ``ceil(N / (BLOCK_R * tiles_per_prog)) * N_COL`` programs; neighbours share rows.
 
     Each program walks ``tiles_per_prog`` row tiles and loads tile ``i + 1`` before
     computing tile ``i``, so a load is always in flight behind the arithmetic.
+
+    The tail (``HAS_NORM``, ``ROPE_DIM > 0``; None pointers without it): the program owns whole rows
+    (``N_COL == 1``), the pooled fp32 rows are normalised and rotated before the one rounding, and ``rstd_ptr``
+    (when not None) receives each row's ``rsqrt(mean(x * x) + eps)``.
     """
+    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     pid = tl.program_id(0)
     rp = pid // N_COL
     col_start = (pid % N_COL) * BLOCK_D
     n_real = _real_rows(cu_comp_ptr, B, N)
     row_base = rp * tiles_per_prog * BLOCK_R
-    uniform, comp0, tok0 = _program_segment(
+    uniform, comp0, tok0, seg0 = _program_segment(
         row_base, tiles_per_prog * BLOCK_R, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr
     )
     ape = _load_ape(ape_ptr, col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+    if TAIL:
+        tl.static_assert(N_COL == 1, "the tail needs whole rows per program")
+        _s, _own, _so, cols, col_ok, _col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
+        w = _load_norm_weight(norm_w_ptr, cols, col_ok, HAS_NORM)
     _r, _ro, _ir, _c, _co, _so, _v, offs, lmask = _tile(
         row_base, col_start, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
         RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
@@ -281,7 +323,7 @@ def csa_fwd_kernel(
         kv_cur = kv_next
         score_cur = score_next
         row_start = row_base + it * BLOCK_R
-        rows, row_ok, _ir, cols, col_ok, _so, valid, _o, _m = _tile(
+        rows, row_ok, is_real, cols, col_ok, _so, valid, _o, _m = _tile(
             row_start, col_start, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr,
             RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
@@ -293,6 +335,15 @@ def csa_fwd_kernel(
         score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
         out = _sum_slots(v * p, TORCH_ORDER)
+        if TAIL:
+            pos = rows * 0
+            if ROPE_DIM > 0:
+                pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
+            out, r = _tail_forward(
+                out, pos, cols, col_ok, w, norm_eps, cos_ptr, sin_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED
+            )  # fmt: skip
+            if rstd_ptr is not None:
+                tl.store(rstd_ptr + rows, r, mask=row_ok)
         omask = row_ok[:, None] & col_ok[None, :]
         optrs = out_ptr + rows[:, None] * HEAD_DIM + cols[None, :]
         tl.store(optrs, _round(out, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
@@ -316,3 +367,14 @@ def _row_start(row, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_co
         t0 = tl.load(cu_ptr + seg) + j * RATIO
     t0, has_prev, is_real = _guard_row(t0, j, row < n_real, T, RATIO)
     return t0, has_prev, is_real, row_ok
+
+
+@triton.jit
+def _row_position(
+    row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO: tl.constexpr
+):  # fmt: skip
+    """``(position, is_real)`` of output row ``row``, the position a ``[1]`` tensor (0 for padding rows and rows
+    failing the guard)."""
+    _t, _hp, is_real, _ok = _row_start(row, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO)
+    rows = tl.zeros([1], tl.int32) + row
+    return _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO), is_real

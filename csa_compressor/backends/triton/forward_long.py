@@ -14,13 +14,24 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _OFFSETS, LOG2E, WINDOW_EVICT, _program_segment, _real_rows, _round, _row_start
+from .forward import (
+    _OFFSETS,
+    _TAIL_OFFSETS,
+    LOG2E,
+    WINDOW_EVICT,
+    _program_segment,
+    _real_rows,
+    _round,
+    _row_position,
+    _row_start,
+)
+from .norm_rope import _load_norm_weight, _tail_forward
 
 
 @triton.jit
 def _long_base(
     col_start, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
-    CS_IN: tl.constexpr, LANES: tl.constexpr,
+    CS_IN: tl.constexpr, LANES: tl.constexpr, SLOT_AXIS: tl.constexpr = 1,
 ):  # fmt: skip
     """Per-thread constants of the long-window tiles: the slot of each ``[l, i]`` (``i * LANES + l``,
     ``[LANES, CS_IN, 1]``), element offsets ``slot * W + col`` (``[LANES, CS_IN, BLOCK_D]``), the column mask and
@@ -28,7 +39,12 @@ def _long_base(
     W: tl.constexpr = COFF * HEAD_DIM
     # Lanes first: with the slot-in-thread axis second, Triton's coalescing order spreads threads over the
     # columns, then the lanes, and keeps CS_IN in each thread (reductions over axis 1 stay in-thread).
-    slot = tl.arange(0, LANES)[:, None, None] + tl.arange(0, CS_IN)[None, :, None] * LANES
+    if SLOT_AXIS == 1:
+        slot = tl.arange(0, LANES)[:, None, None] + tl.arange(0, CS_IN)[None, :, None] * LANES
+    else:
+        # [CS_IN, LANES, BLOCK_D]: where the warps outnumber a row's column span (whole-row programs), Triton's
+        # order gives the spare warps to the lanes, not to the in-thread slots.
+        slot = tl.arange(0, CS_IN)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
     lane = tl.arange(0, BLOCK_D)
     # Contiguous in runs of VEC only: caps the vector width Triton picks at VEC elements.
     cols = col_start + (lane // VEC) * VEC + lane % VEC
@@ -94,7 +110,7 @@ def _load_chunk(
 
 
 @triton.jit
-def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
+def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr, SLOT_AXIS: tl.constexpr = 1):
     """Fold one chunk into the running (max, sum of exp, weighted sum) of each (lane, column).
 
     ``LOG2_DOMAIN`` (the statistics forward): ``y = (score + ape) * log2e`` rounded once per element and ``m``
@@ -102,32 +118,37 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
     of ``x = score + ape`` and the exponents are ``x * log2e - m * log2e``: each lane then carries its own
     rounding of ``m * log2e`` into its weights, which the bf16 output absorbs but the fp32 output saved as a
     statistic does not: at full size that rounding put dScore past the contract's fp32 slack.
+    ``SLOT_AXIS``: the chunk's in-thread slot axis (``_long_base``).
     """
     if LOG2_DOMAIN:
         y = tl.where(lmask, (sc.to(tl.float32) + ape) * LOG2E, float("-inf"))
-        m_new = tl.maximum(m, tl.max(y, axis=1))
+        m_new = tl.maximum(m, tl.max(y, axis=SLOT_AXIS))
         # An all -inf column keeps m = -inf and adds exact zeros.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
-        e = tl.exp2(y - m_use[:, None, :])
+        e = tl.exp2(y - tl.expand_dims(m_use, SLOT_AXIS))
     else:
         x = tl.where(lmask, sc.to(tl.float32) + ape, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
+        m_new = tl.maximum(m, tl.max(x, axis=SLOT_AXIS))
         # exp(x - m) as exp2(x * log2e - m * log2e); an all -inf column keeps m = -inf and adds exact zeros.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
         alpha = tl.exp2(m * LOG2E - m_use)
-        e = tl.exp2(x * LOG2E - m_use[:, None, :])
-    den = den * alpha + tl.sum(e, axis=1)
-    acc = acc * alpha + tl.sum(e * kv.to(tl.float32), axis=1)
+        e = tl.exp2(x * LOG2E - tl.expand_dims(m_use, SLOT_AXIS))
+    den = den * alpha + tl.sum(e, axis=SLOT_AXIS)
+    acc = acc * alpha + tl.sum(e * kv.to(tl.float32), axis=SLOT_AXIS)
     return m_new, den, acc
 
 
 @triton.jit
 def _long_row_finish(
-    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr,
+    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
+    HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
-    """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics)."""
+    """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics).
+
+    With a tail (the program owns the whole row) the output is the fp32 row normalised and rotated at position
+    ``pos`` (``[1]``), and ``rstd_ptr`` (not None) receives the row's rstd; the statistics keep the pooled row."""
     mx = tl.max(m, axis=0)
     if WRITE_STATS:  # log2 domain
         scale = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)[None, :])
@@ -137,7 +158,17 @@ def _long_row_finish(
     total = tl.sum(den * scale, axis=0)
     res = tl.math.div_rn(num, total)
     omask = cols < tl.where(ok, HEAD_DIM, 0)
-    tl.store(out_ptr + row * HEAD_DIM + cols, _round(res, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
+    y = res
+    if HAS_NORM or ROPE_DIM > 0:
+        # Columns past head_dim hold 0 / 0: out of the row's sum of squares.
+        y2, r = _tail_forward(
+            tl.where(cols < HEAD_DIM, res, 0.0)[None, :], pos, cols, cols < HEAD_DIM, w, norm_eps, cos_ptr, sin_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM,
+            ROPE_INTERLEAVED,
+        )  # fmt: skip
+        y = tl.reshape(y2, [BLOCK_D])
+        if rstd_ptr is not None:
+            tl.store(rstd_ptr + row, tl.sum(r, axis=0), mask=ok)
+    tl.store(out_ptr + row * HEAD_DIM + cols, _round(y, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
     if WRITE_STATS:
         # From the very values out was made of; mx is the max of y = (score + ape) * log2e.
         sptr = stats_ptr + (row - row_base) * (3 * HEAD_DIM) + cols
@@ -146,7 +177,10 @@ def _long_row_finish(
         tl.store(sptr + 2 * HEAD_DIM, res, mask=omask)
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog"], do_not_specialize_on_alignment=_OFFSETS)
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog"],
+    do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
+)
 def csa_fwd_long_kernel(
     kv_ptr,
     score_ptr,
@@ -160,6 +194,12 @@ def csa_fwd_long_kernel(
     n_iter,
     rows_per_prog,
     stats_ptr,
+    norm_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    rstd_ptr,
+    norm_eps,
     RATIO: tl.constexpr,
     COFF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -172,6 +212,10 @@ def csa_fwd_long_kernel(
     MANUAL_RTNE: tl.constexpr,
     WRITE_STATS: tl.constexpr,
     DEPTH: tl.constexpr = 1,
+    HAS_NORM: tl.constexpr = False,
+    ROPE_DIM: tl.constexpr = 0,
+    ROPE_INTERLEAVED: tl.constexpr = True,
+    SLOT_AXIS: tl.constexpr = 1,
 ):
     """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next ``DEPTH`` chunks (of this
     row or the next) loaded before the current one is computed (``DEPTH`` 2 needs two chunks per row).
@@ -180,8 +224,10 @@ def csa_fwd_long_kernel(
     ``acc``; a chunk's slots in a thread are folded in-thread, the lanes are combined once per row.
     ``WRITE_STATS``: also store the row's softmax statistics (``reference.softmax_stats``) into the contiguous
     ``(N, 3, HEAD_DIM)`` fp32 ``stats_ptr``: max of ``y = x * log2e``, ``1 / sum 2^(y - max)`` and the fp32 output.
-    Grid: ``ceil(N / rows_per_prog) * N_COL``.
+    Grid: ``ceil(N / rows_per_prog) * N_COL``. The tail (``HAS_NORM``, ``ROPE_DIM > 0``; None pointers without
+    it) needs ``N_COL == 1``: see ``_long_row_finish``.
     """
+    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     NCH: tl.constexpr = COFF * NCH_HALF
     CS: tl.constexpr = CS_IN * LANES
     EVEN_D: tl.constexpr = HEAD_DIM % BLOCK_D == 0
@@ -190,8 +236,12 @@ def csa_fwd_long_kernel(
     col_start = (pid % N_COL) * BLOCK_D
     n_real = _real_rows(cu_comp_ptr, B, N)
     row_base = rp * rows_per_prog
-    uniform, comp0, tok0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr)
-    slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES)
+    uniform, comp0, tok0, seg0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr)
+    slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES, SLOT_AXIS)
+    w = None
+    if TAIL:
+        tl.static_assert(N_COL == 1, "the tail needs whole rows per program")
+        w = _load_norm_weight(norm_w_ptr, cols, cols < HEAD_DIM, HAS_NORM)
     row_end = tl.minimum(row_base + rows_per_prog, N)
     if WRITE_STATS:
         # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM.
@@ -216,7 +266,7 @@ def csa_fwd_long_kernel(
                     kv_ptr, score_ptr, ape_ptr, c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS,
                     NCH_HALF, EVEN_D,
                 )  # fmt: skip
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
             # Last chunk of this row; prefetch chunk 0 of the next row.
             kv_c = kv_n
             sc_c = sc_n
@@ -229,9 +279,15 @@ def csa_fwd_long_kernel(
                 kv_ptr, score_ptr, ape_ptr, row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO,
                 COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D,
             )  # fmt: skip
-            m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+            m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
+            pos = None
+            if ROPE_DIM > 0:
+                pos, _real = _row_position(
+                    row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
+                )  # fmt: skip
             _long_row_finish(
-                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
+                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr,
+                rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
             )  # fmt: skip
             ok = okn
     else:
@@ -267,7 +323,7 @@ def csa_fwd_long_kernel(
                 kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
                 aoffs, amask = _long_ape_at(c + 1, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D)
                 ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
             # The row's last two chunks; chunks 0 and 1 of the next row go in flight.
             tn, hpn, _ir, okn = _row_start(
                 row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
@@ -290,9 +346,15 @@ def csa_fwd_long_kernel(
                     row * 0 + (NCH - 1 + h) % NCH, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
                 )  # fmt: skip
                 ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
+                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
+            pos = None
+            if ROPE_DIM > 0:
+                pos, _real = _row_position(
+                    row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
+                )  # fmt: skip
             _long_row_finish(
-                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
+                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr,
+                rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
             )  # fmt: skip
             t0 = tn
             hp = hpn

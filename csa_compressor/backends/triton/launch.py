@@ -17,8 +17,17 @@ import os
 
 import torch
 
-from .config import MAX_RATIO, KernelConfig, StatsTile, choose_config, is_long, stats_tile
-from .plans import BackwardPlan, ForwardPlan
+from .config import (
+    MAX_RATIO,
+    KernelConfig,
+    StatsTile,
+    choose_config,
+    is_long,
+    rotation_gathers,
+    stats_tile,
+    whole_rows,
+)
+from .plans import NO_TAIL, BackwardPlan, ForwardPlan
 
 __all__ = [
     "AUTOGRAD_STATS",
@@ -35,6 +44,7 @@ __all__ = [
     "launch_forward",
     "stats_tile",
     "supports_stats",
+    "supports_tail",
     "unavailable_reason",
 ]
 
@@ -105,11 +115,13 @@ def _kernels():
     mode = _interpret()
     mods = _KERNELS.get(mode)
     if mods is None:
-        from . import backward, forward, forward_long
+        from . import backward, backward_tail, forward, forward_long, norm_rope
 
-        mods = (forward, forward_long, backward)
         if (type(forward.csa_fwd_kernel).__name__ == "InterpretedFunction") != mode:
-            mods = tuple(importlib.reload(mod) for mod in mods)
+            # The helper modules too, before the kernels that import their functions.
+            for mod in (norm_rope, forward, forward_long, backward_tail, backward):
+                importlib.reload(mod)
+        mods = (forward, forward_long, backward)
         _KERNELS[mode] = mods
     return mods
 
@@ -133,11 +145,45 @@ def _check_stats(with_stats: bool, ratio: int, coff: int) -> None:
         )
 
 
+# The tail runs in programs that own whole rows (config.whole_rows); wider rows than this would spill registers.
+MAX_TAIL_HEAD_DIM = 2048
+
+
+def supports_tail(ratio: int, coff: int, head_dim: int, tail_config) -> bool:
+    """The fused tail (``csa_compressor.tail``) runs in every window class up to ``MAX_TAIL_HEAD_DIM`` columns."""
+    if config_unsupported_reason(ratio, coff, head_dim) is not None or head_dim > MAX_TAIL_HEAD_DIM:
+        return False
+    if tail_config.norm_dtype not in (None, torch.float32, torch.bfloat16):
+        return False
+    rope_dim = tail_config.rope_dim
+    return 0 <= rope_dim <= head_dim and rope_dim % 2 == 0
+
+
+def _active(tail):
+    """The tail to fuse, or None for no tail (an identity tail is the pooling alone)."""
+    return None if tail is None or tail.is_identity else tail
+
+
+def _tail_args(tail, rstd) -> tuple:
+    """The kernels' tail arguments in ``plans.NO_TAIL``'s order."""
+    rope = tail.rope_dim > 0
+    return (
+        tail.norm_weight,
+        tail.rope_cos if rope else None,
+        tail.rope_sin if rope else None,
+        tail.position_start if rope else None,
+        rstd,
+        float(tail.norm_eps) if tail.has_norm else None,
+    )
+
+
 # --------------------------------------------------------------------------- plans
 
-# Every plan built: (direction, ratio, coff, head_dim, dtype, device, with_stats, cfg, tile, interpret) -> plan.
+# Every plan built: (direction, ratio, coff, head_dim, dtype, device, with_stats, cfg, tile, interpret, tail,
+# with_rstd) -> plan.
 _PLANS: dict[tuple, ForwardPlan | BackwardPlan] = {}
-# The protocol calls' plans with the default tiles: (ratio, coff, head_dim, dtype, device, with_stats) -> plan.
+# The protocol calls' plans with the default tiles: (ratio, coff, head_dim, dtype, device, with_stats) -> plan;
+# with a tail the key also has the TailConfig and whether rstd is given (a None pointer specialises the kernels).
 _FORWARD: dict[tuple, ForwardPlan] = {}
 _BACKWARD: dict[tuple, BackwardPlan] = {}
 
@@ -149,101 +195,196 @@ def _device(device) -> torch.device:
     return device
 
 
-def _plan(direction, ratio, coff, head_dim, dtype, device, with_stats, cfg=None, tile=None):
-    """The plan of one configuration (built on first use): default tiles unless ``cfg`` / ``tile`` are given."""
+def _plan(direction, ratio, coff, head_dim, dtype, device, with_stats, cfg=None, tile=None, tail=None, rstd=False):
+    """The plan of one configuration (built on first use): default tiles unless ``cfg`` / ``tile`` are given.
+
+    ``tail``: a ``TailConfig`` (default tiles are widened to whole rows, ``config.whole_rows``) or None; ``rstd``:
+    whether calls pass an rstd buffer (part of the key only, as the kernels specialise on a None pointer)."""
     _check_stats(with_stats, ratio, coff)
     device = _device(device)
     interpret = _interpret() or device.type != "cuda"
-    cfg = cfg if cfg is not None else choose_config(direction, ratio, coff, head_dim, interpret)
+    if cfg is None:
+        cfg = choose_config(direction, ratio, coff, head_dim, interpret)
+        if tail is not None:
+            cfg = whole_rows(cfg, head_dim, rotation_gathers(tail, head_dim))
     if direction == "backward" and tile is None:
         tile = stats_tile(ratio, coff, head_dim, interpret)
     # The dtype is part of the key: a bound kernel's compiled code is specialised on its pointers' element types.
-    key = (direction, ratio, coff, head_dim, dtype, device, with_stats, cfg, tile, interpret)
+    key = (direction, ratio, coff, head_dim, dtype, device, with_stats, cfg, tile, interpret, tail, rstd)
     plan = _PLANS.get(key)
     if plan is None:
         fwd_mod, fwd_long_mod, bwd_mod = _kernels()
         if direction == "forward":
             kernel = fwd_long_mod.csa_fwd_long_kernel if is_long(ratio, coff) else fwd_mod.csa_fwd_kernel
-            plan = ForwardPlan(kernel, ratio, coff, head_dim, cfg, with_stats, device, interpret)
+            plan = ForwardPlan(kernel, ratio, coff, head_dim, cfg, with_stats, device, interpret, tail)
         else:
             sms = _SMS_DEFAULT if interpret else _sm_count(device.index)
-            plan = BackwardPlan(bwd_mod, ratio, coff, head_dim, cfg, tile, with_stats, device, interpret, sms)
+            # Long windows with a tail run the statistics backward; without statistics they are recomputed first.
+            recompute = None
+            if tail is not None and is_long(ratio, coff) and not with_stats:
+                recompute = _plan("forward", ratio, coff, head_dim, dtype, device, True)
+            plan = BackwardPlan(
+                bwd_mod, ratio, coff, head_dim, cfg, tile, with_stats, device, interpret, sms, tail, recompute
+            )
         plan = _PLANS[key] = plan
     return plan
 
 
-def _forward_plan(ratio, coff, head_dim, dtype, device, with_stats) -> ForwardPlan:
-    plan = _FORWARD[ratio, coff, head_dim, dtype, device, with_stats] = _plan(
-        "forward", ratio, coff, head_dim, dtype, device, with_stats
-    )
+def _forward_plan(ratio, coff, head_dim, dtype, device, with_stats, tail=None, rstd=False) -> ForwardPlan:
+    key = (ratio, coff, head_dim, dtype, device, with_stats) + ((tail, rstd) if tail is not None else ())
+    plan = _FORWARD[key] = _plan("forward", ratio, coff, head_dim, dtype, device, with_stats, tail=tail, rstd=rstd)
     return plan
 
 
-def _backward_plan(ratio, coff, head_dim, dtype, device, with_stats) -> BackwardPlan:
-    plan = _BACKWARD[ratio, coff, head_dim, dtype, device, with_stats] = _plan(
-        "backward", ratio, coff, head_dim, dtype, device, with_stats
-    )
+def _backward_plan(ratio, coff, head_dim, dtype, device, with_stats, tail=None, rstd=False) -> BackwardPlan:
+    key = (ratio, coff, head_dim, dtype, device, with_stats) + ((tail, rstd) if tail is not None else ())
+    plan = _BACKWARD[key] = _plan("backward", ratio, coff, head_dim, dtype, device, with_stats, tail=tail, rstd=rstd)
     return plan
 
 
 # --------------------------------------------------------------------------- protocol
 
 
-def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None, stats=None) -> None:
+def forward(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None, stats=None, tail=None, rstd=None
+) -> None:  # fmt: skip
     """Write every row of ``out`` (``(N, d)``, N > 0: the API handles N == 0). ``stats``: None, or a
-    ``(N, 3, d)`` float32 buffer the long-window kernel fills (``reference.softmax_stats``)."""
-    key = (ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None)
+    ``(N, 3, d)`` float32 buffer the long-window kernel fills (``reference.softmax_stats``; ``stats[:, 2]`` is the
+    pooled row before the tail). ``tail``: a ``csa_compressor.tail.Tail`` or None; ``rstd``: None or an ``(N,)``
+    float32 buffer of each row's ``rsqrt(mean(x * x) + eps)`` (1 without a norm)."""
+    tail = _active(tail)
+    if tail is None:
+        key = (ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None)
+        plan = _FORWARD.get(key) or _forward_plan(*key)
+        plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
+        if rstd is not None:
+            _fill_ones(rstd, stream)
+        return
+    key = (ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None, tail.config, rstd is not None)
     plan = _FORWARD.get(key) or _forward_plan(*key)
-    plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
+    plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, _tail_args(tail, rstd))
+
+
+def _fill_ones(rstd, stream) -> None:
+    if stream is None:
+        rstd.fill_(1.0)
+    else:
+        with torch.cuda.stream(stream):
+            rstd.fill_(1.0)
 
 
 def backward(
     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream=None,
-    stats=None,
+    stats=None, tail=None, grad_norm_weight=None, rstd=None,
 ) -> None:  # fmt: skip
     """Write every element of the three gradients (N > 0). ``stats``: None, or the forward's ``(N, 3, d)``
-    float32 softmax statistics (long windows only)."""
-    key = (ratio, coff, grad_out.shape[1], kv.dtype, kv.device, stats is not None)
+    float32 softmax statistics (long windows only). ``tail``: the forward's tail or None; ``grad_out`` is then the
+    gradient of the tail's output, and ``grad_norm_weight`` (required with a norm) a ``(d,)`` float32 buffer the
+    weight's gradient overwrites; ``rstd``: None (recomputed) or the forward's ``(N,)`` rstd."""
+    tail = _active(tail)
+    if tail is None:
+        key = (ratio, coff, grad_out.shape[1], kv.dtype, kv.device, stats is not None)
+        plan = _BACKWARD.get(key) or _backward_plan(*key)
+        plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats)
+        return
+    _check_grad_norm_weight(tail, grad_norm_weight)
+    key = (ratio, coff, grad_out.shape[1], kv.dtype, kv.device, stats is not None, tail.config, rstd is not None)
     plan = _BACKWARD.get(key) or _backward_plan(*key)
-    plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats)
+    grads = (grad_kv, grad_score, grad_ape)
+    tail_args = _tail_args(tail, rstd)
+    plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, stream, stats, tail_args, grad_norm_weight)
 
 
-def launch_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg: KernelConfig, stats=None):
-    """``forward`` with the tiles ``cfg`` (tests and tile sweeps), on the current stream."""
-    plan = _plan("forward", ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None, cfg)
-    plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, None, stats)
+def _check_grad_norm_weight(tail, grad_norm_weight) -> None:
+    if tail.has_norm and grad_norm_weight is None:
+        raise ValueError("a tail with norm_weight needs grad_norm_weight, a (head_dim,) float32 buffer")
+
+
+def launch_forward(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg: KernelConfig, stats=None, tail=None, rstd=None
+) -> None:  # fmt: skip
+    """``forward`` with the tiles ``cfg`` (tests and tile sweeps; with a tail ``cfg`` must span whole rows), on the
+    current stream."""
+    tail = _active(tail)
+    config = None if tail is None else tail.config
+    plan = _plan("forward", ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None, cfg, None, config)
+    plan(
+        kv,
+        score,
+        ape,
+        cu_seqlens,
+        cu_seqlens_comp,
+        out,
+        None,
+        stats,
+        NO_TAIL if tail is None else _tail_args(tail, rstd),
+    )
 
 
 def launch_backward(
     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff,
-    cfg: KernelConfig, stats=None, tile: StatsTile | None = None,
+    cfg: KernelConfig, stats=None, tile: StatsTile | None = None, tail=None, grad_norm_weight=None, rstd=None,
 ) -> None:  # fmt: skip
     """``backward`` with the tiles ``cfg`` (the statistics backward: ``tile``, default ``stats_tile``), on the
     current stream."""
+    tail = _active(tail)
+    config = None if tail is None else tail.config
     with_stats = stats is not None
-    plan = _plan("backward", ratio, coff, grad_out.shape[1], kv.dtype, kv.device, with_stats, cfg, tile)
-    plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, None, stats)
+    plan = _plan("backward", ratio, coff, grad_out.shape[1], kv.dtype, kv.device, with_stats, cfg, tile, config)
+    grads = (grad_kv, grad_score, grad_ape)
+    if tail is None:
+        plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, None, stats)
+        return
+    _check_grad_norm_weight(tail, grad_norm_weight)
+    args = _tail_args(tail, rstd)
+    plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, None, stats, args, grad_norm_weight)
 
 
-def compile(direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Build ``direction``'s plans for this configuration (long windows: with and without statistics) and, on a
-    GPU, launch each once on a tiny problem: that compiles the kernels and binds their direct launch, so later
-    calls (and CUDA-graph capture) neither compile nor bind. The interpreter has nothing to build."""
+def compile(
+    direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, device: torch.device, tail_config=None
+) -> None:  # fmt: skip
+    """Build ``direction``'s plans for this configuration (long windows: with and without statistics; with a
+    ``tail_config``: with and without an rstd buffer) and, on a GPU, launch each once on a tiny problem: that
+    compiles the kernels and binds their direct launch, so later calls (and CUDA-graph capture) neither compile nor
+    bind. The interpreter has nothing to build."""
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     device = _device(device)
     make = _forward_plan if direction == "forward" else _backward_plan
     variants = (False, True) if is_long(ratio, coff) else (False,)
-    plans = [make(ratio, coff, head_dim, dtype, device, with_stats) for with_stats in variants]
+    if tail_config is not None and tail_config.norm_dtype is None and tail_config.rope_dim == 0:
+        tail_config = None  # an identity tail is the pooling alone
+    rstds = (False,) if tail_config is None else (False, True)
+    plans = [
+        (make(ratio, coff, head_dim, dtype, device, with_stats, tail_config, with_rstd), with_rstd)
+        for with_stats in variants
+        for with_rstd in rstds
+    ]
     if device.type != "cuda" or _interpret():
         return
     with torch.cuda.device(device):
-        for plan in plans:
-            _warm_up(plan, direction, ratio, coff, head_dim, dtype, device)
+        for plan, with_rstd in plans:
+            _warm_up(plan, direction, ratio, coff, head_dim, dtype, device, tail_config, with_rstd)
         torch.cuda.current_stream(device).synchronize()
 
 
-def _warm_up(plan, direction, ratio, coff, head_dim, dtype, device) -> None:
+def _warm_tail(tail_config, ratio: int, head_dim: int, device):
+    """A ``Tail`` of ``tail_config`` for the warm-up's two rows (positions 0 and ``ratio``), or None."""
+    if tail_config is None:
+        return None
+    from ...tail import Tail
+
+    weight = None
+    if tail_config.norm_dtype is not None:
+        weight = torch.ones(head_dim, dtype=tail_config.norm_dtype, device=device)
+    if tail_config.rope_dim == 0:
+        return Tail(norm_weight=weight)
+    table = torch.zeros((2 * ratio, tail_config.rope_dim // 2), dtype=torch.float32, device=device)
+    start = torch.zeros(1, dtype=torch.int32, device=device) if tail_config.has_positions else None
+    return Tail(weight, 1e-6, table, table.clone(), tail_config.rope_dim, tail_config.rope_interleaved, start)
+
+
+def _warm_up(plan, direction, ratio, coff, head_dim, dtype, device, tail_config=None, with_rstd=False) -> None:
     """One launch of ``plan`` on a two-row problem (the same dtypes and argument specialisation as real calls)."""
     width, tokens = coff * head_dim, 2 * ratio
     kv = torch.zeros((tokens, width), dtype=dtype, device=device)
@@ -252,10 +393,14 @@ def _warm_up(plan, direction, ratio, coff, head_dim, dtype, device) -> None:
     cu = torch.tensor([0, tokens], dtype=torch.int32, device=device)
     cu_comp = torch.tensor([0, 2], dtype=torch.int32, device=device)
     stats = torch.zeros((2, 3, head_dim), dtype=torch.float32, device=device) if plan.with_stats else None
+    tail = _warm_tail(tail_config, ratio, head_dim, device)
+    rstd = torch.ones(2, dtype=torch.float32, device=device) if with_rstd else None
+    tail_args = NO_TAIL if tail is None else _tail_args(tail, rstd)
     if direction == "forward":
         out = torch.empty((2, head_dim), dtype=dtype, device=device)
-        plan(kv, score, ape, cu, cu_comp, out, None, stats)
+        plan(kv, score, ape, cu, cu_comp, out, None, stats, tail_args)
     else:
         grad_out = torch.zeros((2, head_dim), dtype=dtype, device=device)
         grads = torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape)
-        plan(kv, score, ape, cu, cu_comp, grad_out, *grads, None, stats)
+        grad_w = torch.empty(head_dim, dtype=torch.float32, device=device)
+        plan(kv, score, ape, cu, cu_comp, grad_out, *grads, None, stats, tail_args, grad_w)

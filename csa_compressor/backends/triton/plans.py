@@ -11,6 +11,9 @@ import torch
 
 from .binding import BoundKernel
 from .config import (
+    STATS_TAIL_RESIDENT,
+    TAIL_DX_ELEMENTS,
+    TAIL_ROW_BLOCK,
     KernelConfig,
     StatsTile,
     cdiv,
@@ -25,14 +28,38 @@ from .config import (
     torch_order,
 )
 
-__all__ = ["BackwardPlan", "ForwardPlan"]
+__all__ = ["NO_TAIL", "BackwardPlan", "ForwardPlan", "tail_consts"]
 
 _MAX_SIZES = 4096  # problem sizes remembered per plan (a training loop sees few; a sweep is bounded by this)
 
+# The tail's runtime arguments of the window kernels, (norm_weight, rope_cos, rope_sin, position_start, rstd,
+# norm_eps): all None without a tail, so that the kernels compile to the pooling alone.
+NO_TAIL = (None,) * 6
+
+
+def tail_consts(tail_config) -> dict:
+    """The tail's constexprs of a window kernel (none without a tail: the kernels' defaults are the pooling)."""
+    if tail_config is None:
+        return {}
+    return dict(
+        HAS_NORM=tail_config.norm_dtype is not None,
+        ROPE_DIM=tail_config.rope_dim,
+        ROPE_INTERLEAVED=tail_config.rope_interleaved,
+    )
+
 
 def _workspace(shape, device) -> torch.Tensor:
-    """The dAPE partials (every entry is written by the backward kernel; tests fill it with NaN to check that)."""
+    """The dAPE and norm-weight partials (every entry is written by the backward kernel; tests fill it with NaN to
+    check that)."""
     return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _on_stream(stream, make):
+    """``make()`` with ``stream`` current (None: the current stream), for allocations used on it."""
+    if stream is None:
+        return make()
+    with torch.cuda.stream(stream):
+        return make()
 
 
 class _Plan:
@@ -59,18 +86,22 @@ class ForwardPlan(_Plan):
     """The forward of one configuration: ``csa_fwd_kernel`` (short windows) or ``csa_fwd_long_kernel`` (long
     windows; ``with_stats``: it also writes the softmax statistics)."""
 
-    def __init__(self, kernel, ratio, coff, head_dim, cfg: KernelConfig, with_stats, device, interpret):
+    def __init__(self, kernel, ratio, coff, head_dim, cfg: KernelConfig, with_stats, device, interpret, tail=None):
         super().__init__(device, interpret, with_stats)
         self.cfg, self.n_col, self.long = cfg, cdiv(head_dim, cfg.block_d), is_long(ratio, coff)
+        if tail is not None and self.n_col != 1:
+            raise ValueError(f"the tail needs whole rows per program: block_d={cfg.block_d} < head_dim={head_dim}")
         consts = dict(
             RATIO=ratio, COFF=coff, HEAD_DIM=head_dim, BLOCK_D=cfg.block_d, VEC=cfg.vec, N_COL=self.n_col,
-            MANUAL_RTNE=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            MANUAL_RTNE=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **tail_consts(tail),
         )  # fmt: skip
         if self.long:
             lanes, cs_in = long_shape("forward", cfg, ratio, coff)
             nch_half = cdiv(ratio, lanes * cs_in)
             depth = 2 if cfg.prefetch_depth == 2 and coff * nch_half >= 2 else 1
             consts.update(LANES=lanes, CS_IN=cs_in, NCH_HALF=nch_half, WRITE_STATS=with_stats, DEPTH=depth)
+            if tail is not None:
+                consts.update(SLOT_AXIS=0)  # whole-row programs: see forward_long._long_base
             self.kernel = BoundKernel(kernel, consts, self.index)
         else:
             consts.update(
@@ -94,36 +125,80 @@ class ForwardPlan(_Plan):
             programs = cdiv(cdiv(n_rows, cfg.block_r), per_prog)
         return self._remember((n_rows, num_segments), (programs * self.n_col, search_iters(num_segments), per_prog))
 
-    def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats) -> None:
+    def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail=NO_TAIL) -> None:
+        """``tail``: the tail's runtime arguments (``NO_TAIL``'s order), or ``NO_TAIL``."""
         if self._elsewhere():
             with torch.cuda.device(self.index):
-                return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
+                return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail)
         n_rows, num_segments = out.shape[0], cu_seqlens.shape[0] - 1
         sizes = self._sizes.get((n_rows, num_segments)) or self._size(n_rows, num_segments)
         grid, n_iter, per_prog = sizes
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments, n_iter, per_prog)
         if self.long:
-            self.kernel.launch(grid, stream, *args, stats)
+            self.kernel.launch(grid, stream, *args, stats, *tail)
         else:
-            self.kernel.launch(grid, stream, *args)
+            self.kernel.launch(grid, stream, *args, *tail)
 
 
 class BackwardPlan(_Plan):
     """The backward of one configuration: the window kernel (short, long, or with statistics: ``csa_bwd_kernel``,
     ``csa_bwd_long_kernel``, ``csa_bwd_stats_kernel``; each with its zero-sweep programs), then the dAPE
-    reduction of its partials (``dape_reduce_kernel``)."""
+    reduction of its partials (``dape_reduce_kernel``; with a norm ``tail_reduce_kernel``, which also sums the
+    norm weight's partials).
 
-    def __init__(self, bwd_mod, ratio, coff, head_dim, cfg, tile: StatsTile, with_stats, device, interpret, sm_count):
+    ``tail``: the ``TailConfig`` the kernels are specialised on, or None. ``stats_forward``: a statistics forward
+    plan, for long windows with a tail called without statistics: the norm needs whole rows of pooled values, which
+    only the statistics pair provides, so such a call first recomputes the statistics into a workspace.
+
+    The statistics backward with a tail has two routes (``backward_tail``): grids of at most
+    ``in_program_programs`` compute programs reduce the norm's row sums in every program; larger ones launch
+    ``csa_tail_dx_kernel`` first and run the statistics kernel without a tail on its ``dx``."""
+
+    def __init__(
+        self, bwd_mod, ratio, coff, head_dim, cfg, tile: StatsTile, with_stats, device, interpret, sm_count,
+        tail=None, stats_forward: ForwardPlan | None = None,
+    ):  # fmt: skip
         super().__init__(device, interpret, with_stats)
-        self.cfg, self.tile, self.sm_count = cfg, tile, sm_count
+        self.cfg, self.tile, self.sm_count, self.stats_forward = cfg, tile, sm_count, stats_forward
         self.ratio, self.coff, self.head_dim, self.width = ratio, coff, head_dim, coff * head_dim
-        self.family = "stats" if with_stats else "long" if is_long(ratio, coff) else "short"
+        self.has_norm = tail is not None and tail.norm_dtype is not None
+        stats = with_stats or stats_forward is not None
+        self.family = "stats" if stats else "long" if is_long(ratio, coff) else "short"
+        if tail is not None and self.family == "long":
+            raise ValueError("the tail's long-window backward runs from statistics: pass stats_forward")
         self.k = coff * pow2(ratio)
-        block_d = tile.block_d if with_stats else cfg.block_d
-        self.n_col = cdiv(head_dim, block_d)
+        self.n_col = cdiv(head_dim, tile.block_d if stats else cfg.block_d)
+        if tail is not None and self.family == "short" and self.n_col != 1:
+            raise ValueError(f"the tail needs whole rows per program: block_d={cfg.block_d} < head_dim={head_dim}")
+        kernel, consts = self._window_kernel(bwd_mod, interpret, tail)
+        self.kernel = BoundKernel(kernel, consts, self.index)
+        self.tail, self.dx_kernel, self.in_program_programs = tail, None, 0
+        if tail is not None and self.family == "stats":
+            self._bind_dx_route(bwd_mod, interpret)
+        self._bind_reduction(bwd_mod)
+
+    def _bind_dx_route(self, bwd_mod, interpret) -> None:
+        """The statistics backward's second route: ``csa_tail_dx_kernel``, then the statistics kernel on its fp32
+        ``dx`` (no tail constexprs: the pooling's own kernel)."""
+        _kernel, consts = self._window_kernel(bwd_mod, interpret, None)
+        self.from_dx = BoundKernel(bwd_mod.csa_bwd_stats_kernel, consts, self.index)
+        block_d = pow2(self.head_dim)
+        self.dx_rows = max(1, min(64, TAIL_DX_ELEMENTS // block_d))
+        dx_consts = dict(
+            RATIO=self.ratio, HEAD_DIM=self.head_dim, BLOCK_R=self.dx_rows, BLOCK_D=block_d, num_warps=4,
+            **tail_consts(self.tail),
+        )  # fmt: skip
+        self.dx_kernel = BoundKernel(bwd_mod.csa_tail_dx_kernel, dx_consts, self.index)
+        # The in-program route's programs (4 warps, about 250 registers) fit STATS_TAIL_RESIDENT per SM.
+        self.in_program_programs = self.sm_count * STATS_TAIL_RESIDENT
+
+    def _window_kernel(self, bwd_mod, interpret, tail):
+        """The window kernel of this family and its constexprs."""
+        cfg, tile, ratio, coff, head_dim = self.cfg, self.tile, self.ratio, self.coff, self.head_dim
+        block_d = tile.block_d if self.family == "stats" else cfg.block_d
         consts = dict(
             RATIO=ratio, COFF=coff, HEAD_DIM=head_dim, BLOCK_D=block_d, N_COL=self.n_col, SWEEP_T=cfg.sweep_t,
-            MANUAL_RTNE=interpret, num_stages=cfg.num_stages,
+            MANUAL_RTNE=interpret, num_stages=cfg.num_stages, **tail_consts(tail),
         )  # fmt: skip
         if self.family == "stats":
             self.n_chunk = cdiv(coff * ratio, tile.slots)
@@ -131,30 +206,44 @@ class BackwardPlan(_Plan):
                 SLOTS=tile.slots, VEC=max(1, min(8, tile.block_d)), N_CHUNK=self.n_chunk,
                 SWEEP_D=stats_sweep_d(tile, cfg), num_warps=tile.num_warps, num_stages=1,
             )  # fmt: skip
-            kernel = bwd_mod.csa_bwd_stats_kernel
-        else:
-            consts.update(SP=pow2(ratio), VEC=cfg.vec, SWEEP_D=cfg.sweep_d, num_warps=cfg.num_warps)
-            if self.family == "long":
-                lanes, cs_in = long_shape("backward", cfg, ratio, coff)
-                consts.update(LANES=lanes, CS_IN=cs_in)
-                kernel = bwd_mod.csa_bwd_long_kernel
-            else:
-                consts.update(
-                    BLOCK_R=cfg.block_r, PRECISE_EXP=cfg.precise_exp and not interpret,
-                    TORCH_ORDER=torch_order(cfg, ratio, coff), enable_fp_fusion=False,
-                )  # fmt: skip
-                kernel = bwd_mod.csa_bwd_kernel
-        self.kernel = BoundKernel(kernel, consts, self.index)
+            if self.has_norm:
+                consts.update(ROW_BLOCK=min(pow2(head_dim), TAIL_ROW_BLOCK))
+            return bwd_mod.csa_bwd_stats_kernel, consts
+        consts.update(SP=pow2(ratio), VEC=cfg.vec, SWEEP_D=cfg.sweep_d, num_warps=cfg.num_warps)
+        if self.family == "long":
+            lanes, cs_in = long_shape("backward", cfg, ratio, coff)
+            consts.update(LANES=lanes, CS_IN=cs_in)
+            return bwd_mod.csa_bwd_long_kernel, consts
+        consts.update(
+            BLOCK_R=cfg.block_r, PRECISE_EXP=cfg.precise_exp and not interpret,
+            TORCH_ORDER=torch_order(cfg, ratio, coff), enable_fp_fusion=False,
+        )  # fmt: skip
+        return bwd_mod.csa_bwd_kernel, consts
+
+    def _bind_reduction(self, bwd_mod) -> None:
         # [dape_chunk partials, dape_block entries] per step: a short dependent chain and many programs. Neither
         # constexpr depends on the problem size: compile() warms up on a tiny problem (capture safety).
-        size = ratio * self.width
+        cfg = self.cfg
+        size = self.ratio * self.width
         block = min(cfg.dape_block, pow2(size))
         dape = dict(SIZE=size, BLOCK=block, CHUNK=cfg.dape_chunk, num_warps=4, enable_fp_fusion=False)
-        self.dape = BoundKernel(bwd_mod.dape_reduce_kernel, dape, self.index)
         self.dape_grid = cdiv(size, block)
+        if self.has_norm:
+            w_block = min(cfg.dape_block, pow2(self.head_dim))
+            dape.update(W_SIZE=self.head_dim, W_BLOCK=w_block)
+            self.dape = BoundKernel(bwd_mod.tail_reduce_kernel, dape, self.index)
+            self.dape_grid += cdiv(self.head_dim, w_block)
+        else:
+            self.dape = BoundKernel(bwd_mod.dape_reduce_kernel, dape, self.index)
+
+    def _recomputed(self, n_rows: int, dtype) -> tuple:
+        """Buffers of the statistics forward a long-window tail backward runs first: statistics, and its output."""
+        stats = torch.empty((n_rows, 3, self.head_dim), dtype=torch.float32, device=self.device)
+        return stats, torch.empty((n_rows, self.head_dim), dtype=dtype, device=self.device)
 
     def _size(self, n_rows: int, tokens: int, num_segments: int) -> tuple:
-        """(programs, search halvings, rows or row tiles per program, dAPE partials, compute programs)."""
+        """(programs, search halvings, rows or row tiles per program, dAPE partials, compute programs, dx programs:
+        0 unless the statistics backward with a tail takes the dx route)."""
         cfg = self.cfg
         if self.family == "stats":
             per_prog = stats_rows(self.tile, self.ratio, self.coff, self.head_dim, n_rows)
@@ -171,17 +260,29 @@ class BackwardPlan(_Plan):
             compute = parts * self.n_col
         # Compute programs first, then the zero-sweep programs.
         grid = compute + cdiv(tokens, cfg.sweep_t)
+        dx_programs = cdiv(n_rows, self.dx_rows) if self.dx_kernel and compute > self.in_program_programs else 0
         return self._remember(
-            (n_rows, tokens, num_segments), (grid, search_iters(num_segments), per_prog, parts, compute)
+            (n_rows, tokens, num_segments), (grid, search_iters(num_segments), per_prog, parts, compute, dx_programs)
         )
 
-    def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats):  # fmt: skip
+    def __call__(
+        self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats,
+        tail=NO_TAIL, grad_norm_weight=None,
+    ):  # fmt: skip
+        """``tail``: the tail's runtime arguments (``NO_TAIL``'s order); ``grad_norm_weight`` (with a norm) the
+        ``(head_dim,)`` fp32 buffer its gradient is written to."""
         if self._elsewhere():
             with torch.cuda.device(self.index):
-                return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats)  # fmt: skip
+                return self(
+                    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
+                    stats, tail, grad_norm_weight,
+                )  # fmt: skip
         n_rows, tokens, num_segments = grad_out.shape[0], kv.shape[0], cu_seqlens.shape[0] - 1
         key = (n_rows, tokens, num_segments)
-        grid, n_iter, per_prog, parts, compute = self._sizes.get(key) or self._size(*key)
+        grid, n_iter, per_prog, parts, compute, dx_programs = self._sizes.get(key) or self._size(*key)
+        if self.stats_forward is not None:
+            stats, out = _on_stream(stream, lambda: self._recomputed(n_rows, grad_out.dtype))
+            self.stats_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
         if stream is None:
             workspace = _workspace((parts, self.ratio, self.width), self.device)
         else:
@@ -189,8 +290,23 @@ class BackwardPlan(_Plan):
                 workspace = _workspace((parts, self.ratio, self.width), self.device)
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
         sizes = (n_rows, tokens, num_segments, n_iter, per_prog, compute)
-        if self.family == "stats":
-            self.kernel.launch(grid, stream, *args, stats, *sizes)
+        norm_parts, norm_count = None, dx_programs or parts
+        if self.has_norm:
+            norm_parts = _on_stream(stream, lambda: _workspace((norm_count, self.head_dim), self.device))
+        if dx_programs:
+            dx = _on_stream(stream, lambda: torch.empty(grad_out.shape, dtype=torch.float32, device=self.device))
+            offsets = (cu_seqlens, cu_seqlens_comp, n_rows, tokens, num_segments, n_iter)
+            self.dx_kernel.launch(dx_programs, stream, stats, grad_out, dx, norm_parts, *offsets, *tail)
+            args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, dx, grad_kv, grad_score, workspace)
+            self.from_dx.launch(grid, stream, *args, stats, *sizes, *NO_TAIL, None)
+        elif self.family == "stats":
+            self.kernel.launch(grid, stream, *args, stats, *sizes, *tail, norm_parts)
+        elif self.family == "short":
+            self.kernel.launch(grid, stream, *args, *sizes, *tail, norm_parts)
         else:
             self.kernel.launch(grid, stream, *args, *sizes)
-        self.dape.launch(self.dape_grid, stream, workspace, grad_ape, parts)
+        if self.has_norm:
+            reduce_args = (workspace, grad_ape, norm_parts, grad_norm_weight, parts, norm_count)
+            self.dape.launch(self.dape_grid, stream, *reduce_args)
+        else:
+            self.dape.launch(self.dape_grid, stream, workspace, grad_ape, parts)
