@@ -113,7 +113,7 @@ class BackwardLongWindow:
             registers(width, BFloat16),
             *(registers(width) for _ in range(6)),  # gf, vm, vl, va, dvo, dlo
         )
-        th = SimpleNamespace(tidx=tidx, tc=tc, g=g, c=c, col_ok=col_ok, T=T, nreal=nreal)
+        th = SimpleNamespace(tidx=tidx, tc=tc, g=g, c=c, col_ok=col_ok, T=T, N=N)
         io = SimpleNamespace(kv=kv, score=score, ape=ape, gout=gout, gkv=gkv, gsc=gsc)
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) and past total_comp carry no gradient.
@@ -122,7 +122,7 @@ class BackwardLongWindow:
             self.row(io, seg, r, row_lim, regs, zero, (sm_dape, *shared, sm_res), th)
         # Exact zeros: segments with no produced row and token-capacity padding.
         if col_ok:
-            self.zeros.unowned(gkv, gsc, zero, seg, T, nreal, bx, gdx, g, cfg.slot_groups, c)
+            self.zeros.unowned(gkv, gsc, zero, seg, T, N, bx, gdx, g, cfg.slot_groups, c)
         # This CTA's grad_ape slab: each thread copies the entries it owns.
         if col_ok:
             for k in cutlass.range_constexpr(spg):
@@ -134,16 +134,17 @@ class BackwardLongWindow:
 
     @cute.jit
     def row(self, io, seg, r, row_lim, regs, zero, smem, th):
-        """Both passes over row ``r`` and the exact zeros a segment's last row owns."""
+        """Both passes over row ``r`` and the exact zeros a segment's last produced row owns."""
         cfg = self.config
         kv, score, ape = io.kv, io.score, io.ape
         kvb, scb, apf, gb = regs[:4]
         vm, vl, va = regs[5:8]
         g, c, col_ok = th.g, th.c, th.col_ok
         b, t0, first, real = locate_row(seg, r, th.T, cfg.ratio)
-        last, seg_end = segment_owner(seg, b, r, th.nreal, th.T)
-        # A row that fails the bounds guard loads and stores nothing (every thread still joins the barriers).
-        active = col_ok & real
+        last, seg_end = segment_owner(seg, b, r, th.N, th.T)
+        # A row that fails the bounds guard reads the window of a padding row (t0 = 0, in bounds: the loads keep
+        # their mask) and stores nothing.
+        active = col_ok
         gb.fill(0.0)
         if active:
             gb.store(vec_view(io.gout, r * cfg.head_dim + c, cfg.vector_width).load())
@@ -159,9 +160,10 @@ class BackwardLongWindow:
         self.combine(smem, vm, vl, va, th.tidx, th.tc, g)
         if cutlass.const_expr(cfg.prefetch_next_row):
             self.prefetch_row(io, seg, r + 1, row_lim, th)
-        self.gradients(io, regs, smem, t0, first, active, th)
-        # Exact zeros owned by a segment's last row.
-        if active & last:
+        if real:
+            self.gradients(io, regs, smem, t0, first, active, th)
+        # Exact zeros owned by a segment's last produced row.
+        if active & real & last:
             spg = cfg.slots_per_batch * cfg.batches
             self.zeros.segment_tail(io.gkv, io.gsc, zero, t0, seg_end, g * spg, spg, c)
 

@@ -130,13 +130,13 @@ class BackwardShortWindow:
         regs = _Registers(cfg)
         self.slots.load_ape(ape, regs.apf, 0, g, c, col_ok)  # the same for every row of the thread
         regs.allocate_row(cfg)
-        th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok)
+        th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok, T=T, N=N)
         io = SimpleNamespace(kv=kv, score=score, gout=gout, gkv=gkv, gsc=gsc)
-        self.rows(io, seg, T, nreal, rows_per_cta, regs, smem, th)
+        self.rows(io, seg, nreal, rows_per_cta, regs, smem, th)
         # Exact zeros: segments with no produced row and token-capacity padding.
         if col_ok:
             lanes = cfg.row_lanes * cfg.slot_groups  # threads sharing one column vector
-            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, nreal, bx, gdx, lane, lanes, c)
+            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, N, bx, gdx, lane, lanes, c)
         self.write_slab(ws, regs.dap, smem[0], tidx, g, rl, c, col_ok, bx)
 
     def allocate_shared(self):
@@ -155,24 +155,23 @@ class BackwardShortWindow:
         return sm_red, sm_a, sm_b, sm_res
 
     @cute.jit
-    def rows(self, io, seg, T, nreal, rows_per_cta, regs, smem, th):
+    def rows(self, io, seg, nreal, rows_per_cta, regs, smem, th):
         """The CTA's row range, row lanes side by side, the next row's loads issued before the current row's math."""
         cfg = self.config
         R = cfg.row_lanes
-        g, rl, c, col_ok = th.g, th.rl, th.c, th.col_ok
+        rl, col_ok = th.rl, th.col_ok
         row_begin = th.bx * rows_per_cta
         row_end = row_begin + rows_per_cta
         # Rows past the true row count (padding) and past total_comp carry no gradient.
         row_lim = cutlass.min(row_end, nreal)
         n_iter = rows_per_cta // R
         r0 = row_begin + rl
-        active, t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), g, c,
-                                                         T, nreal)  # fmt: skip
+        active, t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), th)
         for jp in cutlass.range((n_iter + 1) // 2):
             for ph in cutlass.range_constexpr(2):
                 rn = row_begin + (2 * jp + ph + 1) * R + rl
                 n_active, n_t0, n_first, n_last, n_seg_end = self.load_row(
-                    io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim), g, c, T, nreal
+                    io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim), th
                 )
                 row = (active, t0, first, last, seg_end)
                 self.compute_row(io.gkv, io.gsc, regs, ph, smem, row, th)
@@ -183,7 +182,7 @@ class BackwardShortWindow:
                 seg_end = n_seg_end
 
     @cute.jit
-    def load_row(self, io, seg, regs, buf: cutlass.Constexpr, r, ok, g, c, T, nreal):
+    def load_row(self, io, seg, regs, buf: cutlass.Constexpr, r, ok, th):
         """Row layout of row r (a row that fails the bounds guard is inactive: no load, no gradient) and every
         DRAM load of the thread's window slots into buffer set ``buf`` (issued, not waited for)."""
         kvf, scf, gb = regs.kvb[buf], regs.scb[buf], regs.gbb[buf]
@@ -193,12 +192,12 @@ class BackwardShortWindow:
         last = Boolean(False)
         seg_end = Int32(0)
         if ok:
-            b, t0, first, active = locate_row(seg, r, T, self.config.ratio)
-            last, seg_end = segment_owner(seg, b, r, nreal, T)
-        self.load_window(io.kv, io.score, kvf, scf, active, t0, first, g, c)
+            b, t0, first, active = locate_row(seg, r, th.T, self.config.ratio)
+            last, seg_end = segment_owner(seg, b, r, th.N, th.T)
+        self.load_window(io.kv, io.score, kvf, scf, active, t0, first, th.g, th.c)
         gb.fill(0.0)
         if active:
-            gb.store(vec_view(io.gout, r * self.config.head_dim + c, self.config.vector_width).load())
+            gb.store(vec_view(io.gout, r * self.config.head_dim + th.c, self.config.vector_width).load())
         return active, t0, first, last, seg_end
 
     @cute.jit

@@ -126,13 +126,13 @@ class BackwardWithStats:
         row_lim = cutlass.min(row_begin + rows_per_cta, nreal)
         row_first = row_begin + rl
         io = SimpleNamespace(kv=kv, score=score, gout=gout, stats=stats, gkv=gkv, gsc=gsc)
-        th = SimpleNamespace(gg=gg, c=c, col_ok=col_ok, T=T, nreal=nreal)
+        th = SimpleNamespace(gg=gg, c=c, col_ok=col_ok, T=T, N=N)
         regs.ahead = self.first_loads(io, seg, regs.window, row_first, row_lim, th)
         for r in cutlass.range(row_first, row_lim, lanes):
             self.row_step(io, seg, r, row_lim, regs, th)
         # Exact zeros: segments with no produced row and token-capacity padding (the first slot chunk's CTAs).
         if col_ok & (bz == 0):
-            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, nreal, bx, gdx, rl * groups + gl, groups * lanes, c)
+            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, N, bx, gdx, rl * groups + gl, groups * lanes, c)
         self.write_slab(ws, regs.dape, tc, gl, rl, gg, c, col_ok, bx)
 
     @cute.jit
@@ -145,8 +145,9 @@ class BackwardWithStats:
         for t in ahead:
             t.fill(0.0)
         if row_first < row_lim:
-            _b0, t00, first0, real0 = locate_row(seg, row_first, th.T, cfg.ratio)
-            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok & real0, t00, first0)
+            # A row that fails the bounds guard reads as a padding row (t0 = 0, in bounds) and stores nothing.
+            _b0, t00, first0, _real0 = locate_row(seg, row_first, th.T, cfg.ratio)
+            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t00, first0)
             if col_ok:
                 self.load_row_inputs(io.gout, io.stats, row_first, c, ahead)
         return ahead
@@ -180,15 +181,16 @@ class BackwardWithStats:
         b, t0, first, real = locate_row(seg, r, th.T, cfg.ratio)
         # The next row step's window slice, statistics and grad_out go out before this step's math.
         if r + lanes < row_lim:
-            _bn, t0n, first_n, real_n = locate_row(seg, r + lanes, th.T, cfg.ratio)
-            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok & real_n, t0n, first_n)
+            _bn, t0n, first_n, _real_n = locate_row(seg, r + lanes, th.T, cfg.ratio)
+            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, first_n)
             if col_ok:
                 self.load_row_inputs(io.gout, io.stats, r + lanes, c, ahead)
-        # A row that fails the bounds guard stores and adds nothing.
+        # A row that fails the bounds guard (read as a padding row) stores and adds nothing.
         active = col_ok & real
-        self.gradients(io.gkv, io.gsc, regs, t0, first, active, th)
+        if active:
+            self.gradients(io.gkv, io.gsc, regs, t0, first, col_ok, th)
         # Exact zeros owned by a segment's last produced row (this thread's slots and columns).
-        last, seg_end = segment_owner(seg, b, r, th.nreal, th.T)
+        last, seg_end = segment_owner(seg, b, r, th.N, th.T)
         if active & last:
             self.zeros.segment_tail(io.gkv, io.gsc, regs.zero, t0, seg_end, gg * cfg.slots_per_group,
                                     cfg.slots_per_group, c)  # fmt: skip

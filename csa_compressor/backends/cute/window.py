@@ -108,11 +108,12 @@ def locate_row(seg, r, T: Int32, ratio: cutlass.Constexpr):
 
 
 @cute.jit
-def segment_owner(seg, b, r, nreal: Int32, T: Int32):
+def segment_owner(seg, b, r, N: Int32, T: Int32):
     """(last, seg_end) of row ``r`` of segment ``b``: whether it is the last row its segment produces (rows at or
-    past ``nreal`` are not, so with total_comp below the real row count the last produced row owns the dropped
-    rows' tokens) and the segment's end clamped to ``T`` (its exact zeros stay inside the operands)."""
-    last = r == cutlass.min(seg.cuc[b + 1], nreal) - 1
+    past total_comp ``N`` are not produced: with total_comp below the real row count the last one below it), which
+    zeroes the segment's tail (``zeros.ZeroStores``), and the segment's end clamped to ``T`` (the zeros stay inside
+    the operands)."""
+    last = r == cutlass.min(seg.cuc[b + 1], N) - 1
     return last, cutlass.min(seg.cu[b + 1], T)
 
 
