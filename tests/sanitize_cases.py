@@ -50,9 +50,10 @@ CUTE_MALFORMED_CONFIGS = {
 }
 
 
-def malformed_results(backend: str):
-    """(case name, result) of every malformed case on ``backend``'s kernels (cute or triton) on the GPU; a result
-    maps each check (finite output, statistics and gradients, canaries intact) to whether it held."""
+def malformed_results(backend: str, device: str = "cuda"):
+    """(case name, result) of every malformed case on ``backend``'s kernels (cute or triton; the reference too) on
+    ``device``; a result maps each check (finite output, statistics and gradients, canaries intact) to whether it
+    held."""
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:  # run as a script: the repository's tests package
         sys.path.insert(0, root)
@@ -61,13 +62,13 @@ def malformed_results(backend: str):
     from csa_compressor import dispatch
     from tests.backends import test_triton_safety as safety
 
-    configs = CUTE_MALFORMED_CONFIGS if backend == "cute" else safety.MALFORMED_CONFIGS
+    configs = safety.MALFORMED_CONFIGS if backend == "triton" else CUTE_MALFORMED_CONFIGS
     # test_triton_safety's runner calls its module's ``launch`` (the Triton protocol functions): the other
     # backend's protocol functions take the same arguments.
     with mock.patch.object(safety, "launch", dispatch.backend_module(backend)):
         for (ratio, coff, head_dim), names in configs.items():
             for name in safety.MALFORMED if names == _ALL else names:
-                result = safety._malformed(name, ratio, coff, head_dim, "cuda")
+                result = safety._malformed(name, ratio, coff, head_dim, device)
                 yield f"{name}-r{ratio}c{coff}d{head_dim}", result
 
 
