@@ -1,15 +1,21 @@
 """Small forward+backward cases for compute-sanitizer (memcheck, racecheck) on one backend.
 
-    compute-sanitizer --tool memcheck python tests/sanitize_cases.py --backend cute
+    compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute
+    compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute --malformed
 
-Each case is checked against the fp32 reference as well, so a clean sanitizer run
-is also a correct one. Exit status 1 on a numerics failure. The cases reach every cute kernel class: the exact and
-the grouped forward, the short, long and statistics backwards (the whole-tile form at ratio 128 d512) and the
-grad_ape reduction.
+Each well-formed case is checked against the fp32 reference as well, so a clean sanitizer run is also a correct one.
+The cases reach every cute kernel class: the exact and the grouped forward, the short, long and statistics
+backwards (the whole-tile form at ratio 128 d512) and the grad_ape reduction.
+
+``--malformed``: the malformed-offset cases of ``tests/backends/test_triton_safety.py`` (offsets beyond T,
+decreasing, negative, int32 wrap-around, counts that do not match, an undersized total_comp) through the backend's
+kernels, every operand between NaN canary rows: memcheck sees any access outside the operands, the run itself a
+changed canary or a non-finite output. Exit status 1 on a numerics failure or a finding.
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -29,12 +35,61 @@ CASES = [
     (2, 2, 24, (9, 1, 4), 2, 1),
 ]
 
+_ALL = "all"
+# (ratio, coff, head_dim) -> names of test_triton_safety.MALFORMED run on the cute kernels (all of them: _ALL): every
+# kernel class and form. Head dims are multiples of 8, so that the canary rows keep every operand 16-byte aligned
+# (the cute kernels' contract).
+CUTE_MALFORMED_CONFIGS = {
+    (4, 2, 8): _ALL,  # exact forward, short backward
+    (2, 1, 8): ("beyond_T", "negative", "int32_wrap", "int32_min", "start_past_T"),
+    (3, 2, 8): _ALL,  # grouped short forward and backward
+    (8, 2, 16): _ALL,  # grouped forward, long backward (no statistics)
+    (16, 2, 8): _ALL,  # statistics forward and backward (slab form)
+    (17, 1, 8): ("decreasing", "negative", "int32_wrap", "start_past_T"),  # one slot per group
+    (128, 1, 512): _ALL,  # long backward, statistics backward in the whole-tile form (the H200's choice)
+}
+
+
+def malformed_results(backend: str, device: str = "cuda"):
+    """(case name, result) of every malformed case on ``backend``'s kernels (cute or triton; the reference too) on
+    ``device``; a result maps each check (finite output, statistics and gradients, canaries intact) to whether it
+    held."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:  # run as a script: the repository's tests package
+        sys.path.insert(0, root)
+    from unittest import mock
+
+    from csa_compressor import dispatch
+    from tests.backends import test_triton_safety as safety
+
+    configs = safety.MALFORMED_CONFIGS if backend == "triton" else CUTE_MALFORMED_CONFIGS
+    # test_triton_safety's runner calls its module's ``launch`` (the Triton protocol functions): the other
+    # backend's protocol functions take the same arguments.
+    with mock.patch.object(safety, "launch", dispatch.backend_module(backend)):
+        for (ratio, coff, head_dim), names in configs.items():
+            for name in safety.MALFORMED if names == _ALL else names:
+                result = safety._malformed(name, ratio, coff, head_dim, device)
+                yield f"{name}-r{ratio}c{coff}d{head_dim}", result
+
+
+def run_malformed(backend: str) -> int:
+    bad = 0
+    for case, result in malformed_results(backend):
+        good = all(result.values())
+        bad += not good
+        print(f"{backend} {case}: {'ok' if good else f'FINDING {result}'}", flush=True)
+    torch.cuda.synchronize()
+    return 1 if bad else 0
+
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
     parser.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
+    parser.add_argument("--malformed", action="store_true", help="the malformed-offset cases instead")
     opts = parser.parse_args()
+    if opts.malformed:
+        return run_malformed(opts.backend)
     ok = True
     for ratio, coff, head_dim, seqlens, tok_pad, comp_pad in CASES[: opts.cases]:
         p = make_pack(seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, device="cuda")

@@ -1,6 +1,7 @@
 """GPU tests of the CuTe-DSL backend (``csa_compressor.backends.cute.launch``) against the references: numerics,
 exact zeros, determinism, CUDA graphs, explicit streams, threads, a non-current device, the softmax-statistics pair,
-the register-capped forward, the whole-tile statistics backward, and the disk compile cache across processes.
+the register-capped forward, the whole-tile statistics backward, the disk compile cache across processes, and inputs a
+data pipeline gets wrong (docs/safety.md): total_comp below the real row count, malformed offsets.
 
 Skipped with a reason when there is no CUDA GPU, when nvidia-cutlass-dsl is not importable, or when
 the GPU is not sm_90 / sm_100.
@@ -456,3 +457,129 @@ def test_a_second_process_loads_the_kernels_and_matches_bitwise(tmp_path):
     for a, b in zip(first, second, strict=True):
         _assert_bitwise(a, b)
     print(f"first forward+backward call: cold cache {runs[0]['seconds']:.2f} s, warm cache {runs[1]['seconds']:.2f} s")
+
+
+# --------------------------------------------------------------------------- inputs a data pipeline gets wrong
+# (docs/safety.md). The truncation helpers are tests/backends/test_triton_safety.py's (imported where used: that
+# module needs triton, which the GPU machine has).
+
+# total_comp below the real row count: (seqlens, head_dim, ratio, coff), every kernel family; the statistics
+# backwards in both forms (whole-tile: the H200's choice at ratio 128 coff 1 d512).
+TRUNCATED = [
+    ((13, 8, 0, 3, 21), 64, 4, 2),  # exact forward, short backward
+    ((9, 4, 0, 11), 128, 2, 1),
+    ((20, 7, 2, 33), 36, 3, 2),  # grouped forward and short backward (three slot groups)
+    ((81, 7, 40), 64, 8, 2),  # grouped forward, long backward without statistics
+    ((300, 260), 128, 128, 2),  # long backward, the statistics pair
+    ((260, 5, 300), 512, 128, 1),
+]
+
+
+def _nan_grads(pack):
+    return tuple(torch.full_like(t, float("nan")) for t in (pack.kv, pack.score, pack.ape))
+
+
+def _assert_truncated_bitwise(tpack, out, grads):
+    """Windows of at most 8 slots: bitwise the fp32 reference of the truncated pack, at the tokens it keeps."""
+    from csa_compressor.testing import truncated_pack
+
+    short, keep = truncated_pack(tpack)
+    kw = dict(ratio=tpack.ratio, coff=tpack.coff)
+    _assert_bitwise(reference.forward(*short.inputs, total_comp=tpack.total_comp, precision="fp32", **kw), out)
+    rkv, rsc, _ = reference.backward(*short.inputs, short.grad_out, precision="fp32", **kw)
+    _assert_bitwise(rkv, grads[0][keep])
+    _assert_bitwise(rsc, grads[1][keep])
+
+
+@pytest.mark.parametrize("case", TRUNCATED, ids=[f"r{c[2]}c{c[3]}d{c[1]}" for c in TRUNCATED])
+def test_undersized_total_comp_matches_truncated_autograd(case):
+    """Rows at or past total_comp are not produced; the gradients equal plain autograd of the eager reference
+    truncated to total_comp rows (every position written over NaN-filled buffers: dropped rows' tokens are exact
+    zeros), bitwise at windows of at most 8 slots; the statistics forward writes the plain forward's rows and both
+    statistics-backward forms agree with autograd too."""
+    from csa_compressor.backends.cute.backward_stats import BackwardWithStats
+    from csa_compressor.backends.cute.device import device_spec
+    from csa_compressor.backends.cute.select import config_for
+    from tests.backends import test_triton_safety as safety
+
+    launch = _launch_module()
+    seqlens, d, ratio, coff = case
+    pack = make_pack(seqlens, d, ratio, coff, token_padding=3, device="cuda", seed=ratio + coff)
+    spec = device_spec(pack.kv.device.index)
+    stats_too = launch.supports_stats(ratio, coff, d)
+    for rows in safety._cuts(pack):
+        assert 0 < rows < pack.true_comp
+        tpack = replace(pack, total_comp=rows, grad_out=pack.grad_out[:rows].contiguous())
+        out = torch.full((rows, d), float("nan"), dtype=pack.kv.dtype, device="cuda")
+        launch.forward(*pack.inputs, out, ratio, coff, None)
+        assert_contract(tpack, out=out)
+        grads = _nan_grads(pack)
+        launch.backward(*pack.inputs, tpack.grad_out, *grads, ratio, coff, None)
+        safety._assert_matches_autograd(tpack, grads)
+        if coff * ratio <= 8:
+            _assert_truncated_bitwise(tpack, out, grads)
+        if not stats_too:
+            continue
+        out_s = torch.full_like(out, float("nan"))
+        stats = torch.full((rows, 3, d), float("nan"), device="cuda")
+        launch.forward(*pack.inputs, out_s, ratio, coff, None, stats)
+        _assert_bitwise(out, out_s)
+        for config in _stats_forms(config_for("backward_stats", ratio, coff, d, spec)):
+            grads = _nan_grads(pack)
+            launcher = launch.BackwardLauncher(BackwardWithStats, config, spec)
+            launch.call_backward(launcher, (*pack.inputs, tpack.grad_out, *grads), None, stats)
+            safety._assert_matches_autograd(tpack, grads)
+
+
+# Malformed offsets whose cu_seqlens_comp is non-decreasing, where the rules define the forward exactly (a row
+# whose tokens leave [0, T) is a padding row): (cu_seqlens, cu_seqlens_comp, total_comp) over 44 tokens at ratio 4,
+# scaled with larger ratios as in test_triton_safety.
+MONOTONIC_MALFORMED = {
+    "beyond_T": ([0, 16, 80], [0, 4, 20], 20),
+    "comp_over_count": ([0, 16, 32], [0, 9, 20], 21),
+    "comp_start_not_zero": ([0, 16, 40], [3, 7, 13], 12),
+    "int32_wrap": ([0, 2**31 - 5, 2**31 - 1], [0, 2**29, 2**30], 7),
+    "start_past_T": ([50, 60, 70], [0, 2, 4], 4),
+}
+FORWARD_FAMILIES = [(4, 2, 64), (2, 1, 128), (3, 2, 36), (8, 2, 64), (16, 2, 64), (128, 1, 512)]
+
+
+@pytest.mark.parametrize("name", list(MONOTONIC_MALFORMED))
+@pytest.mark.parametrize("ratio,coff,d", FORWARD_FAMILIES, ids=[f"r{r}c{c}d{d}" for r, c, d in FORWARD_FAMILIES])
+def test_malformed_offsets_forward_follows_the_guard_rules(ratio, coff, d, name):
+    """The forwards (with statistics too) on malformed offsets against the reference, which applies the same rules
+    (docs/safety.md): bitwise at windows of at most 8 slots, the contract elsewhere."""
+    launch = _launch_module()
+    scale = ratio // 4 if ratio > 4 else 1
+    base = make_pack((44 * scale,), d, ratio, coff, device="cuda", seed=61)
+    cu, cuc, rows = MONOTONIC_MALFORMED[name]
+    cu = [v * scale if abs(v) < 2**20 else v for v in cu]
+    grad_out = base.grad_out[:1].expand(rows, d).contiguous()  # the contract's scales need one per row
+    pack = replace(base, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device="cuda"),
+                   cu_seqlens_comp=torch.tensor(cuc, dtype=torch.int32, device="cuda"), total_comp=rows,
+                   grad_out=grad_out)  # fmt: skip
+    out = torch.full((rows, d), float("nan"), dtype=pack.kv.dtype, device="cuda")
+    launch.forward(*pack.inputs, out, ratio, coff, None)
+    if coff * ratio <= 8:
+        _assert_bitwise(reference.forward(*pack.inputs, ratio=ratio, coff=coff, total_comp=rows, precision="fp32"), out)
+    assert_contract(pack, out=out)
+    if launch.supports_stats(ratio, coff, d):
+        out_s = torch.full_like(out, float("nan"))
+        stats = torch.full((rows, 3, d), float("nan"), device="cuda")
+        launch.forward(*pack.inputs, out_s, ratio, coff, None, stats)
+        _assert_bitwise(out, out_s)
+        assert bool(torch.isfinite(stats).all())
+
+
+def test_malformed_offsets_stay_inside_the_operands():
+    """test_triton_safety's malformed cases (beyond T, decreasing, negative, int32 wrap-around, counts that do not
+    match, an undersized total_comp) through every cute kernel family, each operand between NaN canary rows: no
+    canary written, the output, statistics and gradients finite (compute-sanitizer memcheck over
+    ``python -m tests.sanitize_cases --backend cute --malformed`` checks every access)."""
+    from tests.sanitize_cases import CUTE_MALFORMED_CONFIGS, malformed_results
+
+    _launch_module()
+    results = list(malformed_results("cute"))
+    bad = [(case, result) for case, result in results if not all(result.values())]
+    assert not bad, bad
+    assert len(results) >= 5 * len(CUTE_MALFORMED_CONFIGS)

@@ -1,7 +1,8 @@
 """The cute kernels build for Hopper and Blackwell without a GPU (CuTe-DSL compiles with ``CUTE_DSL_ARCH``), and
 the kernel selection and configurations follow their rules (pure Python).
 
-Every kernel class compiles to PTX with the expected kernels and parameter lists, keeps no array in local memory
+Every kernel class compiles, for sm_90a and for sm_100a, to PTX with the expected kernels and parameter lists (the
+forwards take T as well as the backwards: the bounds guard), keeps no array in local memory
 (a run-time-indexed register array would land there and cost DRAM traffic), loads its window evict-first in the
 forwards only, and carries its launch bounds. Running the kernels needs the GPU: tests/backends/test_cute.py.
 ``benchmarks/cubins.py --compare`` checks every default kernel's code against the committed baselines.
@@ -59,31 +60,35 @@ def _entries(ptx: str) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def built():
-    """name -> (kernel, PTX) of every entry of BUILDS, compiled once for the module."""
+@pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
+def built(request):
+    """(arch, name -> (kernel, PTX)) of every entry of BUILDS, compiled once per architecture."""
+    arch = request.param
+    spec = offline_spec(arch)
     result = {}
     with tempfile.TemporaryDirectory() as dump:
         for name, direction, ratio, coff, head_dim, expected in BUILDS:
-            kernel_class, config = kernel_for(direction, ratio, coff, head_dim, H200)
+            kernel_class, config = kernel_for(direction, ratio, coff, head_dim, spec)
             assert kernel_class is expected, name
             kernel = kernel_class(config)
-            result[name] = (kernel, compile_kernel(kernel, "sm_90a", dump_dir=dump).artifacts.PTX)
-        wide = kernel_for("forward", 4, 2, 128, H200)[1].wide()
-        result["wide forward"] = (ForwardShortWindow(wide), compile_kernel(ForwardShortWindow(wide), "sm_90a", dump).artifacts.PTX)  # fmt: skip
-    return result
+            result[name] = (kernel, compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
+        wide = ForwardShortWindow(kernel_for("forward", 4, 2, 128, spec)[1].wide())
+        result["wide forward"] = (wide, compile_kernel(wide, arch, dump).artifacts.PTX)
+    return arch, result
 
 
 @pytest.mark.parametrize("name", [b[0] for b in BUILDS] + ["wide forward"])
 def test_kernels_compile_without_local_memory(built, name):
-    kernel, ptx = built[name]
+    arch, kernels = built
+    kernel, ptx = kernels[name]
     cfg = kernel.config
-    assert ".target sm_90a" in ptx
+    assert f".target {arch}" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     entries = _entries(ptx)
     forward = kernel.kind == "forward"
     stats = getattr(cfg, "write_stats", False) or isinstance(cfg, configs.BackwardStatsConfig)
-    main = "p" * (6 + stats) + "ii" if forward else "p" * (9 + stats) + "iiii"
+    # Pointers, then B, N and T (and the backward's row range).
+    main = "p" * (6 + stats) + "iii" if forward else "p" * (9 + stats) + "iiii"
     reduce = [] if forward or getattr(cfg, "whole_tile", False) else ["ppi"]
     assert sorted(entries.values()) == sorted([main, *reduce]), entries
     # Evict-first window loads in the forwards only; no evict-first stores anywhere.
@@ -95,19 +100,13 @@ def test_kernels_compile_without_local_memory(built, name):
 def test_launch_bounds(built):
     """The wide forward is capped for WIDE_CTAS_PER_SM CTAs; the grouped kernels for MAX_REGISTERS per thread; the
     exact short forward has no bound."""
-    assert f".minnctapersm {configs.WIDE_CTAS_PER_SM}" in built["wide forward"][1]
-    assert ".minnctapersm" not in built["short forward"][1]
+    _arch, kernels = built
+    assert f".minnctapersm {configs.WIDE_CTAS_PER_SM}" in kernels["wide forward"][1]
+    assert ".minnctapersm" not in kernels["short forward"][1]
     for name in ("long forward with stats", "short backward", "long backward", "whole-tile stats backward"):
-        kernel, ptx = built[name]
+        kernel, ptx = kernels[name]
         assert f".minnctapersm {configs.launch_bound(kernel.config.threads)}" in ptx, name
-    assert built["whole-tile stats backward"][0].config.threads == configs.WHOLE_TILE_THREADS
-
-
-def test_compiles_for_sm100():
-    kernel_class, config = kernel_for("forward", 4, 2, 64, offline_spec("sm_100a"))
-    with tempfile.TemporaryDirectory() as dump:
-        ptx = compile_kernel(kernel_class(config), "sm_100a", dump_dir=dump).artifacts.PTX
-    assert ".target sm_100a" in ptx
+    assert kernels["whole-tile stats backward"][0].config.threads == configs.WHOLE_TILE_THREADS
 
 
 CONFIG_SPACE = [(r, c, d) for r in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 32, 128, 256) for c in (1, 2)

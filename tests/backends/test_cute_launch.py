@@ -36,7 +36,7 @@ BACKWARD = ("backward", 8, 2, 64)
 _POINTERS = "kv score ape cu_seqlens cu_seqlens_comp"
 FORWARD_SIGNATURE = ", ".join(
     [f"{p}: DataPointer" for p in f"{_POINTERS} out stats".split()]
-    + ["segments: int32", "total_comp: int32", "stream: Stream"]
+    + ["segments: int32", "total_comp: int32", "tokens: int32", "stream: Stream"]
 )
 BACKWARD_SIGNATURE = ", ".join(
     [f"{p}: DataPointer" for p in f"{_POINTERS} grad_out grad_kv grad_score grad_ape slabs stats".split()]
@@ -111,17 +111,19 @@ def test_argument_kinds_and_errors(fresh_cache):
     assert _signature(forward) == FORWARD_SIGNATURE
     backward, _ = _host_function(*BACKWARD)
     assert _signature(backward) == BACKWARD_SIGNATURE
-    with pytest.raises(TypeError, match="Expects 10 parameters"):
+    with pytest.raises(TypeError, match="Expects 11 parameters"):
         forward(0, 0, 0)
     with pytest.raises(TypeError, match="argument #7"):
-        forward(*([0] * 7), 1.5, 1, 0)
+        forward(*([0] * 7), 1.5, 1, 4, 0)
     with pytest.raises(TypeError, match="argument #0"):
-        forward("kv", *([0] * 6), 1, 1, 0)
+        forward("kv", *([0] * 6), 1, 1, 4, 0)
     with pytest.raises(ValueError, match="Out of bound value on argument #8"):
-        forward(*([0] * 7), 1, 2**31, 0)
+        forward(*([0] * 7), 1, 2**31, 4, 0)
+    with pytest.raises(ValueError, match="Out of bound value on argument #9"):
+        forward(*([0] * 7), 1, 1, 2**31, 0)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match=r"(?i)cuda"):
-            forward(*([0] * 7), 1, 1, 0)
+            forward(*([0] * 7), 1, 1, 4, 0)
 
 
 def test_concurrent_processes_compile_once_and_a_later_one_loads(tmp_path):
@@ -225,7 +227,7 @@ def test_forward_passes_pointers_sizes_and_stream(host_path, stats):
     from csa_compressor.testing import make_pack
 
     ratio, coff, d = (128, 1, 64) if stats else (4, 2, 64)
-    pack = make_pack((300, 9, 130), d, ratio, coff, comp_padding=2, seed=1)
+    pack = make_pack((300, 9, 130), d, ratio, coff, token_padding=3, comp_padding=2, seed=1)  # T past cu_seqlens[-1]
     kv, score, ape, cu, cuc = pack.inputs
     n = pack.total_comp
     fake = launch.ForwardLauncher.__new__(launch.ForwardLauncher)
@@ -234,7 +236,9 @@ def test_forward_passes_pointers_sizes_and_stream(host_path, stats):
     out = torch.empty((n, d), dtype=kv.dtype)
     st = torch.empty((n, 3, d)) if stats else None
     launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None, st)
-    expected = (*_ptrs(kv, score, ape, cu, cuc, out), st.data_ptr() if stats else 0, cu.shape[0] - 1, n, 0x5EED)
+    # build.py's order: pointers, segments, total_comp, tokens (T: the kernels' bounds guard), the stream.
+    stats_ptr = st.data_ptr() if stats else 0
+    expected = (*_ptrs(kv, score, ape, cu, cuc, out), stats_ptr, cu.shape[0] - 1, n, kv.shape[0], 0x5EED)
     assert fake.function.calls == [expected] and fake.wide.calls == []
     fake.wide_rows = n  # a launch of wide_rows rows takes the register-capped build
     launch.forward(kv, score, ape, cu, cuc, out, ratio, coff, None, st)

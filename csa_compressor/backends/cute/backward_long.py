@@ -12,7 +12,8 @@ fp32 grad_ape slab (summed by ``ApeReduce``). Per row, two passes over the windo
    grad_ape accumulates per (slot, column) in shared memory, each entry owned by one thread (no atomics).
 
 Where ``prefetch_next_row``, the next row's window is prefetched into L2 between the passes, so that its first
-pass waits on L2 rather than DRAM. Exact zeros as the short-window backward (``ZeroStores``).
+pass waits on L2 rather than DRAM. Exact zeros and the rows' bounds guard as the short-window backward
+(``ZeroStores``, ``window.locate_row``).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from .window import (
     Segments,
     WindowSlots,
     bf16_registers,
-    find_segment,
+    locate_row,
+    real_rows,
     register_slots,
     registers,
+    segment_owner,
     store_vector,
     vec_view,
 )
@@ -90,7 +93,7 @@ class BackwardLongWindow:
         if cutlass.const_expr(not cfg.columns_exact):
             col_ok = c < cfg.head_dim
         seg = Segments(cu, cuc, B)
-        nreal = seg.cuc[B]
+        nreal = real_rows(seg, N)
         smem = cutlass.memory.SmemAllocator()
         sm_dape = smem.allocate_tensor(Float32, cute.make_layout(cfg.window * cw), byte_alignment=16)
         shared = [
@@ -110,16 +113,16 @@ class BackwardLongWindow:
             registers(width, BFloat16),
             *(registers(width) for _ in range(6)),  # gf, vm, vl, va, dvo, dlo
         )
-        th = SimpleNamespace(tidx=tidx, tc=tc, g=g, c=c, col_ok=col_ok)
+        th = SimpleNamespace(tidx=tidx, tc=tc, g=g, c=c, col_ok=col_ok, T=T, N=N)
         io = SimpleNamespace(kv=kv, score=score, ape=ape, gout=gout, gkv=gkv, gsc=gsc)
         row_begin = bx * rows_per_cta
-        # Rows past the true row count (padding) carry no gradient.
-        row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
+        # Rows past the true row count (padding) and past total_comp carry no gradient.
+        row_lim = cutlass.min(row_begin + rows_per_cta, nreal)
         for r in cutlass.range(row_begin, row_lim):
             self.row(io, seg, r, row_lim, regs, zero, (sm_dape, *shared, sm_res), th)
-        # Exact zeros: segments with no row (seqlen < ratio) and token-capacity padding.
+        # Exact zeros: segments with no produced row and token-capacity padding.
         if col_ok:
-            self.zeros.unowned(gkv, gsc, zero, seg, T, bx, gdx, g, cfg.slot_groups, c)
+            self.zeros.unowned(gkv, gsc, zero, seg, T, N, bx, gdx, g, cfg.slot_groups, c)
         # This CTA's grad_ape slab: each thread copies the entries it owns.
         if col_ok:
             for k in cutlass.range_constexpr(spg):
@@ -131,19 +134,16 @@ class BackwardLongWindow:
 
     @cute.jit
     def row(self, io, seg, r, row_lim, regs, zero, smem, th):
-        """Both passes over row ``r`` and the exact zeros a segment's last row owns."""
+        """Both passes over row ``r`` and the exact zeros a segment's last produced row owns."""
         cfg = self.config
         kv, score, ape = io.kv, io.score, io.ape
-        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
         kvb, scb, apf, gb = regs[:4]
         vm, vl, va = regs[5:8]
         g, c, col_ok = th.g, th.c, th.col_ok
-        b = find_segment(cuc_t, B, r)
-        j = r - cuc_t[b]
-        t0 = cu_t[b] + j * cfg.ratio
-        first = j == 0
-        last = r == cuc_t[b + 1] - 1
-        seg_end = cu_t[b + 1]
+        b, t0, first, real = locate_row(seg, r, th.T, cfg.ratio)
+        last, seg_end = segment_owner(seg, b, r, th.N, th.T)
+        # A row that fails the bounds guard reads the window of a padding row (t0 = 0, in bounds: the loads keep
+        # their mask) and stores nothing.
         active = col_ok
         gb.fill(0.0)
         if active:
@@ -160,9 +160,10 @@ class BackwardLongWindow:
         self.combine(smem, vm, vl, va, th.tidx, th.tc, g)
         if cutlass.const_expr(cfg.prefetch_next_row):
             self.prefetch_row(io, seg, r + 1, row_lim, th)
-        self.gradients(io, regs, smem, t0, first, active, th)
-        # Exact zeros owned by a segment's last row.
-        if active & last:
+        if real:
+            self.gradients(io, regs, smem, t0, first, active, th)
+        # Exact zeros owned by a segment's last produced row.
+        if active & real & last:
             spg = cfg.slots_per_batch * cfg.batches
             self.zeros.segment_tail(io.gkv, io.gsc, zero, t0, seg_end, g * spg, spg, c)
 
@@ -203,15 +204,13 @@ class BackwardLongWindow:
         spg = cfg.slots_per_batch * cfg.batches
         g, c = th.g, th.c
         if (rn < row_lim) & th.col_ok & (th.tc % line_threads == 0):
-            bn = find_segment(seg.cuc, seg.count, rn)
-            jn = rn - seg.cuc[bn]
-            t0n = seg.cu[bn] + jn * cfg.ratio
+            _bn, t0n, first_n, real_n = locate_row(seg, rn, th.T, cfg.ratio)
             for k in cutlass.range_constexpr(spg):
                 s = g * spg + k
                 half = s // cfg.ratio
-                okn = Boolean(True)
+                okn = real_n
                 if cutlass.const_expr(cfg.coff == 2):
-                    okn = (half == 1) | (jn != 0)
+                    okn = real_n & ((half == 1) | (not first_n))
                 if okn:
                     off = (t0n - (cfg.coff - 1) * cfg.ratio + s) * (cfg.coff * cfg.head_dim) + half * cfg.head_dim + c
                     prefetch_l2(io.kv + off)

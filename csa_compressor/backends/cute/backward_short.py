@@ -14,8 +14,9 @@ grad_ape partials (summed by ``ApeReduce``):
   through shared memory; one thread per (row, column) combines the groups in a fixed order; exp via ex2.approx;
 - grad_ape: per-thread fp32 accumulators over the thread's rows, summed over the row lanes in a fixed order.
 
-Exact zeros (``ZeroStores``): a segment's last row owns its tail; CTA ``p`` owns the segments ``b = p mod grid``
-without rows and a grid-stride share of the token-capacity padding.
+Exact zeros (``ZeroStores``): a segment's last produced row owns its tail; CTA ``p`` owns the segments
+``b = p mod grid`` without produced rows and a grid-stride share of the token-capacity padding. Rows are located
+with the bounds guard of ``window.locate_row`` (a row that fails it has no gradient).
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from .window import (
     Segments,
     WindowSlots,
     bf16_registers,
-    find_segment,
+    locate_row,
+    real_rows,
     register_slots,
     registers,
+    segment_owner,
     store_vector,
     vec_view,
     widen,
@@ -122,18 +125,18 @@ class BackwardShortWindow:
         if cutlass.const_expr(not cfg.columns_exact):
             col_ok = c < cfg.head_dim
         seg = Segments(cu, cuc, B)
-        nreal = seg.cuc[B]
+        nreal = real_rows(seg, N)
         smem = self.allocate_shared()
         regs = _Registers(cfg)
         self.slots.load_ape(ape, regs.apf, 0, g, c, col_ok)  # the same for every row of the thread
         regs.allocate_row(cfg)
-        th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok)
+        th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok, T=T, N=N)
         io = SimpleNamespace(kv=kv, score=score, gout=gout, gkv=gkv, gsc=gsc)
-        self.rows(io, seg, N, nreal, rows_per_cta, regs, smem, th)
-        # Exact zeros: segments with no group (seqlen < ratio) and token-capacity padding.
+        self.rows(io, seg, nreal, rows_per_cta, regs, smem, th)
+        # Exact zeros: segments with no produced row and token-capacity padding.
         if col_ok:
             lanes = cfg.row_lanes * cfg.slot_groups  # threads sharing one column vector
-            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, bx, gdx, lane, lanes, c)
+            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, N, bx, gdx, lane, lanes, c)
         self.write_slab(ws, regs.dap, smem[0], tidx, g, rl, c, col_ok, bx)
 
     def allocate_shared(self):
@@ -152,23 +155,23 @@ class BackwardShortWindow:
         return sm_red, sm_a, sm_b, sm_res
 
     @cute.jit
-    def rows(self, io, seg, N, nreal, rows_per_cta, regs, smem, th):
+    def rows(self, io, seg, nreal, rows_per_cta, regs, smem, th):
         """The CTA's row range, row lanes side by side, the next row's loads issued before the current row's math."""
         cfg = self.config
         R = cfg.row_lanes
-        g, rl, c, col_ok = th.g, th.rl, th.c, th.col_ok
+        rl, col_ok = th.rl, th.col_ok
         row_begin = th.bx * rows_per_cta
         row_end = row_begin + rows_per_cta
-        # Rows past the true row count (padding) carry no gradient.
-        row_lim = cutlass.min(cutlass.min(row_end, N), nreal)
+        # Rows past the true row count (padding) and past total_comp carry no gradient.
+        row_lim = cutlass.min(row_end, nreal)
         n_iter = rows_per_cta // R
         r0 = row_begin + rl
-        active, t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), g, c)
+        active, t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), th)
         for jp in cutlass.range((n_iter + 1) // 2):
             for ph in cutlass.range_constexpr(2):
                 rn = row_begin + (2 * jp + ph + 1) * R + rl
                 n_active, n_t0, n_first, n_last, n_seg_end = self.load_row(
-                    io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim), g, c
+                    io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim), th
                 )
                 row = (active, t0, first, last, seg_end)
                 self.compute_row(io.gkv, io.gsc, regs, ph, smem, row, th)
@@ -179,27 +182,22 @@ class BackwardShortWindow:
                 seg_end = n_seg_end
 
     @cute.jit
-    def load_row(self, io, seg, regs, buf: cutlass.Constexpr, r, ok, g, c):
-        """Row layout of row r and every DRAM load of the thread's window slots into buffer set ``buf`` (issued,
-        not waited for)."""
-        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
+    def load_row(self, io, seg, regs, buf: cutlass.Constexpr, r, ok, th):
+        """Row layout of row r (a row that fails the bounds guard is inactive: no load, no gradient) and every
+        DRAM load of the thread's window slots into buffer set ``buf`` (issued, not waited for)."""
         kvf, scf, gb = regs.kvb[buf], regs.scb[buf], regs.gbb[buf]
-        active = ok
+        active = Boolean(False)
         t0 = Int32(0)
         first = Boolean(True)
         last = Boolean(False)
         seg_end = Int32(0)
-        if active:
-            b = find_segment(cuc_t, B, r)
-            j = r - cuc_t[b]
-            t0 = cu_t[b] + j * self.config.ratio
-            first = j == 0
-            last = r == cuc_t[b + 1] - 1
-            seg_end = cu_t[b + 1]
-        self.load_window(io.kv, io.score, kvf, scf, active, t0, first, g, c)
+        if ok:
+            b, t0, first, active = locate_row(seg, r, th.T, self.config.ratio)
+            last, seg_end = segment_owner(seg, b, r, th.N, th.T)
+        self.load_window(io.kv, io.score, kvf, scf, active, t0, first, th.g, th.c)
         gb.fill(0.0)
         if active:
-            gb.store(vec_view(io.gout, r * self.config.head_dim + c, self.config.vector_width).load())
+            gb.store(vec_view(io.gout, r * self.config.head_dim + th.c, self.config.vector_width).load())
         return active, t0, first, last, seg_end
 
     @cute.jit

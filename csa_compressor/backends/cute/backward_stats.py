@@ -16,8 +16,9 @@ neither a whole window nor a barrier per row:
   rows of its tile and its "slab" is grad_ape itself (no reduction kernel).
 
 bf16 is widened by NVVM's own conversion here, not ``window.widen``: with the shift/mask form ptxas splits a row
-step's loads into two DRAM round trips. Exact zeros as the other backwards; the first slot chunk's CTAs zero the
-segments without rows and the token-capacity padding.
+step's loads into two DRAM round trips. Exact zeros and the rows' bounds guard as the other backwards
+(``ZeroStores``, ``window.locate_row``); the first slot chunk's CTAs zero the segments without produced rows and the
+token-capacity padding.
 """
 
 from __future__ import annotations
@@ -30,17 +31,18 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .configs import BackwardStatsConfig, launch_bound
-from .ptx import ex2
+from .ptx import ex2, prefetch_l1
 from .reduce import ApeReduce
 from .softmax import LOG2E
 from .window import (
     Segments,
     WindowSlots,
     bf16_registers,
-    find_segment,
+    locate_row,
     real_rows,
     register_slots,
     registers,
+    segment_owner,
     store_vector,
     vec_view,
     widen_plain,
@@ -106,7 +108,8 @@ class BackwardWithStats:
         if cutlass.const_expr(not cfg.columns_exact):
             col_ok = c < cfg.head_dim
         seg = Segments(cu, cuc, B)
-        nreal = real_rows(seg.cu, seg.cuc, B)
+        prefetch_l1(seg.cu.iterator)  # a row's first token then costs no L2 round trip after the search
+        nreal = real_rows(seg, N)
         regs = SimpleNamespace(zero=registers(width, BFloat16))
         regs.zero.fill(0.0)
         # The current row step's kv and score, and the next step's.
@@ -119,17 +122,17 @@ class BackwardWithStats:
         regs.step = (registers(width, BFloat16), *(registers(width) for _ in range(5)))
         self.slots.load_ape(ape, regs.apf, 0, gg, c, col_ok)
         row_begin = bx * rows_per_cta
-        # Rows past the true row count (padding) carry no gradient.
-        row_lim = cutlass.min(cutlass.min(row_begin + rows_per_cta, N), nreal)
+        # Rows past the true row count (padding) and past total_comp carry no gradient.
+        row_lim = cutlass.min(row_begin + rows_per_cta, nreal)
         row_first = row_begin + rl
         io = SimpleNamespace(kv=kv, score=score, gout=gout, stats=stats, gkv=gkv, gsc=gsc)
-        th = SimpleNamespace(gg=gg, c=c, col_ok=col_ok)
+        th = SimpleNamespace(gg=gg, c=c, col_ok=col_ok, T=T, N=N)
         regs.ahead = self.first_loads(io, seg, regs.window, row_first, row_lim, th)
         for r in cutlass.range(row_first, row_lim, lanes):
             self.row_step(io, seg, r, row_lim, regs, th)
-        # Exact zeros: segments with no row and token-capacity padding (the first slot chunk's CTAs).
+        # Exact zeros: segments with no produced row and token-capacity padding (the first slot chunk's CTAs).
         if col_ok & (bz == 0):
-            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, bx, gdx, rl * groups + gl, groups * lanes, c)
+            self.zeros.unowned(gkv, gsc, regs.zero, seg, T, N, bx, gdx, rl * groups + gl, groups * lanes, c)
         self.write_slab(ws, regs.dape, tc, gl, rl, gg, c, col_ok, bx)
 
     @cute.jit
@@ -137,15 +140,14 @@ class BackwardWithStats:
         """Registers for the next row step's grad_out and statistics, and the loads of the thread's first row."""
         cfg = self.config
         _, _, nxt_kv, nxt_sc = window
-        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
         gg, c, col_ok = th.gg, th.c, th.col_ok
         ahead = (registers(cfg.vector_width, BFloat16), *(registers(cfg.vector_width) for _ in range(3)))
         for t in ahead:
             t.fill(0.0)
         if row_first < row_lim:
-            b0 = find_segment(cuc_t, B, row_first)
-            j0 = row_first - cuc_t[b0]
-            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, cu_t[b0] + j0 * cfg.ratio, j0 == 0)
+            # A row that fails the bounds guard reads as a padding row (t0 = 0, in bounds) and stores nothing.
+            _b0, t00, first0, _real0 = locate_row(seg, row_first, th.T, cfg.ratio)
+            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t00, first0)
             if col_ok:
                 self.load_row_inputs(io.gout, io.stats, row_first, c, ahead)
         return ahead
@@ -169,7 +171,6 @@ class BackwardWithStats:
         cfg = self.config
         cur_kv, cur_sc, nxt_kv, nxt_sc = regs.window
         ahead = regs.ahead
-        cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
         gg, c, col_ok = th.gg, th.c, th.col_ok
         lanes = cfg.row_lanes
         for k in cutlass.range_constexpr(cfg.slots_per_group):
@@ -177,33 +178,33 @@ class BackwardWithStats:
             cur_sc[k].store(nxt_sc[k].load())
         for dst, src in zip(regs.step[:4], ahead, strict=True):  # grad_out, max, 1/sum, out
             dst.store(src.load())
-        b = find_segment(cuc_t, B, r)
-        j = r - cuc_t[b]
-        t0 = cu_t[b] + j * cfg.ratio
-        first = j == 0
+        b, t0, first, real = locate_row(seg, r, th.T, cfg.ratio)
         # The next row step's window slice, statistics and grad_out go out before this step's math.
         if r + lanes < row_lim:
-            bn = find_segment(cuc_t, B, r + lanes)
-            jn = r + lanes - cuc_t[bn]
-            t0n = cu_t[bn] + jn * cfg.ratio
-            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, jn == 0)
+            _bn, t0n, first_n, _real_n = locate_row(seg, r + lanes, th.T, cfg.ratio)
+            self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, first_n)
             if col_ok:
                 self.load_row_inputs(io.gout, io.stats, r + lanes, c, ahead)
-        self.gradients(io.gkv, io.gsc, regs, t0, first, th)
-        # Exact zeros owned by a segment's last row (this thread's slots and columns).
-        if col_ok & (r == cuc_t[b + 1] - 1):
-            self.zeros.segment_tail(io.gkv, io.gsc, regs.zero, t0, cu_t[b + 1], gg * cfg.slots_per_group,
+        # A row that fails the bounds guard (read as a padding row) stores and adds nothing.
+        active = col_ok & real
+        if active:
+            self.gradients(io.gkv, io.gsc, regs, t0, first, col_ok, th)
+        # Exact zeros owned by a segment's last produced row (this thread's slots and columns).
+        last, seg_end = segment_owner(seg, b, r, th.N, th.T)
+        if active & last:
+            self.zeros.segment_tail(io.gkv, io.gsc, regs.zero, t0, seg_end, gg * cfg.slots_per_group,
                                     cfg.slots_per_group, c)  # fmt: skip
 
     @cute.jit
-    def gradients(self, gkv, gsc, regs, t0, first, th):
-        """dv and dlogit of the thread's slots and columns of one row, stored at once; dlogit into grad_ape."""
+    def gradients(self, gkv, gsc, regs, t0, first, active, th):
+        """dv and dlogit of the thread's slots and columns of one row, stored at once; dlogit into grad_ape
+        (``active``: the thread's columns exist and the row passed the bounds guard)."""
         cfg = self.config
         width = cfg.vector_width
         cur_kv, cur_sc, _, _ = regs.window
         gb, vm, vl, vo, dvo, dlo = regs.step
         apf, dape = regs.apf, regs.dape
-        gg, c, col_ok = th.gg, th.c, th.col_ok
+        gg, c = th.gg, th.c
         gw = widen_plain(gb, width)
         for k in cutlass.range_constexpr(cfg.slots_per_group):
             s = gg * cfg.slots_per_group + k
@@ -215,9 +216,9 @@ class BackwardWithStats:
                 pk = ex2((scw[i] + apf[k][i]) * LOG2E - vm[i]) * vl[i]
                 dvo[i] = gi * pk
                 dlo[i] = pk * (gi * kvw[i] - gi * vo[i])
-            valid = col_ok
+            valid = active
             if cutlass.const_expr(cfg.coff == 2):
-                valid = col_ok & ((half == 1) | (not first))
+                valid = active & ((half == 1) | (not first))
             if valid:
                 off = (t0 - (cfg.coff - 1) * cfg.ratio + s) * (cfg.coff * cfg.head_dim) + half * cfg.head_dim + c
                 store_vector(gkv, off, width, dvo.load().to(BFloat16))

@@ -1,13 +1,15 @@
 """Compiling one kernel: its host function traced against placeholder pointers and scalars, lowered by CuTe-DSL
 with a TVM-FFI entry point (called with integer pointers, Python ints and the stream as an int).
 
-Host function signatures (``kind`` of the kernel class):
+Host function signatures (``kind`` of the kernel class), the one place that states them (``launch.call_forward``
+and ``launch.call_backward`` pass them in this order):
 
-- ``forward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, stream)``;
+- ``forward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens, stream)``;
 - ``backward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, slabs,
   stats, segments, total_comp, tokens, rows_per_cta, num_ctas, stream)``,
 
-with 16-byte aligned global pointers, ``segments = len(cu_seqlens) - 1``, ``tokens`` the rows of kv; ``stats`` is
+with 16-byte aligned global pointers, ``segments = len(cu_seqlens) - 1``, ``tokens`` the rows of kv (T: the bounds
+guard keeps every access inside kv, score and the gradients whatever the offsets hold); ``stats`` is
 the softmax statistics ``(total_comp, 3, head_dim)`` fp32 where the kernel uses them (any value elsewhere),
 ``slabs`` the grad_ape partials of the persistent backward grid of ``num_ctas`` CTAs x ``rows_per_cta`` rows.
 """
@@ -24,7 +26,7 @@ _POINTERS = {
     "forward": (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, Float32),
     "backward": (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, BFloat16, BFloat16, Float32, Float32, Float32),
 }
-_SCALARS = {"forward": 2, "backward": 5}
+_SCALARS = {"forward": 3, "backward": 5}
 
 
 def placeholder_arguments(kind: str) -> list:

@@ -5,7 +5,8 @@ A CTA is ``rows_per_cta`` rows x ``slot_groups`` groups x ``column_threads`` thr
 slots before it uses any of them (ape, L1-resident, after them), so that many bytes are in flight per thread;
 window loads are evict-first (read once). Every input element is read exactly once from DRAM. The segment of a
 row is found by a binary search over ``cu_seqlens_comp`` on the device (no host sync); padding rows
-(``r >= cu_seqlens_comp[-1]``) use ``t0 = 0`` and behave as a segment's first group.
+(``r >= cu_seqlens_comp[-1]``) and rows whose own tokens leave ``[0, T)`` (malformed offsets: the bounds guard of
+``window.locate_row``) use ``t0 = 0`` and behave as a segment's first group.
 
 - ``ForwardShortWindow``: a thread holds a row's whole window and follows the fp32 reference's exact operation
   order (libdevice ``expf``, a correctly rounded quotient per element, ``.rn``-pinned products and torch's
@@ -71,13 +72,13 @@ class ForwardShortWindow:
     @cute.jit
     def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
                  cu_seqlens_comp: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, segments: Int32,
-                 total_comp: Int32, stream: cuda.CUstream):  # fmt: skip
-        """Host function; ``stats`` is not written (short windows save no statistics)."""
+                 total_comp: Int32, tokens: Int32, stream: cuda.CUstream):  # fmt: skip
+        """Host function (arguments: ``build.py``); ``stats`` is not written (short windows save no statistics)."""
         cfg = self.config
         bounds = {}
         if cutlass.const_expr(cfg.ctas_per_sm_cap > 0):
             bounds = dict(min_blocks_per_mp=cfg.ctas_per_sm_cap, preferred_smem_carveout=50)
-        self.kernel(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp).launch(
+        self.kernel(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp, tokens).launch(
             grid=[(total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta, cfg.column_chunks, 1],
             block=[cfg.threads, 1, 1],
             smem=0,
@@ -87,13 +88,13 @@ class ForwardShortWindow:
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
-               cuc: cute.Pointer, out: cute.Pointer, B: Int32, N: Int32):  # fmt: skip
+               cuc: cute.Pointer, out: cute.Pointer, B: Int32, N: Int32, T: Int32):  # fmt: skip
         cfg = self.config
         th = forward_coordinates(cfg, 1, False)
         seg = Segments(cu, cuc, B)
         col_ok = _columns_ok(cfg, th.c)
         active = (th.r < N) & col_ok
-        t0, first = row_start(seg, th.r, active, cfg.ratio)
+        t0, first = row_start(seg, th.r, active, T, N, cfg.ratio)
         self.pool_row(kv, score, ape, out, th.g, th.c, th.r, col_ok, active, t0, first)
 
     @cute.jit
@@ -133,8 +134,8 @@ class ForwardLongWindow:
     @cute.jit
     def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
                  cu_seqlens_comp: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, segments: Int32,
-                 total_comp: Int32, stream: cuda.CUstream):  # fmt: skip
-        """Host function; ``stats`` is written with ``write_stats`` only."""
+                 total_comp: Int32, tokens: Int32, stream: cuda.CUstream):  # fmt: skip
+        """Host function (arguments: ``build.py``); ``stats`` is written with ``write_stats`` only."""
         cfg = self.config
         rows = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta
         grid = [rows, cfg.column_chunks, 1]
@@ -145,30 +146,32 @@ class ForwardLongWindow:
         bounds = dict(min_blocks_per_mp=launch_bound(cfg.threads), preferred_smem_carveout=50)
         launch = dict(grid=grid, block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream, **bounds)
         if cutlass.const_expr(cfg.write_stats):
-            args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp)
+            args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens)
             self.kernel_with_stats(*args).launch(**launch)
         else:
-            self.kernel(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp).launch(**launch)
+            args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp, tokens)
+            self.kernel(*args).launch(**launch)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
-               cuc: cute.Pointer, out: cute.Pointer, B: Int32, N: Int32):  # fmt: skip
-        self.body(kv, score, ape, cu, cuc, out, out, B, N)
+               cuc: cute.Pointer, out: cute.Pointer, B: Int32, N: Int32, T: Int32):  # fmt: skip
+        self.body(kv, score, ape, cu, cuc, out, out, B, N, T)
 
     @cute.kernel
     def kernel_with_stats(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
-                          cuc: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, B: Int32, N: Int32):  # fmt: skip
-        self.body(kv, score, ape, cu, cuc, out, stats, B, N)
+                          cuc: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, B: Int32, N: Int32,
+                          T: Int32):  # fmt: skip
+        self.body(kv, score, ape, cu, cuc, out, stats, B, N, T)
 
     @cute.jit
-    def body(self, kv, score, ape, cu, cuc, out, stats, B: Int32, N: Int32):
+    def body(self, kv, score, ape, cu, cuc, out, stats, B: Int32, N: Int32, T: Int32):
         cfg = self.config
         th = forward_coordinates(cfg, cfg.slot_groups, cfg.chunk_major)
         g, c = th.g, th.c
         seg = Segments(cu, cuc, B)
         col_ok = _columns_ok(cfg, c)
         active = (th.r < N) & col_ok
-        t0, first = row_start(seg, th.r, active, cfg.ratio)
+        t0, first = row_start(seg, th.r, active, T, N, cfg.ratio)
         buffers = self.start_window(kv, score, g, c, active, t0, first)
         smem_row = cfg.slot_groups * cfg.columns_per_cta  # floats per (quantity, row lane)
         smem = cutlass.memory.SmemAllocator()

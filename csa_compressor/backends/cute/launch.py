@@ -206,10 +206,10 @@ def _stream_handle(stream, index: int) -> int:
 
 
 def call_forward(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream) -> None:
-    """One launch of a forward host function (of any configuration) on the current device."""
+    """One launch of a forward host function (of any configuration) on the current device (arguments: ``build.py``)."""
     function(kv.data_ptr(), score.data_ptr(), ape.data_ptr(), cu_seqlens.data_ptr(), cu_seqlens_comp.data_ptr(),
              out.data_ptr(), 0 if stats is None else stats.data_ptr(), cu_seqlens.shape[0] - 1, out.shape[0],
-             _stream_handle(stream, kv.device.index))  # fmt: skip
+             kv.shape[0], _stream_handle(stream, kv.device.index))  # fmt: skip
 
 
 def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats=None) -> None:
@@ -245,9 +245,9 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
 
 
 def call_backward(launcher, tensors, stream, stats, scratch: bool = True) -> None:
-    """``backward`` on the tensors' device, which is the current device here. ``tensors``: (kv, score, ape,
-    cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape); ``scratch``: the slabs may come from
-    the stream's reusable scratch (eager calls)."""
+    """``backward`` on the tensors' device, which is the current device here (the host function's arguments:
+    ``build.py``). ``tensors``: (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+    grad_ape); ``scratch``: the slabs may come from the stream's reusable scratch (eager calls)."""
     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape = tensors
     device = kv.device
     n = grad_out.shape[0]

@@ -1,9 +1,11 @@
 """Device helpers over window slots, shared by every kernel: vector views, loads and stores, bf16 widening, the
-segment lookup of a row, and the per-thread slot loads of one batch.
+segment lookup of a row with its bounds guard, and the per-thread slot loads of one batch.
 
 Slot ``s`` of a row whose own tokens start at ``t0`` reads token ``t0 - (coff - 1) * ratio + s``, columns
 ``(s // ratio) * head_dim + c`` (SPEC section 2); the previous half of a segment's first group (and of padding
-rows) is masked: value 0, logit -inf.
+rows) is masked: value 0, logit -inf. Whatever cu_seqlens and cu_seqlens_comp hold, every token a row reads is
+inside ``[0, T)`` (docs/safety.md): rows are real below ``min(cu_seqlens_comp[B], total_comp)``, and a real row
+whose own tokens leave ``[0, T)`` is computed as a padding row (``locate_row``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 from cutlass._mlir import ir
 
-from .ptx import bf16_hi, bf16_lo
+from .ptx import bf16_hi, bf16_lo, prefetch_l1
 
 NEG_INF = float("-inf")
 
@@ -81,16 +83,38 @@ def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
 
 
 @cute.jit
-def real_rows(cu_t: cute.Tensor, cuc_t: cute.Tensor, B: Int32) -> Int32:
-    """``cu_seqlens_comp[B]``, the real row count, loaded together with ``cu_seqlens[0]``: that brings the line of
-    cu_seqlens into L1 with the count, so that a row's first token (``cu_seqlens[b] + j * ratio``, read after the
-    search over cu_seqlens_comp) costs no dependent L2 round trip of its own before a CTA's first window loads. A
-    negative ``cu_seqlens[0]`` (outside the contract, which has it 0) counts no real rows, so every row reads as
-    padding instead of from a negative token."""
-    nreal = cuc_t[B]
-    if cu_t[0] < 0:
-        nreal = Int32(0)
-    return nreal
+def real_rows(seg, N: Int32) -> Int32:
+    """Rows that are produced and real: ``min(cu_seqlens_comp[B], N)`` (rows at or past total_comp never are)."""
+    return cutlass.min(seg.cuc[seg.count], N)
+
+
+@cute.jit
+def locate_row(seg, r, T: Int32, ratio: cutlass.Constexpr):
+    """(b, t0, first, real) of a row ``r`` below ``real_rows``: its segment (the binary search), its first own token,
+    whether its window is its segment's first group, and the bounds guard. A row whose own tokens
+    ``[t0, t0 + ratio)`` leave ``[0, T)`` (malformed offsets; a wrapped int32 t0 too) is computed as a padding row:
+    ``t0 = 0``, first group, ``real`` False (no gradient). The previous half is read only where ``j > 0`` and
+    ``t0 >= ratio``, so inside ``[0, T)`` as well. A few compares per row, none per element."""
+    b = find_segment(seg.cuc, seg.count, r)
+    j = r - seg.cuc[b]
+    t = seg.cu[b] + j * ratio
+    real = (t >= 0) & (t <= T - ratio)
+    t0 = Int32(0)
+    if real:
+        t0 = t
+    # A guarded row has t0 = 0 < ratio: first.
+    first = (j <= 0) | (t0 < ratio)
+    return b, t0, first, real
+
+
+@cute.jit
+def segment_owner(seg, b, r, N: Int32, T: Int32):
+    """(last, seg_end) of row ``r`` of segment ``b``: whether it is the last row its segment produces (rows at or
+    past total_comp ``N`` are not produced: with total_comp below the real row count the last one below it), which
+    zeroes the segment's tail (``zeros.ZeroStores``), and the segment's end clamped to ``T`` (the zeros stay inside
+    the operands)."""
+    last = r == cutlass.min(seg.cuc[b + 1], N) - 1
+    return last, cutlass.min(seg.cu[b + 1], T)
 
 
 class WindowSlots:
@@ -153,19 +177,20 @@ def bf16_registers(count: int, width: int) -> list:
 
 
 @cute.jit
-def row_start(seg, r, active, ratio: cutlass.Constexpr):
+def row_start(seg, r, active, T: Int32, N: Int32, ratio: cutlass.Constexpr):
     """(t0, first) of row ``r`` of ``seg`` (``Segments``): its first own token and whether it is its segment's
-    first group. Padding rows (``r >= cu_seqlens_comp[-1]``) and inactive threads take t0 = 0 and behave as a
-    segment's first group."""
-    cu_t, cuc_t, B = seg.cu, seg.cuc, seg.count
-    nreal = real_rows(cu_t, cuc_t, B)
+    first group. Padding rows (``r >= cu_seqlens_comp[-1]``), rows that fail the bounds guard (``locate_row``) and
+    inactive threads take t0 = 0 and behave as a segment's first group.
+
+    cu_seqlens' first line is prefetched into L1 together with the real row count's load: a row's first token
+    (``cu_seqlens[b] + j * ratio``, read after the search over cu_seqlens_comp) then costs no dependent L2 round trip
+    of its own before a CTA's first window loads."""
+    prefetch_l1(seg.cu.iterator)
+    nreal = real_rows(seg, N)
     t0 = Int32(0)
     first = Boolean(True)
     if active & (r < nreal):
-        b = find_segment(cuc_t, B, r)
-        j = r - cuc_t[b]
-        t0 = cu_t[b] + j * ratio
-        first = j == 0
+        _b, t0, first, _real = locate_row(seg, r, T, ratio)
     return t0, first
 
 
