@@ -31,7 +31,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .configs import BackwardStatsConfig, launch_bound
-from .ptx import ex2, prefetch_l1
+from .ptx import ex2
 from .reduce import ApeReduce
 from .softmax import LOG2E
 from .window import (
@@ -108,7 +108,6 @@ class BackwardWithStats:
         if cutlass.const_expr(not cfg.columns_exact):
             col_ok = c < cfg.head_dim
         seg = Segments(cu, cuc, B)
-        prefetch_l1(seg.cu.iterator)  # a row's first token then costs no L2 round trip after the search
         nreal = real_rows(seg, N)
         regs = SimpleNamespace(zero=registers(width, BFloat16))
         regs.zero.fill(0.0)

@@ -1,5 +1,5 @@
 """Inline PTX operations of the cute kernels: fp32 arithmetic with pinned rounding, bf16 widening, exp2, the
-correctly rounded quotient, and the L1 and L2 prefetches.
+correctly rounded quotient, and the L2 prefetch.
 
 The ``.rn``-pinned forms exist because NVVM and ptxas may otherwise contract a multiply and an add into one fma,
 which changes results against the fp32 reference that the short-window kernels match bit for bit.
@@ -98,10 +98,3 @@ def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
     """``prefetch.global.L2`` of the 128-byte line holding ``ptr``: no register, no wait, never removed."""
     address = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
     inline_ptx("prefetch.global.L2 [$0];", [address], "l", side_effects=True)
-
-
-@dsl_user_op
-def prefetch_l1(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-    """``prefetch.global.L1`` of the 128-byte line holding ``ptr``: no register, no wait, never removed."""
-    address = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    inline_ptx("prefetch.global.L1 [$0];", [address], "l", side_effects=True)

@@ -15,7 +15,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 from cutlass._mlir import ir
 
-from .ptx import bf16_hi, bf16_lo, prefetch_l1
+from .ptx import bf16_hi, bf16_lo
 
 NEG_INF = float("-inf")
 
@@ -84,8 +84,16 @@ def find_segment(cuc: cute.Tensor, B: Int32, r: Int32) -> Int32:
 
 @cute.jit
 def real_rows(seg, N: Int32) -> Int32:
-    """Rows that are produced and real: ``min(cu_seqlens_comp[B], N)`` (rows at or past total_comp never are)."""
-    return cutlass.min(seg.cuc[seg.count], N)
+    """Rows that are produced and real: ``min(cu_seqlens_comp[B], N)`` (rows at or past total_comp never are).
+
+    ``cu_seqlens[0]`` is loaded with the count and used: that brings the line of cu_seqlens into L1 with it, so
+    that a row's first token (``cu_seqlens[b] + j * ratio``, read after the search over cu_seqlens_comp) costs no
+    dependent L2 trip of its own before a CTA's first window loads (a prefetch is a hint the hardware may drop). A
+    negative ``cu_seqlens[0]`` (outside the contract, which has it 0) counts no real rows."""
+    nreal = cutlass.min(seg.cuc[seg.count], N)
+    if seg.cu[0] < 0:
+        nreal = Int32(0)
+    return nreal
 
 
 @cute.jit
@@ -180,12 +188,7 @@ def bf16_registers(count: int, width: int) -> list:
 def row_start(seg, r, active, T: Int32, N: Int32, ratio: cutlass.Constexpr):
     """(t0, first) of row ``r`` of ``seg`` (``Segments``): its first own token and whether it is its segment's
     first group. Padding rows (``r >= cu_seqlens_comp[-1]``), rows that fail the bounds guard (``locate_row``) and
-    inactive threads take t0 = 0 and behave as a segment's first group.
-
-    cu_seqlens' first line is prefetched into L1 together with the real row count's load: a row's first token
-    (``cu_seqlens[b] + j * ratio``, read after the search over cu_seqlens_comp) then costs no dependent L2 round trip
-    of its own before a CTA's first window loads."""
-    prefetch_l1(seg.cu.iterator)
+    inactive threads take t0 = 0 and behave as a segment's first group."""
     nreal = real_rows(seg, N)
     t0 = Int32(0)
     first = Boolean(True)
