@@ -80,9 +80,9 @@ def _split_pieces(total: int, count: int) -> list[tuple[int, int]]:
 
 
 def _timer(device):
-    from csa_compressor.bench import _Timer
+    from csa_compressor.bench import Timer
 
-    return _Timer(device, (5, 20, 20))
+    return Timer(device)
 
 
 def _callables(pack, layout, backend: str, group=None, gather: bool = True):

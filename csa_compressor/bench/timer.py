@@ -305,6 +305,13 @@ class Timer:
             torch.cuda.synchronize(self.device)
         return list(prof.events())
 
+    def device_activity(self, fn: Callable[[], object], calls: int, cold: bool = False):
+        """(device activities, flush us) of ``calls`` calls of ``fn``, unqueued: for callers that pick kernels by
+        name (the NCCL kernels of a collective, the launches of one call)."""
+        self._prime_profiler()
+        activities, flush_us, _spins = split_profile(self._profile(fn, calls, _Loop(cold)), calls, cold)
+        return activities, flush_us
+
     def kernel(
         self,
         fn: Callable[[], object],
