@@ -761,3 +761,24 @@ def test_the_bench_packs_meet_the_contract(backend, case):
     grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
     report = contract_report(pack, out, tuple(grads))
     assert report["ok"], report
+
+
+@pytest.mark.parametrize("ratio, coff, head_dim", [(4, 2, 32), (128, 1, 16), (128, 2, 8), (2, 1, 12)])
+@pytest.mark.parametrize("padding_rows", [0, 3])
+def test_flat_gather_pool_is_the_eager_region_bitwise(ratio, coff, head_dim, padding_rows):
+    """torch.compile's fallback region computes exactly what the reference's eager region does."""
+    import torch
+
+    from csa_compressor import reference
+    from csa_compressor.bench.calls import flat_gather_pool
+    from csa_compressor.thd import compute_cu_seqlens_comp
+
+    gen = torch.Generator().manual_seed(ratio + coff + head_dim)
+    cu = torch.tensor([0, 3, 700, 700, 1301], dtype=torch.int32)
+    cuc = compute_cu_seqlens_comp(cu, ratio)
+    total_comp = int(cuc[-1]) + padding_rows
+    kv, score = (torch.randn(1301, coff * head_dim, generator=gen).bfloat16() for _ in range(2))
+    ape = torch.randn(ratio, coff * head_dim, generator=gen)
+    pool = dict(ratio=ratio, coff=coff, total_comp=total_comp)
+    want = reference.eager_region(kv, score, ape, cu, cuc, **pool)
+    assert torch.equal(flat_gather_pool(kv, score, ape, cu, cuc, **pool), want)

@@ -186,29 +186,81 @@ def _pool_then_torch_tail(backend: str, pack, case: Case, tail_case: TailCase):
     return _autograd_pair(make, pack, tail_case)
 
 
-def _compiled_pair(make_chain, pack, tail_case: TailCase | None, log):
-    """torch.compile of the chains (static shapes, as a training step with fixed sizes would compile): fullgraph,
-    or the default mode when fullgraph fails on this torch; returns the pair, compiled, and a note."""
+def flat_gather_pool(kv, score, ape, cu_seqlens, cu_seqlens_comp, *, ratio: int, coff: int, total_comp: int):
+    """The eager region's pooling for well-formed packs written with flat gathers: the row layout by
+    ``repeat_interleave``, every window element one index into ``kv`` / ``score``, no slices of gathered tensors.
+    The same math as ``reference.eager_region`` (upstream numerics), in a form some Inductor releases lower where
+    they cannot lower the reference's (torch.compile's baseline falls back to it, with a note)."""
     import torch
 
+    device, d = kv.device, kv.shape[-1] // coff
+    segments = cu_seqlens.numel() - 1
+    comp = cu_seqlens_comp.long()
+    # Padding rows (past cu_seqlens_comp[-1]) form one more segment: t0 = 0, first group.
+    counts = torch.cat([comp[1:] - comp[:-1], (total_comp - comp[-1:]).clamp(min=0)])
+    seg = torch.repeat_interleave(torch.arange(segments + 1, device=device), counts, output_size=total_comp)
+    padding = seg == segments
+    seg = seg.clamp(max=segments - 1)
+    j = torch.where(padding, 0, torch.arange(total_comp, device=device) - comp[seg])
+    t0 = torch.where(padding, 0, cu_seqlens.long()[seg] + j * ratio)
+    slots = torch.arange(coff * ratio, device=device)
+    valid = (slots >= (coff - 1) * ratio) | (j > 0)[:, None]
+    token = torch.where(valid, t0[:, None] - (coff - 1) * ratio + slots, 0)
+    column = (slots // ratio) * d
+    columns = torch.arange(d, device=device)
+    flat = (token * (coff * d) + column)[:, :, None] + columns
+    ape_w = ape.reshape(-1)[((slots % ratio) * (coff * d) + column)[:, None] + columns]
+    values = torch.where(valid[:, :, None], kv.reshape(-1)[flat], 0)
+    logits = torch.where(valid[:, :, None], score.reshape(-1)[flat].float() + ape_w, float("-inf"))
+    return (values * torch.softmax(logits, dim=1).to(kv.dtype)).sum(dim=1)
+
+
+def _flat_chains(pack, case: Case):
+    """The eager chains with ``flat_gather_pool`` for the pooling (for tail cases PyTorch's tail after it)."""
+    offsets = (pack.cu_seqlens, pack.cu_seqlens_comp)
+    pool = dict(ratio=case.ratio, coff=case.coff, total_comp=pack.total_comp)
+
+    def make(tail_case: TailCase | None, role: str):
+        def chain(kv, score, ape):
+            out = flat_gather_pool(kv, score, ape, *offsets, **pool)
+            return out if tail_case is None else torch_tail(out, tail_case)
+
+        return _fresh_function(chain, f"compile_flat_{case.name}_{role}")
+
+    return make
+
+
+def _try_compile(make_chain, pack, tail_case, fullgraph: bool):
+    """The compiled pair, called once (where it compiles); raises what the compiler raised."""
+    import torch
+
+    def compiled(tc, role):
+        return torch.compile(make_chain(tc, role), fullgraph=fullgraph, dynamic=False)
+
+    calls = _autograd_pair(compiled, pack, tail_case)
+    for fn in calls.values():
+        fn()
+    torch.cuda.synchronize()
+    return calls
+
+
+def _compiled_pair(make_chain, pack, tail_case: TailCase | None, log, flat_chain=None):
+    """torch.compile of the chains (static shapes, as a training step with fixed sizes would compile): fullgraph,
+    or the default mode when fullgraph fails on this torch, or else the flat-gather form of the same region
+    (``flat_chain``); returns the pair, compiled, and a note."""
+    attempts = [(make_chain, True, "fullgraph"), (make_chain, False, "default (fullgraph failed)")]
+    if flat_chain is not None:
+        attempts.append((flat_chain, True, "fullgraph of the flat-gather pooling (the reference's failed)"))
     notes = []
-    for fullgraph in (True, False):
-
-        def compiled(tc, role, fullgraph=fullgraph):
-            return torch.compile(make_chain(tc, role), fullgraph=fullgraph, dynamic=False)
-
-        calls = _autograd_pair(compiled, pack, tail_case)
+    for index, (chain, fullgraph, mode) in enumerate(attempts):
         t0 = time.perf_counter()
         try:
-            for fn in calls.values():
-                fn()
-            torch.cuda.synchronize()
+            calls = _try_compile(chain, pack, tail_case, fullgraph)
         except Exception as exc:
-            notes.append(f"fullgraph={fullgraph} failed: {short_error(exc, 200)}")
-            if not fullgraph:
+            notes.append(f"{mode} failed: {short_error(exc, 200)}")
+            if index == len(attempts) - 1:
                 raise
             continue
-        mode = "fullgraph" if fullgraph else "default (fullgraph failed)"
         log(f"    torch.compile ({mode}) compiled in {time.perf_counter() - t0:.1f} s")
         return calls, "; ".join([f"torch.compile {mode}", *notes])
     raise AssertionError("unreachable")
@@ -222,7 +274,7 @@ def callables(backend: str, pack, case: Case, tail: TailCase | None, log=lambda 
     if backend == "eager":
         return _autograd_pair(_eager_chains(pack, case, "eager"), pack, tail), None
     if backend == "torch.compile":
-        return _compiled_pair(_eager_chains(pack, case, "compile"), pack, tail, log)
+        return _compiled_pair(_eager_chains(pack, case, "compile"), pack, tail, log, _flat_chains(pack, case))
     assert backend not in BASELINES
     return _kernel_callables(backend, pack, case, tail), None
 
