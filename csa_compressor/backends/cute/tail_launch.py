@@ -38,8 +38,8 @@ class TailRoute:
     def __init__(self, steps: dict, spec):
         self.fused = self.stats = self.tail = self.pool = None
         for name, (kernel_class, config) in steps.items():
-            forward = kernel_class.kind in ("forward", "tail_forward")
-            setattr(self, name, (base.ForwardLauncher if forward else base.BackwardLauncher)(kernel_class, config, spec))
+            kind = base.ForwardLauncher if kernel_class.kind in ("forward", "tail_forward") else base.BackwardLauncher
+            setattr(self, name, kind(kernel_class, config, spec))
 
 
 def spec_of(tail) -> TailSpec:
