@@ -244,6 +244,23 @@ def test_pool_kernels_of_the_tail_compile(built, name):
         assert ptx.count("ld.global.v2.b32") < bf16.count("ld.global.v2.b32")
 
 
+def test_loaded_tail_functions_take_pointers_ints_floats_and_the_stream(tmp_path, monkeypatch):
+    """Through the disk cache's export and load (the one TVM-FFI launch path): the host functions' parameters in
+    build.py's order, norm_eps a Python float."""
+    monkeypatch.setenv("CSA_COMPRESSOR_CACHE_DIR", str(tmp_path))
+    cfg = configs.tail_rows(configs.TailForwardConfig, 4, 64, SPEC_FULL, 192, 128)
+    function = launch.host_function(TailForward, cfg, "sm_90a")
+    with pytest.raises(TypeError) as info:
+        function()
+    tail_params = "norm_weight rope_cos rope_sin position_start rstd".split()
+    pointers = ", ".join(f"{p}: DataPointer" for p in ["x", "cu_seqlens", "cu_seqlens_comp", "out"])
+    sizes = "segments: int32, total_comp: int32, tokens: int32"
+    block = ", ".join(f"{p}: DataPointer" for p in tail_params) + ", norm_eps: float32, max_position: int32"
+    assert f"__call__({pointers}, {sizes}, {block}, stream: Stream)" in str(info.value)
+    with pytest.raises(TypeError, match="expected float"):
+        function(0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, "1e-6", 1, 0)
+
+
 # ---------------------------------------------------------------- the launch path, recorded (CPU tensors)
 
 
