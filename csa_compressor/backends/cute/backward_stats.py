@@ -16,9 +16,9 @@ neither a whole window nor a barrier per row:
   rows of its tile and its "slab" is grad_ape itself (no reduction kernel).
 
 bf16 is widened by NVVM's own conversion here, not ``window.widen``: with the shift/mask form ptxas splits a row
-step's loads into two DRAM round trips. Exact zeros and the rows' bounds guard as the other backwards
-(``ZeroStores``, ``window.locate_row``); the first slot chunk's CTAs zero the segments without produced rows and the
-token-capacity padding.
+step's loads into two DRAM round trips. With ``grad_float32`` grad_out is fp32 (the composed tail's ``dx``).
+Exact zeros and the rows' bounds guard as the other backwards (``ZeroStores``, ``window.locate_row``); the first
+slot chunk's CTAs zero the segments without produced rows and the token-capacity padding.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ class BackwardWithStats:
                                  c.slots_per_group, False)  # fmt: skip
         self.zeros = ZeroStores(c.ratio, c.coff, c.head_dim, c.vector_width)
         self.reduce = None if c.whole_tile else ApeReduce(c.reduce)
+        # grad_out's element type: the fused tail's dx is fp32 (``grad_float32``).
+        self.grad_dtype = Float32 if c.grad_float32 else BFloat16
 
     @cute.jit
     def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
@@ -118,7 +120,7 @@ class BackwardWithStats:
         for k in cutlass.range_constexpr(sg):
             regs.dape[k].fill(0.0)
         # grad_out, max, 1/sum, out, dv, dlogit of the current row step.
-        regs.step = (registers(width, BFloat16), *(registers(width) for _ in range(5)))
+        regs.step = (registers(width, self.grad_dtype), *(registers(width) for _ in range(5)))
         self.slots.load_ape(ape, regs.apf, 0, gg, c, col_ok)
         row_begin = bx * rows_per_cta
         # Rows past the true row count (padding) and past total_comp carry no gradient.
@@ -140,7 +142,7 @@ class BackwardWithStats:
         cfg = self.config
         _, _, nxt_kv, nxt_sc = window
         gg, c, col_ok = th.gg, th.c, th.col_ok
-        ahead = (registers(cfg.vector_width, BFloat16), *(registers(cfg.vector_width) for _ in range(3)))
+        ahead = (registers(cfg.vector_width, self.grad_dtype), *(registers(cfg.vector_width) for _ in range(3)))
         for t in ahead:
             t.fill(0.0)
         if row_first < row_lim:

@@ -247,6 +247,11 @@ class BackwardShortConfig(_Tile):
         return self.column_chunks
 
     @property
+    def slab_entries(self) -> int:
+        """fp32 entries of one CTA's slab (the grad_ape partials)."""
+        return self.ape_size
+
+    @property
     def reduce(self) -> ApeReduceConfig:
         # Many small slabs from the persistent grid: four slab walkers per warp keep more slab loads in flight.
         return ApeReduceConfig(self.ape_size, slab_lanes=4)
@@ -282,6 +287,11 @@ class BackwardLongConfig(_Tile):
         return self.column_chunks
 
     @property
+    def slab_entries(self) -> int:
+        """fp32 entries of one CTA's slab (the grad_ape partials)."""
+        return self.ape_size
+
+    @property
     def reduce(self) -> ApeReduceConfig:
         # Few large slabs: one slab walker per warp lane leaves no lane idle.
         return ApeReduceConfig(self.ape_size, slab_lanes=1)
@@ -296,6 +306,7 @@ class BackwardStatsConfig(_Tile):
     slots_per_group: int
     row_lanes: int
     whole_tile: bool  # one CTA per tile over all rows writes grad_ape itself (no slabs, no reduction kernel)
+    grad_float32: bool = False  # grad_out is fp32 (the fused tail's dx) instead of bf16
 
     @property
     def threads(self) -> int:
@@ -317,6 +328,11 @@ class BackwardStatsConfig(_Tile):
         return 128 + (self.row_lanes * tile if self.row_lanes > 1 else 0)
 
     carveout = 100
+
+    @property
+    def slab_entries(self) -> int:
+        """fp32 entries of one CTA's slab (the grad_ape partials)."""
+        return self.ape_size
 
     @property
     def reduce(self) -> ApeReduceConfig | None:
@@ -382,3 +398,140 @@ def stats_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: Device
 
 def stats_backward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec) -> BackwardStatsConfig:
     return stats_backward_for_sm90(ratio, coff, head_dim, device)
+
+
+# ---------------------------------------------------------------- the fused tail (RMSNorm, RoPE)
+
+# Tail kernels: threads per CTA at least, and at most this many per row (a row's column vectors in steps of them).
+TAIL_THREADS = 128
+TAIL_ROW_THREADS = 256
+TAIL_COLUMN_STEPS = 4
+
+
+@dataclass(frozen=True)
+class TailSpec:
+    """What a kernel with the fused tail is compiled for (``csa_compressor.tail.TailConfig`` in scalars): a norm
+    and its weight's dtype, the rotary block and its pair convention, whether ``position_start`` is given."""
+
+    has_norm: bool
+    norm_weight_float32: bool
+    rope_dim: int
+    rope_interleaved: bool
+    has_positions: bool
+
+    @classmethod
+    def of(cls, tail_config) -> TailSpec:
+        """The spec of a ``TailConfig``; fields without effect take one value (no rotation: no pair convention,
+        no positions), so that equal kernels have equal specs."""
+        norm = tail_config.norm_dtype
+        rope = tail_config.rope_dim > 0
+        return cls(
+            has_norm=norm is not None,
+            norm_weight_float32=norm is not None and norm.is_floating_point and norm.itemsize == 4,
+            rope_dim=int(tail_config.rope_dim),
+            rope_interleaved=bool(tail_config.rope_interleaved) or not rope,
+            has_positions=bool(tail_config.has_positions) and rope,
+        )
+
+
+@dataclass(frozen=True)
+class _TailRows:
+    """Whole rows per thread group: ``row_threads`` threads own a row (``vector_width`` columns each, in
+    ``column_steps`` steps), ``row_lanes`` rows side by side per CTA. ``source_stride`` / ``source_offset``: the
+    fp32 pooled rows' stride and first column (``stats[:, 2]``: 3 * head_dim and 2 * head_dim)."""
+
+    ratio: int
+    head_dim: int
+    tail: TailSpec
+    vector_width: int
+    row_threads: int
+    row_lanes: int
+    source_stride: int
+    source_offset: int
+
+    @property
+    def threads(self) -> int:
+        return self.row_threads * self.row_lanes
+
+    @property
+    def vectors(self) -> int:
+        """Column vectors of a row."""
+        return -(-self.head_dim // self.vector_width)
+
+    @property
+    def column_steps(self) -> int:
+        return -(-self.vectors // self.row_threads)
+
+    @property
+    def padded_columns(self) -> int:
+        """Columns of a row's shared-memory row: every thread's columns, past head_dim too."""
+        return self.column_steps * self.row_threads * self.vector_width
+
+    @property
+    def row_warps(self) -> int:
+        """Warps of one row (1 for rows of at most 32 threads)."""
+        return max(1, self.row_threads // 32)
+
+    @property
+    def reduction_bytes(self) -> int:
+        return 4 * self.row_lanes * self.row_warps if self.row_warps > 1 else 0
+
+
+@dataclass(frozen=True)
+class TailForwardConfig(_TailRows):
+    """The composed forward's epilogue (``tail_kernels.TailForward``): pooled rows -> out (bf16) and rstd."""
+
+    @property
+    def smem_bytes(self) -> int:
+        rows = 4 * self.row_lanes * self.padded_columns if self.tail.rope_dim else 0
+        return rows + self.reduction_bytes + 64
+
+
+@dataclass(frozen=True)
+class TailGradientConfig(_TailRows):
+    """The composed backward's first kernel (``tail_kernels.TailGradient``): grad_out -> dx (fp32) and the norm
+    weight's gradient through per-CTA slabs, persistent CTAs over row ranges."""
+
+    carveout = 50
+    tiles = 1
+    whole_tile = False
+
+    @property
+    def slab_entries(self) -> int:
+        return self.head_dim
+
+    @property
+    def smem_bytes(self) -> int:
+        lanes = 4 * self.row_lanes * self.padded_columns if self.tail.has_norm and self.row_lanes > 1 else 0
+        return lanes + 2 * self.reduction_bytes + 64
+
+    @property
+    def reduce(self) -> ApeReduceConfig:
+        return ApeReduceConfig(self.head_dim, slab_lanes=1)
+
+
+def tail_rows(kind, ratio: int, head_dim: int, tail: TailSpec, source_stride: int, source_offset: int):
+    """A ``kind`` (TailForwardConfig or TailGradientConfig) of 8- or 16-byte column vectors, at most
+    TAIL_COLUMN_STEPS steps per thread up to TAIL_ROW_THREADS threads per row, and rows side by side to
+    TAIL_THREADS threads."""
+    width = vector_width(head_dim, 4)
+    vectors = -(-head_dim // width)
+    row_threads = 1
+    while row_threads * TAIL_COLUMN_STEPS < vectors and row_threads < TAIL_ROW_THREADS:
+        row_threads *= 2
+    lanes = max(1, TAIL_THREADS // row_threads)
+    return kind(ratio, head_dim, tail, width, row_threads, lanes, source_stride, source_offset)
+
+
+def stats_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec) -> ForwardLongConfig:
+    """The grouped forward with statistics for any window (the composed tail's x): long windows' own, and for
+    short windows of one group the exact forward's tile as one group of one batch."""
+    config = forward_for_sm90(ratio, coff, head_dim, device, stats=True)
+    if isinstance(config, ForwardLongConfig):
+        return config
+    width, tc, groups, sg, rows = _tile(ratio, coff, head_dim, vcap=4, threads=128, cols_cap=512)
+    return ForwardLongConfig(ratio, coff, head_dim, width, tc, groups, sg, 1, rows, False, True)
+
+
+def stats_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec) -> ForwardLongConfig:
+    return stats_forward_for_sm90(ratio, coff, head_dim, device)

@@ -5,7 +5,7 @@ One launch path: every kernel's host function is compiled with a TVM-FFI entry p
 (direction, configuration) to one device: the loaded function, and for the backward the persistent grid's
 geometry. Kernels launch into the current device's context, so a call switches device only when the tensors live
 on another one. The backward's grad_ape slabs are kept per (device, stream) for eager calls (``_Scratch``) and
-come from the graph's pool under CUDA-graph capture.
+come from the graph's pool under CUDA-graph capture. Calls with the fused tail: ``tail_launch``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ...windows import uses_softmax_stats
 
 _IMPORT_ERROR: str | None = None
 try:
-    from . import cache
+    from . import cache, tail_launch
     from .build import compile_kernel
     from .configs import ForwardShortConfig, launch_bound
     from .device import THREADS_PER_SM, arch_of, device_spec
@@ -39,6 +39,7 @@ __all__ = [
     "host_function",
     "release_scratch",
     "supports_stats",
+    "supports_tail",
     "unavailable_reason",
 ]
 
@@ -50,11 +51,24 @@ WS_CAP_BYTES = 20 << 20
 _LOCK = threading.RLock()
 _FUNCTIONS: dict[tuple, object] = {}  # (kernel class, configuration, arch) -> loaded host function
 _LAUNCHERS: dict[tuple, object] = {}  # (direction, ratio, coff, head_dim, dtype, device index) -> launcher
+# With the tail: tail_launch's routes, keyed by the TailSpec too.
 
 
 def supports_stats(ratio: int, coff: int, head_dim: int) -> bool:
     """Softmax statistics for long windows (the grouped forward's combine writes them)."""
     return uses_softmax_stats(ratio, coff)
+
+
+# The tail's kernels hold a row's columns in registers: at most this many (16 per thread per operand).
+MAX_TAIL_HEAD_DIM = 4096
+
+
+def supports_tail(ratio: int, coff: int, head_dim: int, tail_config) -> bool:
+    """The fused tail (``csa_compressor.tail``) in every window class (``select.tail_route``: fused where the
+    pooling kernel takes it, composed elsewhere) up to MAX_TAIL_HEAD_DIM columns, norm weights fp32 or bf16."""
+    if head_dim > MAX_TAIL_HEAD_DIM or tail_config.norm_dtype not in (None, torch.float32, torch.bfloat16):
+        return False
+    return 0 <= tail_config.rope_dim <= head_dim and tail_config.rope_dim % 2 == 0
 
 
 def unavailable_reason() -> str | None:
@@ -133,12 +147,12 @@ def grid_capacity(config, spec) -> int:
     return spec.sm_count * max(1, min(launch_bound(config.threads), by_smem, THREADS_PER_SM // config.threads))
 
 
-def backward_grid(launcher: BackwardLauncher, n: int, ape_numel: int) -> tuple[int, int]:
-    """(rows_per_cta, num_ctas): fill the resident CTA slots once, with at most WS_CAP_BYTES of slabs;
-    ``rows_per_cta`` is a multiple of the row lanes."""
+def backward_grid(launcher: BackwardLauncher, n: int, slab_entries: int) -> tuple[int, int]:
+    """(rows_per_cta, num_ctas): fill the resident CTA slots once, with at most WS_CAP_BYTES of slabs of
+    ``slab_entries`` floats; ``rows_per_cta`` is a multiple of the row lanes."""
     lanes = launcher.row_lanes
     row_blocks = -(-n // lanes)
-    slabs_cap = max(1, WS_CAP_BYTES // (4 * ape_numel))
+    slabs_cap = max(1, WS_CAP_BYTES // (4 * slab_entries))
     target_x = max(1, min(row_blocks, launcher.capacity // launcher.tiles, slabs_cap))
     rows_per_cta = -(-row_blocks // target_x) * lanes
     return rows_per_cta, -(-n // rows_per_cta)
@@ -205,15 +219,23 @@ def _stream_handle(stream, index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def call_forward(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream) -> None:
-    """One launch of a forward host function (of any configuration) on the current device (arguments: ``build.py``)."""
+def call_forward(function, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, stream, tail_block=()) -> None:
+    """One launch of a forward host function (of any configuration) on the current device (arguments: ``build.py``;
+    ``tail_block``: the fused tail's, ``tail_arguments``, for a configuration with a tail)."""
     function(kv.data_ptr(), score.data_ptr(), ape.data_ptr(), cu_seqlens.data_ptr(), cu_seqlens_comp.data_ptr(),
              out.data_ptr(), 0 if stats is None else stats.data_ptr(), cu_seqlens.shape[0] - 1, out.shape[0],
-             kv.shape[0], _stream_handle(stream, kv.device.index))  # fmt: skip
+             kv.shape[0], *tail_block, _stream_handle(stream, kv.device.index))  # fmt: skip
 
 
-def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats=None) -> None:
-    """Write every row of ``out`` (``N > 0`` rows: the API handles empty outputs)."""
+def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats=None, tail=None,
+            rstd=None) -> None:  # fmt: skip
+    """Write every row of ``out`` (``N > 0`` rows: the API handles empty outputs); with a ``tail``
+    (``csa_compressor.tail.Tail``) the tail's rows, and ``rstd`` (given: ``(N,)`` fp32) each row's rstd."""
+    if tail is not None:
+        return tail_launch.forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats,
+                                   tail, rstd)  # fmt: skip
+    if rstd is not None:
+        tail_launch.fill_ones(rstd, stream)
     index = kv.device.index
     direction = "forward" if stats is None else "forward_stats"
     launcher = _LAUNCHERS.get((direction, ratio, coff, out.shape[1], kv.dtype, index))
@@ -228,8 +250,12 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, strea
 
 
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff,
-             stream, stats=None) -> None:  # fmt: skip
-    """Overwrite the three gradients (``N > 0`` rows: the API handles empty outputs)."""
+             stream, stats=None, tail=None, grad_norm_weight=None, rstd=None) -> None:  # fmt: skip
+    """Overwrite the three gradients (``N > 0`` rows: the API handles empty outputs); with a ``tail``, grad_out is
+    the gradient of the tail's rows and ``grad_norm_weight`` (with a norm: ``(head_dim,)`` fp32) is overwritten."""
+    if tail is not None:
+        return tail_launch.backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                                    grad_ape, ratio, coff, stream, stats, tail, grad_norm_weight, rstd)  # fmt: skip
     index = kv.device.index
     direction = "backward" if stats is None else "backward_stats"
     head_dim = grad_out.shape[1]
@@ -244,23 +270,26 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
             call_backward(launcher, tensors, stream, stats)
 
 
-def call_backward(launcher, tensors, stream, stats, scratch: bool = True) -> None:
+def call_backward(launcher, tensors, stream, stats, scratch: bool = True, tail_block=()) -> None:
     """``backward`` on the tensors' device, which is the current device here (the host function's arguments:
     ``build.py``). ``tensors``: (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
-    grad_ape); ``scratch``: the slabs may come from the stream's reusable scratch (eager calls)."""
+    grad_ape); ``scratch``: the slabs may come from the stream's reusable scratch (eager calls); ``tail_block``: the
+    fused tail's arguments (``tail_arguments``) of a configuration with a tail, whose CTA slabs have
+    ``config.slab_entries`` floats (without a tail: grad_ape's entries)."""
     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape = tensors
     device = kv.device
     n = grad_out.shape[0]
-    rows_per_cta, num_ctas = backward_grid(launcher, n, ape.numel())
+    slab_entries = launcher.config.slab_entries if tail_block else ape.numel()
+    rows_per_cta, num_ctas = backward_grid(launcher, n, slab_entries)
     handle = _stream_handle(stream, device.index)
     args = [kv.data_ptr(), score.data_ptr(), ape.data_ptr(), cu_seqlens.data_ptr(), cu_seqlens_comp.data_ptr(),
             grad_out.data_ptr(), grad_kv.data_ptr(), grad_score.data_ptr(), grad_ape.data_ptr(), 0,
             0 if stats is None else stats.data_ptr(), cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta,
-            num_ctas, handle]  # fmt: skip
+            num_ctas, *tail_block, handle]  # fmt: skip
     if launcher.config.whole_tile:
         launcher.function(*args)  # one kernel that writes grad_ape itself: no slabs
         return
-    ws_numel = num_ctas * ape.numel()
+    ws_numel = num_ctas * slab_entries
     explicit = stream is not None and handle != _stream_handle(None, device.index)
     if not scratch or _capturing(stream, explicit):
         # Slabs owned by this launch alone (inside a CUDA graph: from the graph's pool).
@@ -332,11 +361,15 @@ def release_scratch() -> None:
         _SCRATCH.clear()
 
 
-def compile(direction, ratio, coff, head_dim, dtype, device) -> None:
+def compile(direction, ratio, coff, head_dim, dtype, device, tail_config=None) -> None:
     """Build (or load) ``direction``'s kernels for the device and, for long windows, the softmax-statistics pair,
-    so that no later call compiles or loads anything."""
+    so that no later call compiles or loads anything; with a ``tail_config`` (``csa_compressor.tail.TailConfig``)
+    every kernel of a call with that tail."""
     ratio, coff, head_dim, device = int(ratio), int(coff), int(head_dim), torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
+    if tail_config is not None:
+        tail_launch.compile(direction, ratio, coff, head_dim, dtype, index, tail_config)
+        return
     _launcher(direction, ratio, coff, head_dim, dtype, index)
     if direction in ("forward", "backward") and supports_stats(ratio, coff, head_dim):
         _launcher(f"{direction}_stats", ratio, coff, head_dim, dtype, index)

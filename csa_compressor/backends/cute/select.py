@@ -9,9 +9,19 @@ forward that also writes them) and ``backward_stats`` (the backward that reads t
 - backward: short windows ``BackwardShortWindow``, long ones ``BackwardLongWindow``;
 - backward_stats: ``BackwardWithStats``. The grad_ape reduction (``ApeReduce``) runs inside the backwards' host
   functions, after their main kernel.
+
+With the fused tail (``configs.TailSpec``; ``tail_route``) a call takes one of two routes:
+
+- fused: the pooling kernel with the tail inside, where ``fused_tail_config`` has a configuration for it;
+- composed, every other window: forward = the statistics forward (``ForwardLongWindow`` with ``write_stats``, for
+  any window: ``configs.stats_forward_for_sm90``) then ``TailForward`` on ``stats[:, 2]``; backward = the
+  statistics forward again where no statistics were saved, ``TailGradient`` (dx, fp32) and ``BackwardWithStats``
+  reading dx (``grad_float32``).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ...windows import uses_softmax_stats
 from . import configs
@@ -20,6 +30,7 @@ from .backward_short import BackwardShortWindow
 from .backward_stats import BackwardWithStats
 from .device import DeviceSpec
 from .forward import ForwardLongWindow, ForwardShortWindow
+from .tail_kernels import TailForward, TailGradient
 
 DIRECTIONS = ("forward", "forward_stats", "backward", "backward_stats")
 
@@ -29,18 +40,27 @@ KERNEL_OF_CONFIG = {
     configs.BackwardShortConfig: BackwardShortWindow,
     configs.BackwardLongConfig: BackwardLongWindow,
     configs.BackwardStatsConfig: BackwardWithStats,
+    configs.TailForwardConfig: TailForward,
+    configs.TailGradientConfig: TailGradient,
 }
 
-# Factories per architecture family: (forward, backward, backward with statistics).
+# Factories per architecture family: (forward, backward, backward with statistics, forward with statistics of
+# any window).
 _FACTORIES = {
-    "sm_90": (configs.forward_for_sm90, configs.backward_for_sm90, configs.stats_backward_for_sm90),
-    "sm_100": (configs.forward_for_sm100, configs.backward_for_sm100, configs.stats_backward_for_sm100),
-}
+    "sm_90": (configs.forward_for_sm90, configs.backward_for_sm90, configs.stats_backward_for_sm90,
+              configs.stats_forward_for_sm90),
+    "sm_100": (configs.forward_for_sm100, configs.backward_for_sm100, configs.stats_backward_for_sm100,
+               configs.stats_forward_for_sm100),
+}  # fmt: skip
+
+
+def _family(device: DeviceSpec):
+    return _FACTORIES["sm_100" if device.arch.startswith("sm_10") else "sm_90"]
 
 
 def config_for(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec):
     """The configuration of ``direction``'s kernel on ``device``."""
-    forward, backward, stats_backward = _FACTORIES["sm_100" if device.arch.startswith("sm_10") else "sm_90"]
+    forward, backward, stats_backward, _ = _family(device)
     if direction == "forward":
         return forward(ratio, coff, head_dim, device)
     if direction == "backward":
@@ -56,3 +76,29 @@ def kernel_for(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
     """(kernel class, configuration) of ``direction``'s kernel on ``device``."""
     config = config_for(direction, ratio, coff, head_dim, device)
     return KERNEL_OF_CONFIG[type(config)], config
+
+
+def fused_tail_config(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail_spec):
+    """The configuration of the pooling kernel of ``direction`` ("forward" or "backward") with the tail fused
+    inside (its ``tail`` field set), or None where the tail takes the composed route."""
+    return None
+
+
+def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail_spec,
+               fuse: bool = True) -> dict:  # fmt: skip
+    """(kernel class, configuration) per step of a call with the tail: ``{"fused": ...}``, or for the composed
+    route (the only one without ``fuse``) ``stats`` (the statistics forward), ``tail`` (``TailForward`` /
+    ``TailGradient``) and, for the backward, ``pool`` (the statistics backward reading dx)."""
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"a tail's direction must be 'forward' or 'backward', got {direction!r}")
+    fused = fused_tail_config(direction, ratio, coff, head_dim, device, tail_spec) if fuse else None
+    if fused is not None:
+        return {"fused": (KERNEL_OF_CONFIG[type(fused)], fused)}
+    _, _, stats_backward, stats_forward = _family(device)
+    # The pooled rows x are stats[:, 2]: rows of 3 * head_dim floats from column 2 * head_dim.
+    kind = configs.TailForwardConfig if direction == "forward" else configs.TailGradientConfig
+    tail = configs.tail_rows(kind, ratio, head_dim, tail_spec, 3 * head_dim, 2 * head_dim)
+    steps = {"stats": stats_forward(ratio, coff, head_dim, device), "tail": tail}
+    if direction == "backward":
+        steps["pool"] = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)
+    return {name: (KERNEL_OF_CONFIG[type(cfg)], cfg) for name, cfg in steps.items()}

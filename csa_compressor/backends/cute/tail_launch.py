@@ -1,0 +1,239 @@
+"""The fused tail's launches (``launch.forward`` / ``launch.backward`` / ``launch.compile`` with a tail): the
+routes of ``select.tail_route``, one set of launchers per (direction, ratio, coff, head_dim, dtype, device,
+``configs.TailSpec``), each function primed when it is built (so nothing compiles or loads later, under CUDA-graph
+capture in particular).
+
+- fused: the pooling kernel with the tail's block (``tail_arguments``) after its own arguments; a backward's slabs
+  have ``config.slab_entries`` floats per CTA (their entries past ape_size reduce into grad_norm_weight);
+- composed: the statistics forward into ``stats`` (the caller's, else a workspace) and ``TailForward``; backward:
+  the statistics recomputed into a workspace where none were given, ``TailGradient`` into a dx workspace, then the
+  statistics backward reading dx.
+
+Workspaces (statistics, the pooled rows' bf16 copy, dx, the weight's slabs) are ``torch.empty`` on the launch
+stream, so the caching allocator hands their blocks to no other stream before the stream's work has run, and under
+capture they come from the graph's pool. The pooling backward's grad_ape slabs keep the per-stream scratch of
+``launch.call_backward``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from . import launch as base
+from .configs import TailSpec
+from .device import device_spec
+from .select import tail_route
+
+_ROUTES: dict[tuple, TailRoute] = {}  # (direction, ratio, coff, head_dim, dtype, index, TailSpec, fuse) -> route
+_SPECS: dict[object, TailSpec] = {}  # TailConfig -> TailSpec
+
+
+class TailRoute:
+    """The launchers of one route: ``fused``, or the composed steps ``stats``, ``tail`` and ``pool``."""
+
+    __slots__ = ("fused", "pool", "stats", "tail")
+
+    def __init__(self, steps: dict, spec):
+        self.fused = self.stats = self.tail = self.pool = None
+        for name, (kernel_class, config) in steps.items():
+            kind = base.ForwardLauncher if kernel_class.kind in ("forward", "tail_forward") else base.BackwardLauncher
+            setattr(self, name, kind(kernel_class, config, spec))
+
+
+def spec_of(tail) -> TailSpec:
+    config = tail.config
+    spec = _SPECS.get(config)
+    if spec is None:
+        spec = _SPECS[config] = TailSpec.of(config)
+    return spec
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def tail_arguments(tail, rstd, grad_norm_weight=None, gradient: bool = False) -> tuple:
+    """The tail's block of a host function (``build.py``): pointers (0 where absent), ``norm_eps``,
+    ``max_position``."""
+    rope = tail.rope_dim > 0
+    tables = (tail.rope_cos, tail.rope_sin, tail.position_start) if rope else (None, None, None)
+    pointers = (_ptr(tail.norm_weight), *(_ptr(t) for t in tables), _ptr(rstd))
+    if gradient:
+        pointers += (_ptr(grad_norm_weight),)
+    return (*pointers, float(tail.norm_eps), tail.rope_cos.shape[0] if rope else 0)
+
+
+def _route(direction, ratio, coff, head_dim, dtype, index, spec, fuse=True) -> TailRoute:
+    """The route's launchers, created (compiled or loaded, then primed) on a miss."""
+    key = (direction, ratio, coff, head_dim, dtype, index, spec, fuse)
+    route = _ROUTES.get(key)
+    if route is not None:
+        return route
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"cute backend: the {direction} kernels with the tail {spec} for ratio={ratio}, coff={coff}, "
+            f"head_dim={head_dim} on cuda:{index} are not compiled and cannot be compiled during CUDA-graph "
+            "capture; call compile() with the tail's configuration (or run the operation once) before capturing"
+        )
+    if dtype != torch.bfloat16:
+        raise ValueError(f"cute backend: only bfloat16 kv/score are supported, got {dtype}")
+    with base._LOCK:
+        route = _ROUTES.get(key)
+        if route is None:
+            device = device_spec(index)
+            route = TailRoute(tail_route(direction, ratio, coff, head_dim, device, spec, fuse), device)
+            with torch.cuda.device(index):
+                _prime(route, direction, ratio, coff, head_dim, index, spec)
+            _ROUTES[key] = route
+    return route
+
+
+def _lookup(direction, kv, ratio, coff, head_dim, tail, stats) -> TailRoute:
+    """The call's route: the fused one unless statistics are given (the fused kernels take none)."""
+    spec = spec_of(tail)
+    index = kv.device.index
+    route = _ROUTES.get((direction, ratio, coff, head_dim, kv.dtype, index, spec, True))
+    if route is None:
+        route = _route(direction, ratio, coff, head_dim, kv.dtype, index, spec)
+    if route.fused is not None and stats is not None:
+        route = _route(direction, ratio, coff, head_dim, kv.dtype, index, spec, fuse=False)
+    return route
+
+
+def _on_device(index: int):
+    return contextlib.nullcontext() if index == base._GET_DEVICE() else torch.cuda.device(index)
+
+
+def workspace(shape, dtype, device, stream) -> torch.Tensor:
+    """``torch.empty`` on the launch stream (from the graph's pool under capture)."""
+    if stream is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    with torch.cuda.stream(stream):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+def fill_ones(rstd, stream) -> None:
+    """rstd of rows without a norm."""
+    if stream is None:
+        rstd.fill_(1.0)
+    else:
+        with torch.cuda.stream(stream):
+            rstd.fill_(1.0)
+
+
+def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats, tail, rstd) -> None:
+    """``launch.forward`` with a tail."""
+    if tail.is_identity:
+        base.forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats, None, rstd)
+        return
+    route = _lookup("forward", kv, ratio, coff, out.shape[1], tail, stats)
+    block = tail_arguments(tail, rstd)
+    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    with _on_device(kv.device.index):
+        if route.fused is not None:
+            fused = route.fused
+            function = fused.function if out.shape[0] < fused.wide_rows else fused.wide
+            base.call_forward(function, *inputs, out, None, stream, block)
+        else:
+            _composed_forward(route, inputs, out, stats, block, stream)
+
+
+def _composed_forward(route, inputs, out, stats, block, stream) -> None:
+    kv, _, _, cu_seqlens, cu_seqlens_comp = inputs
+    n, d = out.shape
+    if stats is None:
+        stats = workspace((n, 3, d), torch.float32, kv.device, stream)
+    base.call_forward(route.stats.function, *inputs, out, stats, stream)
+    route.tail.function(stats.data_ptr(), cu_seqlens.data_ptr(), cu_seqlens_comp.data_ptr(), out.data_ptr(),
+                        cu_seqlens.shape[0] - 1, n, kv.shape[0], *block,
+                        base._stream_handle(stream, kv.device.index))  # fmt: skip
+
+
+def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff,
+             stream, stats, tail, grad_norm_weight, rstd) -> None:  # fmt: skip
+    """``launch.backward`` with a tail."""
+    tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+    if tail.is_identity:
+        base.backward(*tensors, ratio, coff, stream, stats)
+        return
+    if tail.has_norm and grad_norm_weight is None:
+        raise ValueError("cute backend: a tail with norm_weight needs grad_norm_weight, a (head_dim,) float32 buffer")
+    route = _lookup("backward", kv, ratio, coff, grad_out.shape[1], tail, stats)
+    block = tail_arguments(tail, rstd, grad_norm_weight, gradient=True)
+    with _on_device(kv.device.index):
+        if route.fused is not None:
+            base.call_backward(route.fused, tensors, stream, None, tail_block=block)
+        else:
+            _composed_backward(route, tensors, stream, stats, block)
+
+
+def _composed_backward(route, tensors, stream, stats, block, scratch: bool = True) -> None:
+    """Statistics (recomputed where not given), dx, then the statistics backward on dx."""
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads = tensors
+    n, d = grad_out.shape
+    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    if stats is None:
+        stats = workspace((n, 3, d), torch.float32, kv.device, stream)
+        pooled = workspace((n, d), torch.bfloat16, kv.device, stream)  # the pooled rows' copy (not read)
+        base.call_forward(route.stats.function, *inputs, pooled, stats, stream)
+    dx = workspace((n, d), torch.float32, kv.device, stream)
+    launcher = route.tail
+    rows_per_cta, num_ctas = base.backward_grid(launcher, n, launcher.config.slab_entries)
+    slabs = workspace((num_ctas * d,), torch.float32, kv.device, stream) if launcher.config.tail.has_norm else None
+    launcher.function(grad_out.data_ptr(), stats.data_ptr(), cu_seqlens.data_ptr(), cu_seqlens_comp.data_ptr(),
+                      dx.data_ptr(), _ptr(slabs), cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta, num_ctas,
+                      *block, base._stream_handle(stream, kv.device.index))  # fmt: skip
+    base.call_backward(route.pool, (*inputs, dx, *grads), stream, stats, scratch=scratch)
+
+
+def _probe_tail(spec: TailSpec, head_dim: int, dev):
+    """A tail of ``spec`` on a one-position table (priming launches)."""
+    from ...tail import Tail
+
+    weight = None
+    if spec.has_norm:
+        weight = torch.ones(head_dim, dtype=torch.float32 if spec.norm_weight_float32 else torch.bfloat16, device=dev)
+    if not spec.rope_dim:
+        return Tail(weight)
+    table = torch.zeros((1, spec.rope_dim // 2), dtype=torch.float32, device=dev)
+    start = torch.zeros(1, dtype=torch.int32, device=dev) if spec.has_positions else None
+    return Tail(weight, 1e-6, table, table, spec.rope_dim, spec.rope_interleaved, start)
+
+
+def _prime(route, direction: str, ratio: int, coff: int, head_dim: int, index: int, spec: TailSpec) -> None:
+    """One launch of each of the route's functions on a one-row problem (as ``launch._prime``)."""
+    dev = torch.device("cuda", index)
+    kv = torch.zeros((ratio, coff * head_dim), dtype=torch.bfloat16, device=dev)
+    ape = torch.zeros((ratio, coff * head_dim), dtype=torch.float32, device=dev)
+    inputs = (kv, kv, ape, torch.tensor([0, ratio], dtype=torch.int32, device=dev),
+              torch.tensor([0, 1], dtype=torch.int32, device=dev))  # fmt: skip
+    tail = _probe_tail(spec, head_dim, dev)
+    rstd = torch.empty(1, dtype=torch.float32, device=dev)
+    if direction == "forward":
+        out = torch.empty((1, head_dim), dtype=torch.bfloat16, device=dev)
+        block = tail_arguments(tail, rstd)
+        if route.fused is not None:
+            for function in [route.fused.function] + ([route.fused.wide] if route.fused.wide is not None else []):
+                base.call_forward(function, *inputs, out, None, None, block)
+        else:
+            _composed_forward(route, inputs, out, None, block, None)
+        return
+    grad_out = torch.zeros((1, head_dim), dtype=torch.bfloat16, device=dev)
+    tensors = (*inputs, grad_out, torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape))
+    grad_w = torch.empty(head_dim, dtype=torch.float32, device=dev) if spec.has_norm else None
+    block = tail_arguments(tail, rstd, grad_w, gradient=True)
+    if route.fused is not None:
+        base.call_backward(route.fused, tensors, None, None, scratch=False, tail_block=block)
+    else:
+        _composed_backward(route, tensors, None, None, block, scratch=False)
+
+
+def compile(direction, ratio, coff, head_dim, dtype, index, tail_config) -> None:
+    """``launch.compile`` with a tail: every kernel of a call with it (an identity tail: the pooling's)."""
+    spec = TailSpec.of(tail_config)
+    if not spec.has_norm and not spec.rope_dim:
+        base.compile(direction, ratio, coff, head_dim, dtype, torch.device("cuda", index))
+        return
+    _route(direction, ratio, coff, head_dim, dtype, index, spec)

@@ -1,0 +1,639 @@
+"""The cute backend's fused tail (RMSNorm, RoPE; issue 26): the composed route and its plumbing.
+
+On the CPU (no GPU needed, only nvidia-cutlass-dsl): the TailSpec of a TailConfig, the route of every window class
+(``select.tail_route``; the fused hook has no configuration yet), the tail kernels' geometry, the host functions'
+placeholder arguments, an offline compile of every new kernel (``TailForward``, ``TailGradient``, the statistics
+forward of short windows, the statistics backward reading an fp32 dx) for sm_90a and sm_100a with the expected
+parameter lists and no local memory, and the launch path with recording host functions: the composed forward and
+backward (statistics given or recomputed, workspaces, grids, the tail's block) and the fused route's call
+convention (the pooling arguments, then the tail's block; slabs of ``slab_entries`` floats per CTA).
+
+On the GPU (``-m gpu``): ``tail.check_backend`` (out within 1 bf16 ulp of the fp32 reference, grad_kv / grad_score
+within 1 ulp, grad_ape and grad_norm_weight at relative L2 <= 1e-5 against fp64, bitwise run to run) through the
+protocol calls (statistics given or not, rstd given or not) and through every API entry point, over
+tests/test_tail.py's cases and this file's (SPEC sizes, odd head_dim, rope_dim 0 / 2 / 64 / head_dim, both pair
+conventions, ratio 4 coff 2, ratio 128 coff 1 and 2, ratio 2 coff 1, bf16 weights, rows wider than a warp);
+positions outside the tables; rstd; the identity tail; a CUDA-graph capture with a tail after compile().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+
+launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
+if launch.unavailable_reason() is not None:
+    pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
+
+from csa_compressor import tail as T  # noqa: E402
+from csa_compressor.backends.cute import build, configs, select, tail_launch  # noqa: E402
+from csa_compressor.backends.cute.backward_stats import BackwardWithStats  # noqa: E402
+from csa_compressor.backends.cute.device import offline_spec  # noqa: E402
+from csa_compressor.backends.cute.forward import ForwardLongWindow  # noqa: E402
+from csa_compressor.backends.cute.tail_kernels import TailForward, TailGradient  # noqa: E402
+from csa_compressor.tail import TailConfig  # noqa: E402
+from csa_compressor.testing import make_pack  # noqa: E402
+from csa_compressor.windows import window_slots  # noqa: E402
+
+from ..test_tail import CASES, case_pack_and_tail  # noqa: E402
+
+H200 = offline_spec("sm_90a")
+F32, BF16 = torch.float32, torch.bfloat16
+SPEC_FULL = configs.TailSpec(True, True, 64, True, True)
+
+
+# ---------------------------------------------------------------- configuration (pure Python)
+
+
+def test_tail_spec_of_a_tail_config():
+    assert configs.TailSpec.of(TailConfig(F32, 64, False, True)) == configs.TailSpec(True, True, 64, False, True)
+    assert configs.TailSpec.of(TailConfig(BF16, 0, True, False)) == configs.TailSpec(True, False, 0, True, False)
+    # Without a rotation the pair convention and the positions change nothing: one spec (one kernel).
+    assert configs.TailSpec.of(TailConfig(F32, 0, False, False)) == configs.TailSpec.of(TailConfig(F32, 0, True, False))
+    assert configs.TailSpec.of(TailConfig(None, 8, True, True)) == configs.TailSpec(False, False, 8, True, True)
+
+
+def test_supports_tail():
+    assert launch.supports_tail(4, 2, 512, TailConfig(F32, 64, True, True))
+    assert launch.supports_tail(128, 2, 7, TailConfig(BF16, 6, False, False))
+    assert launch.supports_tail(3, 1, launch.MAX_TAIL_HEAD_DIM, TailConfig(None, 2, True, False))
+    assert not launch.supports_tail(4, 2, launch.MAX_TAIL_HEAD_DIM + 1, TailConfig(F32, 0, True, False))
+    assert not launch.supports_tail(4, 2, 64, TailConfig(torch.float16, 0, True, False))
+    assert not launch.supports_tail(4, 2, 64, TailConfig(F32, 66, True, False))
+    assert not launch.supports_tail(4, 2, 64, TailConfig(F32, 3, True, False))
+
+
+WINDOWS = [(1, 1), (2, 1), (4, 2), (3, 2), (5, 1), (8, 1), (8, 2), (16, 1), (17, 1), (32, 2), (128, 1), (128, 2)]
+
+
+@pytest.mark.parametrize("ratio,coff", WINDOWS)
+def test_every_window_class_takes_the_composed_route(ratio, coff):
+    """No fused configuration yet: forward = statistics forward + TailForward; backward = the statistics forward
+    (recompute), TailGradient, the statistics backward on fp32 dx. The kernels tile the window and the rows."""
+    for head_dim in (7, 64, 130, 512, 2048):
+        assert select.fused_tail_config("forward", ratio, coff, head_dim, H200, SPEC_FULL) is None
+        fwd = select.tail_route("forward", ratio, coff, head_dim, H200, SPEC_FULL)
+        bwd = select.tail_route("backward", ratio, coff, head_dim, H200, SPEC_FULL)
+        assert set(fwd) == {"stats", "tail"} and set(bwd) == {"stats", "tail", "pool"}
+        for route in (fwd, bwd):
+            stats_class, stats = route["stats"]
+            assert stats_class is ForwardLongWindow and stats.write_stats
+            assert stats.slot_groups * stats.slots_per_batch * stats.batches == window_slots(ratio, coff)
+            assert stats.columns_per_cta * stats.column_chunks >= head_dim
+        assert fwd["tail"][0] is TailForward and bwd["tail"][0] is TailGradient
+        pool_class, pool = bwd["pool"]
+        assert pool_class is BackwardWithStats and pool.grad_float32
+        assert pool == dataclasses.replace(
+            configs.stats_backward_for_sm90(ratio, coff, head_dim, H200), grad_float32=True
+        )
+        for _, cfg in (fwd["tail"], bwd["tail"]):
+            assert (cfg.source_stride, cfg.source_offset, cfg.tail) == (3 * head_dim, 2 * head_dim, SPEC_FULL)
+            assert cfg.row_threads * cfg.column_steps * cfg.vector_width >= head_dim
+            assert head_dim % cfg.vector_width == 0 and cfg.threads % 32 == 0 and cfg.threads <= 256
+            assert cfg.column_steps * cfg.vector_width <= 16  # a row's operands stay in registers
+    with pytest.raises(ValueError, match="direction"):
+        select.tail_route("forward_stats", ratio, coff, 64, H200, SPEC_FULL)
+
+
+def test_stats_forward_of_short_windows_is_one_group():
+    cfg = configs.stats_forward_for_sm90(4, 2, 512, H200)
+    assert (cfg.slot_groups, cfg.slots_per_batch, cfg.batches, cfg.write_stats) == (1, 8, 1, True)
+    assert configs.stats_forward_for_sm90(32, 2, 64, H200) == configs.forward_for_sm90(32, 2, 64, H200, stats=True)
+    grouped = configs.stats_forward_for_sm90(3, 2, 36, H200)
+    assert grouped == dataclasses.replace(configs.forward_for_sm90(3, 2, 36, H200), write_stats=True)
+
+
+def test_slab_entries_of_every_backward_config():
+    for ratio, coff in WINDOWS:
+        for cfg in (
+            configs.backward_for_sm90(ratio, coff, 64, H200),
+            configs.stats_backward_for_sm90(ratio, coff, 64, H200),
+        ):
+            assert cfg.slab_entries == cfg.ape_size
+    gradient = configs.tail_rows(configs.TailGradientConfig, 4, 130, SPEC_FULL, 390, 260)
+    assert gradient.slab_entries == 130 and gradient.reduce.ape_size == 130
+
+
+def test_placeholders_carry_the_tail_block():
+    """The tail's block after a kind's own arguments, before the stream: 5 pointers (and grad_norm_weight for the
+    gradients), norm_eps, max_position; the weight's pointer in its dtype; grad_float32's grad_out fp32."""
+    from cutlass import BFloat16, Float32
+
+    plain = SimpleNamespace(kind="forward", config=configs.forward_for_sm90(4, 2, 64, H200))
+    fused = SimpleNamespace(kind="forward", config=SimpleNamespace(tail=SPEC_FULL))
+    assert len(build.placeholder_arguments(plain)) == 11
+    args = build.placeholder_arguments(fused)
+    assert len(args) == 11 + 7 and isinstance(args[-3], Float32) and args[10].dtype is Float32
+    bf16_weight = SimpleNamespace(
+        kind="backward", config=SimpleNamespace(tail=dataclasses.replace(SPEC_FULL, norm_weight_float32=False))
+    )
+    args = build.placeholder_arguments(bf16_weight)
+    assert len(args) == 17 + 8 and args[16].dtype is BFloat16
+    pool = SimpleNamespace(kind="backward", config=configs.stats_backward_for_sm90(8, 2, 64, H200))
+    assert build.placeholder_arguments(pool)[5].dtype is BFloat16
+    pool.config = dataclasses.replace(pool.config, grad_float32=True)
+    assert build.placeholder_arguments(pool)[5].dtype is Float32
+
+
+# ---------------------------------------------------------------- offline compile (sm_90a and sm_100a)
+
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
+SPECS = {
+    "norm-rope64-pos": SPEC_FULL,
+    "bf16w-rope2-half": configs.TailSpec(True, False, 2, False, False),
+    "rope-only-half-pos": configs.TailSpec(False, False, 64, False, True),
+    "norm-only": configs.TailSpec(True, True, 0, True, False),
+}
+# (name, kernel class, ratio, head_dim, spec): one row of 128 threads, 2-thread rows, rows of four warps.
+TAIL_BUILDS = [
+    ("forward d512", TailForward, 4, 512, "norm-rope64-pos"),
+    ("forward d7", TailForward, 128, 7, "bf16w-rope2-half"),
+    ("forward d2048", TailForward, 2, 2048, "rope-only-half-pos"),
+    ("gradient d512", TailGradient, 4, 512, "norm-rope64-pos"),
+    ("gradient d7", TailGradient, 128, 7, "bf16w-rope2-half"),
+    ("gradient d2048", TailGradient, 2, 2048, "norm-only"),
+    ("gradient d130 rope-only", TailGradient, 4, 130, "rope-only-half-pos"),
+]
+# (name, kernel class, configuration factory): the statistics forward of short windows, dx-reading backwards.
+POOL_BUILDS = [
+    ("stats forward r4c2", ForwardLongWindow, lambda: configs.stats_forward_for_sm90(4, 2, 128, H200)),
+    ("stats forward r2c1", ForwardLongWindow, lambda: configs.stats_forward_for_sm90(2, 1, 65, H200)),
+    ("stats forward r3c2", ForwardLongWindow, lambda: configs.stats_forward_for_sm90(3, 2, 36, H200)),
+    ("dx backward r4c2", BackwardWithStats,
+     lambda: dataclasses.replace(configs.stats_backward_for_sm90(4, 2, 64, H200), grad_float32=True)),
+    ("bf16 backward r4c2", BackwardWithStats, lambda: configs.stats_backward_for_sm90(4, 2, 64, H200)),
+    ("dx backward whole tile", BackwardWithStats,
+     lambda: dataclasses.replace(configs.stats_backward_for_sm90(128, 1, 512, H200), grad_float32=True)),
+]  # fmt: skip
+
+
+def _entries(ptx: str) -> list[str]:
+    """Parameter kinds of every kernel entry: 'p' a 64-bit pointer, 'i' a 32-bit int, 'f' an fp32."""
+    kinds = {".u64": "p", ".b64": "p", ".u32": "i", ".s32": "i", ".b32": "i", ".f32": "f"}
+    return sorted(
+        "".join(kinds[p.split()[1]] for p in params.split(",") if p.strip()) for _, params in _ENTRY.findall(ptx)
+    )
+
+
+def _wide_loads(ptx: str) -> int:
+    """16-byte global loads (sm_100a's PTX writes some as two 64-bit words)."""
+    return ptx.count("ld.global.v4.b32") + ptx.count("ld.global.v2.b64")
+
+
+@pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
+def built(request):
+    arch = request.param
+    result = {}
+    with tempfile.TemporaryDirectory() as dump:
+        for name, kernel_class, ratio, head_dim, spec in TAIL_BUILDS:
+            kind = configs.TailForwardConfig if kernel_class is TailForward else configs.TailGradientConfig
+            cfg = configs.tail_rows(kind, ratio, head_dim, SPECS[spec], 3 * head_dim, 2 * head_dim)
+            kernel = kernel_class(cfg)
+            result[name] = (kernel, build.compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
+        for name, kernel_class, factory in POOL_BUILDS:
+            kernel = kernel_class(factory())
+            result[name] = (kernel, build.compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
+    return arch, result
+
+
+@pytest.mark.parametrize("name", [b[0] for b in TAIL_BUILDS])
+def test_tail_kernels_compile(built, name):
+    arch, kernels = built
+    kernel, ptx = kernels[name]
+    cfg = kernel.config
+    assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    if isinstance(kernel, TailForward):
+        # x, cu_seqlens, cu_seqlens_comp, out; B, N, T; weight, cos, sin, position_start, rstd; eps; max_position.
+        assert _entries(ptx) == ["ppppiiipppppfi"]
+    else:
+        main = "ppppppiiiipppppfi"  # ... dx, slabs; B, N, T, rows_per_cta; the tail's pointers; eps, max_position
+        assert _entries(ptx) == sorted([main, "ppi"] if cfg.tail.has_norm else [main])
+    if cfg.tail.has_norm:
+        # Correctly rounded rstd steps; the row's sums over its threads by butterfly shuffles.
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx
+        assert ("shfl.sync.bfly" in ptx) == (cfg.row_threads > 1)
+    if cfg.row_warps > 1 or (cfg.tail.rope_dim and isinstance(kernel, TailForward)):
+        assert "bar.sync" in ptx  # the row's warps combine, or the row is staged for the rotation
+    assert f".reqntid {cfg.threads}, 1, 1" in ptx or f".maxntid {cfg.threads}, 1, 1" in ptx
+
+
+@pytest.mark.parametrize("name", [b[0] for b in POOL_BUILDS])
+def test_pool_kernels_of_the_tail_compile(built, name):
+    arch, kernels = built
+    kernel, ptx = kernels[name]
+    cfg = kernel.config
+    assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    if isinstance(kernel, ForwardLongWindow):
+        assert _entries(ptx) == ["pppppppiii"]  # the kernel with statistics
+    else:
+        main = "ppppppppppiiii"
+        assert _entries(ptx) == sorted([main] if cfg.whole_tile else [main, "ppi"])
+    if name == "dx backward r4c2":
+        # dx is read as 16-byte vectors of 4 fp32 where grad_out was 8-byte vectors of 4 bf16.
+        bf16 = kernels["bf16 backward r4c2"][1]
+        assert cfg.vector_width == 4 and _wide_loads(ptx) > _wide_loads(bf16)
+        assert ptx.count("ld.global.v2.b32") < bf16.count("ld.global.v2.b32")
+
+
+def test_loaded_tail_functions_take_pointers_ints_floats_and_the_stream(tmp_path, monkeypatch):
+    """Through the disk cache's export and load (the one TVM-FFI launch path): the host functions' parameters in
+    build.py's order, norm_eps a Python float."""
+    monkeypatch.setenv("CSA_COMPRESSOR_CACHE_DIR", str(tmp_path))
+    cfg = configs.tail_rows(configs.TailForwardConfig, 4, 64, SPEC_FULL, 192, 128)
+    function = launch.host_function(TailForward, cfg, "sm_90a")
+    with pytest.raises(TypeError) as info:
+        function()
+    tail_params = "norm_weight rope_cos rope_sin position_start rstd".split()
+    pointers = ", ".join(f"{p}: DataPointer" for p in ["x", "cu_seqlens", "cu_seqlens_comp", "out"])
+    sizes = "segments: int32, total_comp: int32, tokens: int32"
+    block = ", ".join(f"{p}: DataPointer" for p in tail_params) + ", norm_eps: float32, max_position: int32"
+    assert f"__call__({pointers}, {sizes}, {block}, stream: Stream)" in str(info.value)
+    with pytest.raises(TypeError, match="expected float"):
+        function(0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, "1e-6", 1, 0)
+
+
+# ---------------------------------------------------------------- the launch path, recorded (CPU tensors)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+@pytest.fixture
+def host_path(monkeypatch):
+    """Recording host functions in place of the kernels; current device and stream stubbed (no CUDA here)."""
+    monkeypatch.setattr(launch, "_GET_DEVICE", lambda: None)
+    monkeypatch.setattr(launch, "_RAW_STREAM", lambda index: 0x5EED)
+    monkeypatch.setattr(launch, "_IS_CAPTURING", lambda: False)
+    monkeypatch.setattr(launch, "_LAUNCHERS", {})
+    monkeypatch.setattr(launch, "_SCRATCH", {})
+    monkeypatch.setattr(tail_launch, "_ROUTES", {})
+    return tail_launch._ROUTES
+
+
+def _forward_launcher(config=None):
+    fake = launch.ForwardLauncher.__new__(launch.ForwardLauncher)
+    fake.config, fake.function, fake.wide, fake.wide_rows = config, _Recorder(), None, 1 << 62
+    return fake
+
+
+def _backward_launcher(config, capacity=16):
+    fake = launch.BackwardLauncher.__new__(launch.BackwardLauncher)
+    fake.config, fake.function, fake.tiles, fake.capacity = config, _Recorder(), 1, capacity
+    fake.row_lanes = getattr(config, "row_lanes", 2)
+    return fake
+
+
+def _composed(host_path, direction, pack, spec, fuse=True):
+    route = tail_launch.TailRoute.__new__(tail_launch.TailRoute)
+    route.fused = None
+    route.stats = _forward_launcher()
+    kind = configs.TailForwardConfig if direction == "forward" else configs.TailGradientConfig
+    tail_cfg = configs.tail_rows(kind, pack.ratio, pack.head_dim, spec, 3 * pack.head_dim, 2 * pack.head_dim)
+    route.tail = _forward_launcher(tail_cfg) if direction == "forward" else _backward_launcher(tail_cfg)
+    route.pool = _backward_launcher(SimpleNamespace(whole_tile=False, slab_entries=pack.ape.numel()), 8)
+    host_path[(direction, pack.ratio, pack.coff, pack.head_dim, pack.kv.dtype, None, spec, fuse)] = route
+    return route
+
+
+def _ptrs(*tensors):
+    return tuple(t.data_ptr() for t in tensors)
+
+
+def _block(tail, rstd, grad_w=None, gradient=False):
+    pointers = (tail.norm_weight, tail.rope_cos, tail.rope_sin, tail.position_start, rstd)
+    pointers += (grad_w,) if gradient else ()
+    return (*(0 if t is None else t.data_ptr() for t in pointers), float(tail.norm_eps), tail.rope_cos.shape[0])
+
+
+def _pack_and_tail(seed=3):
+    pack = make_pack((300, 9, 130), 64, 4, 2, token_padding=3, comp_padding=2, seed=seed)
+    return pack, T.random_tail(pack, rope_dim=16, positions=True, seed=seed)
+
+
+def test_composed_forward_calls(host_path):
+    pack, tail = _pack_and_tail()
+    route = _composed(host_path, "forward", pack, tail_launch.spec_of(tail))
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
+    out, rstd = torch.empty((n, d), dtype=kv.dtype), torch.empty(n)
+    sizes = (cu.shape[0] - 1, n, kv.shape[0])
+    for stats in (None, torch.empty((n, 3, d))):
+        route.stats.function.calls.clear()
+        route.tail.function.calls.clear()
+        launch.forward(kv, score, ape, cu, cuc, out, 4, 2, None, stats, tail, rstd)
+        (first,) = route.stats.function.calls
+        # The statistics forward writes out and the statistics (a workspace when none are given).
+        assert first[:6] == _ptrs(kv, score, ape, cu, cuc, out) and first[7:] == (*sizes, 0x5EED)
+        assert stats is None or first[6] == stats.data_ptr()
+        # TailForward reads them: x, offsets, out, sizes, the tail's block, the stream.
+        (second,) = route.tail.function.calls
+        assert second == (first[6], *_ptrs(cu, cuc, out), *sizes, *_block(tail, rstd), 0x5EED)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_composed_backward_calls(host_path, given):
+    pack, tail = _pack_and_tail()
+    route = _composed(host_path, "backward", pack, tail_launch.spec_of(tail))
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    grad_w, rstd = torch.empty(d), torch.empty(n)
+    stats = torch.empty((n, 3, d)) if given else None
+    launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, stats, tail, grad_w, rstd)
+    sizes = (cu.shape[0] - 1, n, kv.shape[0])
+    if given:
+        assert route.stats.function.calls == [] and stats is not None
+        stats_ptr = stats.data_ptr()
+    else:
+        (recompute,) = route.stats.function.calls  # the statistics recomputed into a workspace
+        assert recompute[:5] == _ptrs(kv, score, ape, cu, cuc) and recompute[7:] == (*sizes, 0x5EED)
+        stats_ptr = recompute[6]
+    (gradient,) = route.tail.function.calls
+    rows_per_cta, num_ctas = launch.backward_grid(route.tail, n, d)
+    assert gradient[:2] == (pack.grad_out.data_ptr(), stats_ptr) and gradient[2:4] == _ptrs(cu, cuc)
+    assert gradient[6:11] == (*sizes, rows_per_cta, num_ctas) and rows_per_cta % route.tail.row_lanes == 0
+    assert gradient[11:] == (*_block(tail, rstd, grad_w, True), 0x5EED) and gradient[5] != 0  # the weight's slabs
+    (pool,) = route.pool.function.calls
+    # The statistics backward reads dx (the gradient's output) and the same statistics.
+    assert pool[:5] == _ptrs(kv, score, ape, cu, cuc) and pool[5] == gradient[4] and pool[6:9] == _ptrs(*grads)
+    assert pool[10] == stats_ptr and len(pool) == 17
+    with pytest.raises(ValueError, match="grad_norm_weight"):
+        launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, stats, tail, None, rstd)
+
+
+def test_fused_route_call_convention(host_path):
+    """A fused configuration's host functions take the pooling's arguments, then the tail's block, then the stream;
+    the backward's slabs have slab_entries floats per CTA; statistics given take the composed route."""
+    pack, tail = _pack_and_tail()
+    spec = tail_launch.spec_of(tail)
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
+    fused = {}
+    for direction in ("forward", "backward"):
+        route = tail_launch.TailRoute.__new__(tail_launch.TailRoute)
+        route.stats = route.tail = route.pool = None
+        slab_entries = ape.numel() + d
+        cfg = SimpleNamespace(whole_tile=False, slab_entries=slab_entries)
+        route.fused = _forward_launcher() if direction == "forward" else _backward_launcher(cfg)
+        host_path[(direction, 4, 2, d, kv.dtype, None, spec, True)] = fused[direction] = route
+    out, rstd = torch.empty((n, d), dtype=kv.dtype), torch.empty(n)
+    launch.forward(kv, score, ape, cu, cuc, out, 4, 2, None, None, tail, rstd)
+    sizes = (cu.shape[0] - 1, n, kv.shape[0])
+    assert fused["forward"].fused.function.calls == [
+        (*_ptrs(kv, score, ape, cu, cuc, out), 0, *sizes, *_block(tail, rstd), 0x5EED)
+    ]
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    grad_w = torch.empty(d)
+    launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, None, tail, grad_w, rstd)
+    (call,) = fused["backward"].fused.function.calls
+    launcher = fused["backward"].fused
+    rows_per_cta, num_ctas = launch.backward_grid(launcher, n, slab_entries)
+    assert call[:9] == _ptrs(kv, score, ape, cu, cuc, pack.grad_out, *grads) and call[10] == 0
+    assert call[11:16] == (*sizes, rows_per_cta, num_ctas) and call[16:] == (*_block(tail, rstd, grad_w, True), 0x5EED)
+    entry = launch._SCRATCH[(None, 0x5EED)]
+    assert call[9] == entry.ptr and entry.numel >= num_ctas * slab_entries
+    # Statistics given: the composed route (built without the fused hook).
+    composed = _composed(host_path, "forward", pack, spec, fuse=False)
+    launch.forward(kv, score, ape, cu, cuc, out, 4, 2, None, torch.empty((n, 3, d)), tail, rstd)
+    assert len(composed.tail.function.calls) == 1 and len(fused["forward"].fused.function.calls) == 1
+
+
+def test_identity_tail_is_the_pooling(host_path):
+    pack, _ = _pack_and_tail()
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
+    plain = _forward_launcher()
+    host_path_launchers = launch._LAUNCHERS
+    host_path_launchers[("forward", 4, 2, d, kv.dtype, None)] = plain
+    out, rstd = torch.empty((n, d), dtype=kv.dtype), torch.full((n,), 7.0)
+    launch.forward(kv, score, ape, cu, cuc, out, 4, 2, None, None, T.Tail(norm_eps=0.5, rope_interleaved=False), rstd)
+    assert len(plain.function.calls) == 1 and len(plain.function.calls[0]) == 11 and not host_path
+    assert torch.equal(rstd, torch.ones(n))
+
+
+# ---------------------------------------------------------------- GPU: the contract
+
+
+def _gpu_launch():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reason = launch.device_unsupported_reason(torch.device("cuda"))
+    if reason:
+        pytest.skip(reason)
+    return launch
+
+
+def _on_cuda_tail(tail: T.Tail) -> T.Tail:
+    return dataclasses.replace(
+        tail,
+        **{
+            f.name: getattr(tail, f.name).cuda()
+            for f in dataclasses.fields(tail)
+            if isinstance(getattr(tail, f.name), torch.Tensor)
+        },
+    )
+
+
+def _nan(shape, dtype=F32):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _protocol(with_stats: bool, with_rstd: bool):
+    """check_backend's pair over the protocol calls; every buffer starts as NaN (an unwritten entry fails)."""
+
+    def forward_pass(inputs, tail, ratio, coff, total_comp):
+        kv = inputs[0]
+        d = kv.shape[1] // coff
+        out = _nan((total_comp, d), kv.dtype)
+        stats = _nan((total_comp, 3, d)) if with_stats else None
+        rstd = _nan((total_comp,)) if with_rstd else None
+        launch.forward(*inputs, out, ratio, coff, None, stats, tail, rstd)
+        return out, stats, rstd
+
+    def forward_fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, tail, *, ratio, coff, total_comp):
+        inputs = tuple(t.cuda() for t in (kv, score, ape, cu_seqlens, cu_seqlens_comp))
+        return forward_pass(inputs, _on_cuda_tail(tail), ratio, coff, total_comp)[0].cpu()
+
+    def backward_fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, tail, *, ratio, coff):
+        inputs = tuple(t.cuda() for t in (kv, score, ape, cu_seqlens, cu_seqlens_comp))
+        tail = _on_cuda_tail(tail)
+        stats = rstd = None
+        if with_stats or with_rstd:
+            _, stats, rstd = forward_pass(inputs, tail, ratio, coff, grad_out.shape[0])
+        kv = inputs[0]
+        grads = _nan(kv.shape, kv.dtype), _nan(kv.shape, kv.dtype), _nan(inputs[2].shape)
+        grad_w = _nan((kv.shape[1] // coff,)) if tail.has_norm else None
+        launch.backward(*inputs, grad_out.cuda(), *grads, ratio, coff, None, stats, tail, grad_w, rstd)
+        return tuple(None if g is None else g.cpu() for g in (*grads, grad_w))
+
+    return forward_fn, backward_fn
+
+
+# This file's cases, beside tests/test_tail.py's (ratio, coff, head_dim, seqlens, token padding, comp padding,
+# random_tail keywords): SPEC sizes, rows wider than a warp, rope_dim = head_dim, 16-slot windows.
+OWN_CASES = {
+    "r4c2d512-rope64-pos": (4, 2, 512, (1000, 2, 333, 64), 7, 4, dict(rope_dim=64, positions=True)),
+    "r128c1d512-rope64": (128, 1, 512, (515, 1, 1030, 260), 3, 2, dict(rope_dim=64)),
+    "r128c2d512-rope64-half-bf16w": (128, 2, 512, (515, 1030, 127), 0, 3,
+                                     dict(rope_dim=64, interleaved=False, norm_dtype=BF16)),
+    "r2c1d2048-rope2048-pos": (2, 1, 2048, (33, 5, 64), 1, 2, dict(rope_dim=2048, positions=True)),
+    "r4c2d65-norm": (4, 2, 65, (37, 4, 64, 129), 3, 2, dict()),
+    "r8c2d130-rope130-half": (8, 2, 130, (81, 7, 40), 2, 1, dict(rope_dim=130, interleaved=False)),
+    "r3c2d36-rope36-only": (3, 2, 36, (41, 100, 7), 0, 1, dict(norm=False, rope_dim=36)),
+    "r16c1d128-rope64-pos": (16, 1, 128, (300, 5, 129), 2, 2, dict(rope_dim=64, positions=True)),
+    "r4c2d128-padding-only": (4, 2, 128, (3, 2), 4, 3, dict(rope_dim=64)),
+}  # fmt: skip
+
+
+def _case(name, seed):
+    if name in CASES:
+        return case_pack_and_tail(name, seed=seed)
+    ratio, coff, head_dim, seqlens, tok_pad, comp_pad, tail_kw = OWN_CASES[name]
+    pack = make_pack(seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, seed=seed)
+    return pack, T.random_tail(pack, seed=seed + 7, **tail_kw)
+
+
+ALL_CASES = [*CASES, *OWN_CASES]
+ROUTES = {"plain": (False, False), "rstd": (False, True), "stats": (True, False), "stats-rstd": (True, True)}
+
+
+def _routes(name):
+    ratio, coff = (CASES.get(name) or OWN_CASES[name])[:2]
+    long = window_slots(ratio, coff) > 16
+    return [r for r, (stats, _) in ROUTES.items() if long or not stats]  # statistics: long windows only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,route", [(n, r) for n in ALL_CASES for r in _routes(n)])
+def test_protocol_meets_the_contract(name, route):
+    _gpu_launch()
+    pack, tail = _case(name, seed=31)
+    T.check_backend(*_protocol(*ROUTES[route]), pack, tail)
+
+
+API_NAMES = ["r4c2d72-rope64-bf16w-pos", "r128c2d6-rope6-pos", "r2c1d66-rope64-half-pos", "r4c2d512-rope64-pos",
+             "r128c1d512-rope64"]  # fmt: skip
+API_CASES = [
+    (entry, name)
+    for entry in ("wrappers", "wrappers-stats", "classes", "compressor_pool")
+    for name in API_NAMES
+    if entry != "wrappers-stats" or "r128" in name  # softmax statistics: long windows only
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry,name", API_CASES)
+def test_api_entry_points_meet_the_contract(entry, name):
+    """Every entry point with backend="cute" (the autograd saves the statistics of long windows)."""
+    _gpu_launch()
+    from ..test_tail import _on_cuda
+    from ..test_tail_api import ENTRY_POINTS
+
+    pack, tail = _case(name, seed=32)
+    if entry == "compressor_pool" and tail.norm_weight is not None:
+        tail = dataclasses.replace(tail, norm_weight=tail.norm_weight.float())
+    T.check_backend(*(_on_cuda(fn) for fn in ENTRY_POINTS[entry]("cute")), pack, tail)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["r4c2d512-rope64-pos", "r128c2d6-rope6-pos", "r2c1d4-rope4-only-pos"])
+def test_positions_outside_the_tables_are_not_rotated(name):
+    """Rows whose position is below 0 or at or past max_position read no table and are not rotated: the contract
+    against a tail whose tables are padded with (cos 1, sin 0) rows around the given ones."""
+    _gpu_launch()
+    pack, tail = _case(name, seed=33)
+    half = tail.rope_dim // 2
+    segments = pack.cu_seqlens.shape[0] - 1
+    gen = torch.Generator().manual_seed(5)
+    start = torch.randint(-3 * pack.ratio, tail.rope_cos.shape[0] + 2 * pack.ratio, (segments,), generator=gen)
+    cut = max(1, tail.rope_cos.shape[0] // 2)  # the kernel's tables: the first half of the rows
+    given = dataclasses.replace(tail, rope_cos=tail.rope_cos[:cut].contiguous(), rope_sin=tail.rope_sin[:cut].contiguous(),
+                                position_start=start.to(torch.int32))  # fmt: skip
+    pad = 3 * pack.ratio + 1
+    rows = int((start.max() + pack.total_comp * pack.ratio + 1).clamp(min=1)) + pad
+    cos = torch.ones(pad + rows, half)
+    sin = torch.zeros(pad + rows, half)
+    cos[pad : pad + cut], sin[pad : pad + cut] = given.rope_cos, given.rope_sin
+    # Padding rows take position 0: the given tables' row 0 (angle 0 in random_tail's tables: cos 1, sin 0).
+    assert torch.equal(tail.rope_cos[0], torch.ones(half)) and torch.equal(tail.rope_sin[0], torch.zeros(half))
+    oracle = dataclasses.replace(given, rope_cos=cos, rope_sin=sin, position_start=(start + pad).to(torch.int32))
+    fwd, bwd = _protocol(False, False)
+
+    def forward_fn(*args, **kw):
+        return fwd(*args[:5], given, **kw)
+
+    def backward_fn(*args, **kw):
+        return bwd(*args[:6], given, **kw)
+
+    T.check_backend(forward_fn, backward_fn, pack, oracle)
+
+
+@pytest.mark.gpu
+def test_rstd_and_identity_tail():
+    """rstd: every row's rsqrt(mean(x*x) + eps) (padding rows too), 1 without a norm; an identity tail gives the
+    pooling's bits."""
+    _gpu_launch()
+    pack, tail = _case("r4c2d512-rope64-pos", seed=34)
+    inputs = tuple(t.cuda() for t in pack.inputs)
+    tail = _on_cuda_tail(tail)
+    n, d = pack.total_comp, pack.head_dim
+    x = T.pooled_rows(*inputs, ratio=4, coff=2, total_comp=n, dtype=F32)
+    out, rstd = _nan((n, d), BF16), _nan((n,))
+    launch.forward(*inputs, out, 4, 2, None, None, tail, rstd)
+    torch.testing.assert_close(rstd, T.row_rstd(x, tail.norm_eps).reshape(-1), rtol=2e-6, atol=0)
+    launch.forward(*inputs, out, 4, 2, None, None, dataclasses.replace(tail, norm_weight=None), rstd)
+    assert torch.equal(rstd, torch.ones_like(rstd))
+    plain, identity = _nan((n, d), BF16), _nan((n, d), BF16)
+    launch.forward(*inputs, plain, 4, 2, None)
+    launch.forward(*inputs, identity, 4, 2, None, None, T.Tail(norm_eps=0.5))
+    assert torch.equal(plain.view(torch.int16), identity.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 2)])
+def test_cuda_graph_capture_with_a_tail(ratio, coff):
+    """compile() with the tail's configuration, then the protocol's forward and backward captured and replayed:
+    nothing compiles under capture, the workspaces come from the graph's pool, the replay equals the eager call."""
+    _gpu_launch()
+    pack = make_pack((600, 50, 7, 300), 128, ratio, coff, comp_padding=3, device="cuda", seed=35)
+    tail = T.random_tail(pack, rope_dim=64, positions=True, seed=36)
+    for direction in ("forward", "backward"):
+        launch.compile(direction, ratio, coff, 128, BF16, pack.kv.device, tail_config=tail.config)
+    n, d = pack.total_comp, pack.head_dim
+    out, rstd = torch.empty((n, d), dtype=BF16, device="cuda"), torch.empty(n, device="cuda")
+    grads = (torch.empty_like(pack.kv), torch.empty_like(pack.score), torch.empty_like(pack.ape))
+    grad_w = torch.empty(d, device="cuda")
+
+    def step():
+        launch.forward(*pack.inputs, out, ratio, coff, None, None, tail, rstd)
+        launch.backward(*pack.inputs, pack.grad_out, *grads, ratio, coff, None, None, tail, grad_w, rstd)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    eager = [t.clone() for t in (out, rstd, *grads, grad_w)]
+    for t in (out, rstd, *grads, grad_w):
+        t.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip((out, rstd, *grads, grad_w), eager, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
