@@ -27,12 +27,25 @@ _POINTERS = {
     "backward": (BFloat16, BFloat16, Float32, Int32, Int32, BFloat16, BFloat16, BFloat16, Float32, Float32, Float32),
 }
 _SCALARS = {"forward": 3, "backward": 5}
+# The fused tail's pointers (norm_weight, rope_cos, rope_sin, position_start, rstd[, grad_norm_weight]) after the
+# kind's scalars, then norm_eps and max_position; a bf16 norm weight is recast in the kernel.
+_TAIL_POINTERS = {
+    "forward_tail": (Float32, Float32, Float32, Int32, Float32),
+    "backward_tail": (Float32, Float32, Float32, Int32, Float32, Float32),
+}
+
+
+def _pointers(types) -> list:
+    return [make_ptr(t, 0, AddressSpace.gmem, assumed_align=16) for t in types]
 
 
 def placeholder_arguments(kind: str) -> list:
     """The host function's arguments to trace with: null pointers of the element types, Int32 scalars, a stream."""
-    ptrs = [make_ptr(t, 0, AddressSpace.gmem, assumed_align=16) for t in _POINTERS[kind]]
-    return [*ptrs, *([Int32(1)] * _SCALARS[kind]), cuda.CUstream(0)]
+    base = kind.removesuffix("_tail")
+    args = [*_pointers(_POINTERS[base]), *([Int32(1)] * _SCALARS[base])]
+    if kind != base:
+        args += [*_pointers(_TAIL_POINTERS[kind]), Float32(1e-6), Int32(1)]
+    return [*args, cuda.CUstream(0)]
 
 
 def compile_kernel(kernel, arch: str, dump_dir: str | None = None):
