@@ -154,9 +154,9 @@ class ForwardShortWindow:
         """Host function with the tail (arguments: ``build.py``): ``out`` is the rows' rope(rmsnorm(x)); ``rstd``
         (0: none) gets every row's rsqrt(mean(x*x) + eps), 1 without a norm; absent tables and weights are 0."""
         cfg = self.config
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp, tokens)
         tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
-        self.fused_kernel(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp, tokens,
-                          *tail_args).launch(  # fmt: skip
+        self.fused_kernel(*args, *tail_args).launch(
             grid=[(total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta, 1, 1],
             block=[cfg.threads, 1, 1],
             smem=self.fused_smem_bytes(),
