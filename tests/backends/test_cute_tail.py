@@ -77,12 +77,16 @@ WINDOWS = [(1, 1), (2, 1), (4, 2), (3, 2), (5, 1), (8, 1), (8, 2), (16, 1), (17,
 
 @pytest.mark.parametrize("ratio,coff", WINDOWS)
 def test_every_window_class_takes_the_composed_route(ratio, coff):
-    """No fused configuration yet: forward = statistics forward + TailForward; backward = the statistics forward
-    (recompute), TailGradient, the statistics backward on fp32 dx. The kernels tile the window and the rows."""
+    """The composed route (every window has it; windows without a fused kernel take it): forward = statistics
+    forward + TailForward; backward = the statistics forward (recompute), TailGradient, the statistics backward on
+    fp32 dx. The kernels tile the window and the rows."""
     for head_dim in (7, 64, 130, 512, 2048):
-        assert select.fused_tail_config("forward", ratio, coff, head_dim, H200, SPEC_FULL) is None
-        fwd = select.tail_route("forward", ratio, coff, head_dim, H200, SPEC_FULL)
-        bwd = select.tail_route("backward", ratio, coff, head_dim, H200, SPEC_FULL)
+        fwd = select.tail_route("forward", ratio, coff, head_dim, H200, SPEC_FULL, fuse=False)
+        bwd = select.tail_route("backward", ratio, coff, head_dim, H200, SPEC_FULL, fuse=False)
+        for direction in ("forward", "backward"):
+            fused = select.fused_tail_config(direction, ratio, coff, head_dim, H200, SPEC_FULL)
+            route = select.tail_route(direction, ratio, coff, head_dim, H200, SPEC_FULL)
+            assert set(route) == ({"fused"} if fused is not None else set(fwd if direction == "forward" else bwd))
         assert set(fwd) == {"stats", "tail"} and set(bwd) == {"stats", "tail", "pool"}
         for route in (fwd, bwd):
             stats_class, stats = route["stats"]

@@ -29,6 +29,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .configs import BackwardShortConfig, launch_bound
+from .norm_rope import RowTail, div_rn, ordered_sum, select
 from .ptx import add_rn, ex2, mul_rn, sub_rn
 from .reduce import ApeReduce
 from .softmax import LOG2E, exact_probabilities, torch_order_sum
@@ -74,6 +75,16 @@ class _Registers:
         self.xf = register_slots(0 if one_group else sg, width)
         self.vm, self.vs, self.vl, self.dvo, self.dlo = (registers(width) for _ in range(5))
 
+    def allocate_tail(self, cfg: BackwardShortConfig) -> None:
+        """The fused tail's registers: the norm weight and its gradient's accumulators, and per buffer set the
+        row's cos, sin, grad_out partners and saved rstd."""
+        width = cfg.vector_width
+        self.wf = registers(width)
+        self.gw = registers(width)
+        self.gw.fill(0.0)
+        self.csb, self.snb, self.gpb = (register_slots(2, width) for _ in range(3))
+        self.rsb = register_slots(2, 1)
+
 
 class BackwardShortWindow:
     """Short windows: the persistent double-buffered backward with a grad_ape slab per CTA."""
@@ -87,6 +98,10 @@ class BackwardShortWindow:
                                  c.slots_per_group, False)  # fmt: skip
         self.zeros = ZeroStores(c.ratio, c.coff, c.head_dim, c.vector_width)
         self.reduce = ApeReduce(c.reduce)
+        if c.tail is not None:
+            self.tail = RowTail(c.tail, c.head_dim, c.vector_width, c.column_threads, c.row_lanes)
+            # cute.compile traces the instance's __call__: with a tail, the host function that takes its arguments.
+            self.__call__ = self.fused_host
 
     @cute.jit
     def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
@@ -108,10 +123,54 @@ class BackwardShortWindow:
         )
         self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
+    @cute.jit
+    def fused_host(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                   cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                   grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
+                   segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                   norm_weight: cute.Pointer, rope_cos: cute.Pointer, rope_sin: cute.Pointer,
+                   position_start: cute.Pointer, rstd: cute.Pointer, grad_norm_weight: cute.Pointer,
+                   norm_eps: Float32, max_position: Int32, stream: cuda.CUstream):  # fmt: skip
+        """Host function with the tail (arguments: ``build.py``): ``grad_out`` is the gradient of the tail's output;
+        ``rstd`` (0: recomputed) the forward's; ``grad_norm_weight`` is written with a norm. Then the reduction of
+        the slabs (grad_ape and grad_norm_weight)."""
+        cfg = self.config
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
+        tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
+        self.fused_kernel(*args, segments, total_comp, tokens, rows_per_cta, *tail_args).launch(
+            grid=[num_ctas, cfg.tiles, 1],
+            block=[cfg.threads, 1, 1],
+            smem=cfg.smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=launch_bound(cfg.threads),
+            preferred_smem_carveout=cfg.carveout,
+        )
+        if cutlass.const_expr(cfg.tail.has_norm):
+            self.reduce.launch_with_norm(slabs, grad_ape, grad_norm_weight, num_ctas, stream)
+        else:
+            self.reduce.launch(slabs, grad_ape, num_ctas, stream)
+
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
                cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
                B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):  # fmt: skip
+        self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta, None)
+
+    @cute.kernel
+    def fused_kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
+                     cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
+                     B: Int32, N: Int32, T: Int32, rows_per_cta: Int32, norm_weight: cute.Pointer,
+                     rope_cos: cute.Pointer, rope_sin: cute.Pointer, position_start: cute.Pointer,
+                     rstd: cute.Pointer, eps: Float32, max_position: Int32):  # fmt: skip
+        tail_io = SimpleNamespace(norm_weight=norm_weight, rope_cos=rope_cos, rope_sin=rope_sin,
+                                  position_start=position_start, rstd=rstd, eps=eps, max_position=max_position,
+                                  has_rstd=rstd.toint() != 0)  # fmt: skip
+        self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta, tail_io)
+
+    @cute.jit
+    def body(self, kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32,
+             tail_io):  # fmt: skip
+        """The kernel; ``tail_io``: the fused tail's pointers and scalars, or None."""
         cfg = self.config
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
@@ -132,12 +191,19 @@ class BackwardShortWindow:
         regs.allocate_row(cfg)
         th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok, T=T, N=N)
         io = SimpleNamespace(kv=kv, score=score, gout=gout, gkv=gkv, gsc=gsc)
+        if cutlass.const_expr(tail_io is not None):
+            regs.allocate_tail(cfg)
+            th.nreal, th.tail = nreal, tail_io
+            if cutlass.const_expr(cfg.tail.has_norm):
+                self.tail.load_weight(tail_io.norm_weight, regs.wf, c, col_ok)  # the same for every row
         self.rows(io, seg, nreal, rows_per_cta, regs, smem, th)
         # Exact zeros: segments with no produced row and token-capacity padding.
         if col_ok:
             lanes = cfg.row_lanes * cfg.slot_groups  # threads sharing one column vector
             self.zeros.unowned(gkv, gsc, regs.zero, seg, T, N, bx, gdx, lane, lanes, c)
         self.write_slab(ws, regs.dap, smem[0], tidx, g, rl, c, col_ok, bx)
+        if cutlass.const_expr(tail_io is not None and cfg.tail.has_norm):
+            self.write_norm_slab(ws, regs.gw, smem[0], tidx, rl, c, col_ok, bx)
 
     def allocate_shared(self):
         """(row-lane reduction, group partials a and b, combined row results); one buffer serves all four where
@@ -145,6 +211,11 @@ class BackwardShortWindow:
         cfg = self.config
         smem = cutlass.memory.SmemAllocator()
         sm_red = smem.allocate_tensor(Float32, cute.make_layout(cfg.threads * cfg.vector_width), byte_alignment=16)
+        if cutlass.const_expr(cfg.slot_groups == 1 and cfg.tail is not None):
+            # The fused tail's row sums across warps (two buffers: consecutive rows alternate) in place of sm_a.
+            floats = max(1, 2 * self.tail.sum_floats(2))
+            sm_sums = smem.allocate_tensor(Float32, cute.make_layout(floats), byte_alignment=16)
+            return sm_red, sm_sums, sm_red, sm_red
         if cutlass.const_expr(cfg.slot_groups == 1):
             return sm_red, sm_red, sm_red, sm_red
         smem_row = cfg.slot_groups * cfg.columns_per_cta
@@ -198,7 +269,25 @@ class BackwardShortWindow:
         gb.fill(0.0)
         if active:
             gb.store(vec_view(io.gout, r * self.config.head_dim + th.c, self.config.vector_width).load())
+        if cutlass.const_expr(self.config.tail is not None):
+            self.load_row_tail(io, seg, regs, buf, r, active, th)
         return active, t0, first, last, seg_end
+
+    @cute.jit
+    def load_row_tail(self, io, seg, regs, buf: cutlass.Constexpr, r, active, th):
+        """The fused tail's loads of row r into buffer set ``buf``: cos and sin at the row's position, grad_out of
+        the partners in other threads, the saved rstd (when given)."""
+        cfg, tail, t = self.config, self.tail, th.tail
+        if cutlass.const_expr(tail.has_rope):
+            pos = tail.row_position(seg, r, th.nreal, cfg.ratio, t.position_start)
+            tail.load_angles(t.rope_cos, t.rope_sin, pos, t.max_position, th.c, regs.csb[buf], regs.snb[buf])
+            if cutlass.const_expr(not tail.pairs_in_thread):
+                tail.load_partners(io.gout, r * cfg.head_dim, th.c, active, regs.gpb[buf])
+        if cutlass.const_expr(tail.spec.has_norm):
+            rs = regs.rsb[buf]
+            rs[0] = Float32(1.0)
+            if active & t.has_rstd:
+                rs[0] = cute.make_tensor(t.rstd, cute.make_layout(th.N))[r]
 
     @cute.jit
     def load_window(self, kv, score, kvf, scf, active, t0, first, g, c):
@@ -232,7 +321,9 @@ class BackwardShortWindow:
             valid.append(vk)
         gf = widen(regs.gbb[ph], cfg.vector_width)  # grad_out in fp32
         kvw = [widen(regs.kvb[ph][k], cfg.vector_width) for k in range(cfg.slots_per_group)]
-        if cutlass.const_expr(cfg.slot_groups == 1):
+        if cutlass.const_expr(cfg.slot_groups == 1 and cfg.tail is not None):
+            self.fused_gradients(gkv, gsc, regs, ph, gf, kvw, valid, active, t0, first, smem, th)
+        elif cutlass.const_expr(cfg.slot_groups == 1):
             self.exact_gradients(gkv, gsc, regs, regs.scb[ph], gf, kvw, valid, t0, first, g, c)
         else:
             self.grouped_gradients(gkv, gsc, regs, regs.scb[ph], gf, kvw, valid, t0, smem, th)
@@ -255,9 +346,16 @@ class BackwardShortWindow:
         """One group: the reference's operation order. Pass A (per column): p and S; pass B (per slot):
         dv = g*p, dlogit = p*(g*v - S), stored right away."""
         cfg = self.config
+        exact_probabilities(scf, regs.apf, regs.pq, first, cfg.vector_width, cfg.slots_per_group, cfg.ratio, cfg.coff)
+        self.exact_pass(gkv, gsc, regs, gf, kvw, valid, t0, g, c)
+
+    @cute.jit
+    def exact_pass(self, gkv, gsc, regs, gf, kvw, valid, t0, g, c):
+        """Passes A and B of ``exact_gradients`` from the probabilities in ``regs.pq`` and the row's upstream
+        gradient ``gf`` (fp32 per column)."""
+        cfg = self.config
         width, sg = cfg.vector_width, cfg.slots_per_group
         dap, dlo = regs.dap, regs.dlo  # plain names: a dynamic `if` may write through them
-        exact_probabilities(scf, regs.apf, regs.pq, first, width, sg, cfg.ratio, cfg.coff)
         for i in cutlass.range_constexpr(width):
             gi = gf[i]
             p = [regs.pq[i * sg + k] for k in range(sg)]
@@ -397,4 +495,60 @@ class BackwardShortWindow:
                 cute.arch.sync_threads()
             if (rl == 0) & col_ok:
                 aoff = self.slots.ape_offset(g * sg + k) + c
-                vec_view(ws, bx * cfg.ape_size + aoff, width).store(dap[k].load())
+                vec_view(ws, bx * cfg.slab_entries + aoff, width).store(dap[k].load())
+
+    # ------------------------------------------------------------ the fused tail (RMSNorm, RoPE)
+
+    @cute.jit
+    def fused_gradients(self, gkv, gsc, regs, ph: cutlass.Constexpr, gf, kvw, valid, active, t0, first, smem, th):
+        """One group with the tail: the probabilities, the pooled row x (the forward's operations, so the same
+        fp32 values), dy = grad_out rotated back, the norm's dx, then the exact passes with dx for grad_out."""
+        cfg, tail = self.config, self.tail
+        width, sg = cfg.vector_width, cfg.slots_per_group
+        exact_probabilities(regs.scb[ph], regs.apf, regs.pq, first, width, sg, cfg.ratio, cfg.coff)
+        dx = gf
+        if cutlass.const_expr(tail.has_rope):
+            dx = tail.turn_back(gf, regs.gpb[ph], regs.csb[ph], regs.snb[ph], th.c)
+        if cutlass.const_expr(tail.spec.has_norm):
+            pooled = [
+                torch_order_sum([mul_rn(regs.pq[i * sg + k], kvw[k][i]) for k in range(sg)]) for i in range(width)
+            ]
+            x = [select(th.col_ok, pooled[i], Float32(0.0)) for i in range(width)]
+            dx = self.norm_backward(regs, ph, x, dx, active, smem[1], th)
+        self.exact_pass(gkv, gsc, regs, dx, kvw, valid, t0, th.g, th.c)
+
+    @cute.jit
+    def norm_backward(self, regs, ph: cutlass.Constexpr, x, dy, active, sums, th):
+        """dx = r (w dy) - (x r^3) mean(x w dy) of the thread's columns, r the row's rstd (the forward's when given);
+        the real rows' dy x r into the weight's gradient accumulators."""
+        tail, width = self.tail, self.config.vector_width
+        wdy = [mul_rn(regs.wf[i], dy[i]) for i in range(width)]
+        parts = [ordered_sum([mul_rn(x[i], x[i]) for i in range(width)]),
+                 ordered_sum([mul_rn(x[i], wdy[i]) for i in range(width)])]  # fmt: skip
+        total_sq, total_dot = tail.row_sums(parts, sums, ph * tail.sum_floats(2), th.rl, th.tidx)
+        r = select(th.tail.has_rstd, regs.rsb[ph][0], tail.rstd(total_sq, th.tail.eps))
+        mean = div_rn(total_dot, Float32(self.config.head_dim))
+        r3 = mul_rn(mul_rn(r, r), r)
+        gw = regs.gw  # a plain name: the dynamic `if` writes through it
+        if active:
+            for i in cutlass.range_constexpr(width):
+                gw[i] = add_rn(gw[i], mul_rn(mul_rn(dy[i], x[i]), r))
+        return [sub_rn(mul_rn(r, wdy[i]), mul_rn(mul_rn(x[i], r3), mean)) for i in range(width)]
+
+    @cute.jit
+    def write_norm_slab(self, ws, gw, sm_red, tidx, rl, c, col_ok, bx):
+        """This CTA's grad_norm_weight partial after its grad_ape entries: the row lanes summed in a fixed order."""
+        cfg = self.config
+        width, lanes = cfg.vector_width, cfg.row_lanes
+        if cutlass.const_expr(lanes > 1):
+            vec_view(sm_red.iterator, tidx * width, width).store(gw.load())
+            cute.arch.sync_threads()
+            if rl == 0:
+                for i in cutlass.range_constexpr(width):
+                    acc = sm_red[tidx * width + i]
+                    for h in cutlass.range_constexpr(1, lanes):
+                        acc = add_rn(acc, sm_red[(tidx + h * cfg.column_threads) * width + i])
+                    gw[i] = acc
+            cute.arch.sync_threads()
+        if (rl == 0) & col_ok:
+            vec_view(ws, bx * cfg.slab_entries + cfg.ape_size + c, width).store(gw.load())

@@ -116,6 +116,7 @@ class ForwardShortConfig(_Tile):
 
     rows_per_cta: int
     ctas_per_sm_cap: int = 0  # register-capped build: launch bound of this many CTAs per SM (0: none)
+    tail: TailSpec | None = None  # the fused tail (whole rows: one column chunk, ``fused_forward_for_sm90``)
 
     @property
     def threads(self) -> int:
@@ -124,7 +125,7 @@ class ForwardShortConfig(_Tile):
     def wide(self) -> ForwardShortConfig | None:
         """The register-capped build for launches of more than one wave, where it holds more CTAs per SM: 8-slot
         windows at 128 threads with more than one row per CTA."""
-        if self.window != 8 or self.ctas_per_sm_cap or self.threads != 128 or self.rows_per_cta < 2:
+        if self.window != 8 or self.ctas_per_sm_cap or self.threads != 128 or self.rows_per_cta < 2 or self.tail:
             return None
         return replace(self, ctas_per_sm_cap=WIDE_CTAS_PER_SM)
 
@@ -194,11 +195,17 @@ class ApeReduceConfig:
 
     ape_size: int
     slab_lanes: int  # lanes of a warp that walk different slabs
+    norm_entries: int = 0  # slab entries after grad_ape's: the fused tail's grad_norm_weight partials
+
+    @property
+    def slab_size(self) -> int:
+        """Floats per slab: grad_ape's entries, then the norm weight's."""
+        return self.ape_size + self.norm_entries
 
     @property
     def vector(self) -> int:
-        """Entries per thread: 16-byte vectors where the slab size allows."""
-        return 4 if self.ape_size % 4 == 0 else 1
+        """Entries per thread: 16-byte vectors where the slab size allows (never across the two parts)."""
+        return 4 if self.ape_size % 4 == 0 and self.norm_entries % 4 == 0 else 1
 
     @property
     def entry_vectors(self) -> int:
@@ -207,7 +214,7 @@ class ApeReduceConfig:
 
     @property
     def grid(self) -> int:
-        return (self.ape_size // self.vector + self.entry_vectors - 1) // self.entry_vectors
+        return (self.slab_size // self.vector + self.entry_vectors - 1) // self.entry_vectors
 
     @property
     def threads(self) -> int:
@@ -226,6 +233,7 @@ class BackwardShortConfig(_Tile):
     slot_groups: int
     slots_per_group: int
     row_lanes: int
+    tail: TailSpec | None = None  # the fused tail (one group, whole rows: ``fused_backward_for_sm90``)
 
     @property
     def threads(self) -> int:
@@ -233,10 +241,18 @@ class BackwardShortConfig(_Tile):
 
     @property
     def smem_bytes(self) -> int:
-        """The row-lane reduction of grad_ape, and the cross-group buffers where there are groups."""
+        """The row-lane reduction of grad_ape, and the cross-group buffers where there are groups (with a tail:
+        its row sums' partials)."""
         cw = self.columns_per_cta
         cross = 2 * self.row_lanes * self.slot_groups * cw + 3 * self.row_lanes * cw if self.slot_groups > 1 else 0
+        if self.tail is not None:
+            cross += tail_sum_floats(self.column_threads, self.row_lanes, 2, buffers=2)
         return (self.threads * self.vector_width + cross) * 4 + 128
+
+    @property
+    def slab_entries(self) -> int:
+        """Floats per CTA slab: grad_ape's entries, then (a fused norm) the norm weight's gradient."""
+        return self.ape_size + (self.head_dim if self.tail is not None and self.tail.has_norm else 0)
 
     carveout = 50  # percent of the unified L1 / shared memory asked for as shared memory
     whole_tile = False
@@ -247,14 +263,9 @@ class BackwardShortConfig(_Tile):
         return self.column_chunks
 
     @property
-    def slab_entries(self) -> int:
-        """fp32 entries of one CTA's slab (the grad_ape partials)."""
-        return self.ape_size
-
-    @property
     def reduce(self) -> ApeReduceConfig:
         # Many small slabs from the persistent grid: four slab walkers per warp keep more slab loads in flight.
-        return ApeReduceConfig(self.ape_size, slab_lanes=4)
+        return ApeReduceConfig(self.ape_size, slab_lanes=4, norm_entries=self.slab_entries - self.ape_size)
 
 
 @dataclass(frozen=True)
@@ -535,3 +546,74 @@ def stats_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
 
 def stats_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec) -> ForwardLongConfig:
     return stats_forward_for_sm90(ratio, coff, head_dim, device)
+
+
+# ---------------------------------------------------------------- the fused tail (RMSNorm, RoPE in the kernels)
+
+# Threads one fused forward row may span (one CTA row), and the fused forward CTA's size when rows are narrower.
+FUSED_ROW_THREADS_CAP = 1024
+FUSED_FORWARD_THREADS = 128
+
+
+def tail_sum_floats(row_threads: int, rows: int, sums: int, buffers: int = 1) -> int:
+    """Shared floats of the fused tail's row sums across warps: (buffer, row, sum, warp of the row); none where a
+    row fits a warp (shuffles alone)."""
+    warps = row_threads // 32
+    return buffers * rows * sums * warps if warps > 1 else 0
+
+
+def _row_threads(head_dim: int, width: int) -> int:
+    """Threads of a fused row: the smallest power of two covering head_dim in ``width``-column vectors (so that a
+    row's threads are a warp's aligned share or whole warps, and its sums go through shuffles in a fixed order)."""
+    n = 1
+    while n * width < head_dim:
+        n *= 2
+    return n
+
+
+def _one_exact_group(ratio: int, coff: int) -> bool:
+    """The windows the exact short kernels serve: short, one power-of-two group of slots."""
+    window = coff * ratio
+    return is_short_window(ratio, coff) and slots_per_group(window, 8) == window
+
+
+def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    """The short-window forward with the tail, or None where it cannot fuse it: whole rows (one column chunk) of a
+    power-of-two thread count, 4-column vectors (8 for rows past FUSED_ROW_THREADS_CAP threads), rows side by side
+    up to FUSED_FORWARD_THREADS threads; the SPEC head_dims keep the pooling-only tile."""
+    if not _one_exact_group(ratio, coff):
+        return None
+    for cap in (4, 8):
+        width = vector_width(head_dim, cap)
+        threads = _row_threads(head_dim, width)
+        if threads <= FUSED_ROW_THREADS_CAP:
+            break
+    else:
+        return None
+    rows = 1
+    while threads * rows * 2 <= FUSED_FORWARD_THREADS:
+        rows *= 2
+    return ForwardShortConfig(ratio, coff, head_dim, width, threads, rows_per_cta=rows, tail=tail)
+
+
+def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    """The short-window backward with the tail, or None where it cannot fuse it: the pooling-only backward's
+    2-column vectors and SHORT_BACKWARD_THREADS-thread CTAs, each row lane a whole row (a power-of-two thread
+    count, at most the CTA)."""
+    if not _one_exact_group(ratio, coff):
+        return None
+    width = vector_width(head_dim, 2)
+    threads = _row_threads(head_dim, width)
+    if threads > SHORT_BACKWARD_THREADS:
+        return None
+    window = coff * ratio
+    lanes = SHORT_BACKWARD_THREADS // threads
+    return BackwardShortConfig(ratio, coff, head_dim, width, threads, 1, window, lanes, tail=tail)
+
+
+def fused_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    return fused_forward_for_sm90(ratio, coff, head_dim, device, tail)
+
+
+def fused_backward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    return fused_backward_for_sm90(ratio, coff, head_dim, device, tail)

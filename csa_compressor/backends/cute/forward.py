@@ -27,9 +27,20 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .configs import ForwardLongConfig, ForwardShortConfig, launch_bound
+from .norm_rope import RowTail, ordered_sum, select
 from .ptx import ex2, mul_rn
 from .softmax import exact_probabilities, online_fold, torch_order_sum
-from .window import Segments, WindowSlots, bf16_registers, register_slots, registers, row_start, vec_view, widen
+from .window import (
+    Segments,
+    WindowSlots,
+    bf16_registers,
+    real_rows,
+    register_slots,
+    registers,
+    row_start,
+    vec_view,
+    widen,
+)
 
 
 @cute.jit
@@ -68,6 +79,11 @@ class ForwardShortWindow:
         self.config = config
         w = config.window
         self.slots = WindowSlots(config.ratio, config.coff, config.head_dim, config.vector_width, w, w, True)
+        if config.tail is not None:
+            self.tail = RowTail(config.tail, config.head_dim, config.vector_width, config.column_threads,
+                                config.rows_per_cta)  # fmt: skip
+            # cute.compile traces the instance's __call__: with a tail, the host function that takes its arguments.
+            self.__call__ = self.fused_host
 
     @cute.jit
     def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
@@ -99,7 +115,15 @@ class ForwardShortWindow:
 
     @cute.jit
     def pool_row(self, kv, score, ape, out, g, c, r, col_ok, active, t0, first):
-        """Loads, softmax and weighted sum of the thread's columns of row ``r``, in the reference's order:
+        """The thread's columns of row ``r`` (``pooled``), stored."""
+        cfg = self.config
+        res = self.pooled(kv, score, ape, g, c, col_ok, active, t0, first)
+        if active:
+            vec_view(out, r * cfg.head_dim + c, cfg.vector_width).store(res.load().to(BFloat16))
+
+    @cute.jit
+    def pooled(self, kv, score, ape, g, c, col_ok, active, t0, first):
+        """Loads, softmax and weighted sum of the thread's columns (fp32 registers), in the reference's order:
         p = expf(x - max) / sum, out = sum(p * v) in torch's reduction order (four strided accumulators)."""
         cfg = self.config
         width, slots = cfg.vector_width, cfg.window
@@ -116,8 +140,82 @@ class ForwardShortWindow:
         for i in cutlass.range_constexpr(width):
             pv = [mul_rn(pq[i * slots + k], kvw[k][i]) for k in range(slots)]
             res[i] = torch_order_sum(pv)
+        return res
+
+    # ------------------------------------------------------------ the fused tail (RMSNorm, RoPE)
+
+    @cute.jit
+    def fused_host(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                   cu_seqlens_comp: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, segments: Int32,
+                   total_comp: Int32, tokens: Int32, norm_weight: cute.Pointer, rope_cos: cute.Pointer,
+                   rope_sin: cute.Pointer, position_start: cute.Pointer, rstd: cute.Pointer, norm_eps: Float32,
+                   max_position: Int32, stream: cuda.CUstream):  # fmt: skip
+        """Host function with the tail (arguments: ``build.py``): ``out`` is the rows' rope(rmsnorm(x)); ``rstd``
+        (0: none) gets every row's rsqrt(mean(x*x) + eps), 1 without a norm; absent tables and weights are 0."""
+        cfg = self.config
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp, tokens)
+        tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
+        self.fused_kernel(*args, *tail_args).launch(
+            grid=[(total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta, 1, 1],
+            block=[cfg.threads, 1, 1],
+            smem=self.fused_smem_bytes(),
+            stream=stream,
+        )
+
+    def fused_smem_bytes(self) -> int:
+        """The row sums across warps and, where pairs cross threads, the rotation's exchange buffer."""
+        return (self.tail.sum_floats(1) + self.exchange_floats()) * 4 + 64
+
+    def exchange_floats(self) -> int:
+        cfg = self.config
+        return 0 if not self.tail.has_rope or self.tail.pairs_in_thread else cfg.rows_per_cta * cfg.columns_per_cta
+
+    @cute.kernel
+    def fused_kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
+                     cuc: cute.Pointer, out: cute.Pointer, B: Int32, N: Int32, T: Int32, norm_weight: cute.Pointer,
+                     rope_cos: cute.Pointer, rope_sin: cute.Pointer, position_start: cute.Pointer,
+                     rstd: cute.Pointer, eps: Float32, max_position: Int32):  # fmt: skip
+        cfg = self.config
+        tail = self.tail
+        th = forward_coordinates(cfg, 1, False)
+        seg = Segments(cu, cuc, B)
+        col_ok = _columns_ok(cfg, th.c)
+        active = (th.r < N) & col_ok
+        t0, first = row_start(seg, th.r, active, T, N, cfg.ratio)
+        smem = cutlass.memory.SmemAllocator()
+        sums = smem.allocate_tensor(Float32, cute.make_layout(max(1, tail.sum_floats(1))), byte_alignment=16)
+        xbuf = smem.allocate_tensor(Float32, cute.make_layout(max(1, self.exchange_floats())), byte_alignment=16)
+        # The tail's loads (L1/L2 hits) are issued before the pooling's math waits on the window.
+        wf, cs, sn = registers(cfg.vector_width), registers(cfg.vector_width), registers(cfg.vector_width)
+        if cutlass.const_expr(tail.spec.has_norm):
+            tail.load_weight(norm_weight, wf, th.c, col_ok)
+        if cutlass.const_expr(tail.has_rope):
+            pos = tail.row_position(seg, th.r, real_rows(seg, N), cfg.ratio, position_start)
+            tail.load_angles(rope_cos, rope_sin, pos, max_position, th.c, cs, sn)
+        y = self.pooled(kv, score, ape, th.g, th.c, col_ok, active, t0, first)
+        row_rstd = self.normalise(y, wf, col_ok, eps, sums, th)
+        if cutlass.const_expr(tail.has_rope):
+            tail.rotate(y, cs, sn, th.c, xbuf, th.rl * cfg.columns_per_cta)
         if active:
-            vec_view(out, r * cfg.head_dim + c, width).store(res.load().to(BFloat16))
+            vec_view(out, th.r * cfg.head_dim + th.c, cfg.vector_width).store(y.load().to(BFloat16))
+        if (th.tc == 0) & (th.r < N) & (rstd.toint() != 0):
+            cute.make_tensor(rstd, cute.make_layout(N))[th.r] = row_rstd
+
+    @cute.jit
+    def normalise(self, y, wf, col_ok, eps, sums, th):
+        """RMSNorm of the row in place (``y`` the thread's pooled columns, 0 past head_dim first); its rstd (1
+        without a norm)."""
+        width = self.config.vector_width
+        row_rstd = Float32(1.0)
+        for i in cutlass.range_constexpr(width):
+            y[i] = select(col_ok, y[i], Float32(0.0))
+        if cutlass.const_expr(self.tail.spec.has_norm):
+            part = ordered_sum([mul_rn(y[i], y[i]) for i in range(width)])
+            total = self.tail.row_sums([part], sums, 0, th.rl, th.tidx)[0]
+            row_rstd = self.tail.rstd(total, eps)
+            for i in cutlass.range_constexpr(width):
+                y[i] = mul_rn(mul_rn(y[i], row_rstd), wf[i])
+        return row_rstd
 
 
 class ForwardLongWindow:

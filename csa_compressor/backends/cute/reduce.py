@@ -1,7 +1,8 @@
 """The grad_ape reduction: the second kernel of the backwards' host functions, on the same stream.
 
 Every CTA of a persistent backward grid writes one fp32 slab of grad_ape partials; this kernel sums the slabs in a
-fixed order and overwrites grad_ape (no atomics), so grad_ape is bitwise the same from run to run.
+fixed order and overwrites grad_ape (no atomics), so grad_ape is bitwise the same from run to run. A fused tail's
+slabs end with the norm weight's partials (``ApeReduceConfig.norm_entries``), summed alike into grad_norm_weight.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .window import register_slots, registers, vec_view
 
 
 class ApeReduce:
-    """grad_ape = the fixed-order sum of ``num_ctas`` slabs of ``ape_size`` fp32 entries."""
+    """grad_ape (and grad_norm_weight) = the fixed-order sum of ``num_ctas`` slabs of ``slab_size`` fp32 entries."""
 
     def __init__(self, config: ApeReduceConfig):
         self.config = config
@@ -28,8 +29,24 @@ class ApeReduce:
             grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
         )
 
+    @cute.jit
+    def launch_with_norm(self, ws: cute.Pointer, gape: cute.Pointer, gnorm: cute.Pointer, num_ctas: Int32, stream):
+        """The same sum of slabs that end with ``norm_entries`` grad_norm_weight partials, which go to ``gnorm``."""
+        cfg = self.config
+        self.kernel_with_norm(ws, gape, gnorm, num_ctas).launch(
+            grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
+        )
+
     @cute.kernel
     def kernel(self, ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32):
+        self.body(ws, gape, gape, num_ctas)
+
+    @cute.kernel
+    def kernel_with_norm(self, ws: cute.Pointer, gape: cute.Pointer, gnorm: cute.Pointer, num_ctas: Int32):
+        self.body(ws, gape, gnorm, num_ctas)
+
+    @cute.jit
+    def body(self, ws: cute.Pointer, gape: cute.Pointer, gnorm: cute.Pointer, num_ctas: Int32):
         """A CTA covers ``entry_vectors`` consecutive vectors of entries. Walker q = w * slab_lanes + lane's slab
         lane (warp w) sums slabs q, q + walkers, ... in order; then the walkers' partials are summed in order
         q = 0, 1, ...: a fixed order per entry, whatever the vector width."""
@@ -51,17 +68,23 @@ class ApeReduce:
         acc = registers(ve)
         acc.fill(0.0)
         bufs = register_slots(REDUCE_UNROLL, ve)
-        if e < cfg.ape_size // ve:
+        if e < cfg.slab_size // ve:
             self.walk(ws, acc, bufs, q, e, num_ctas)
         vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
         cute.arch.sync_threads()
-        if (tidx < nv) & (e < cfg.ape_size // ve):
+        if (tidx < nv) & (e < cfg.slab_size // ve):
             tot = registers(ve)
             tot.store(vec_view(part.iterator, v * ve, ve).load())
             for h in cutlass.range_constexpr(1, walkers):
                 for i in cutlass.range_constexpr(ve):
                     tot[i] = add_rn(tot[i], part[(h * nv + v) * ve + i])
-            vec_view(gape, e * ve, ve).store(tot.load())
+            if cutlass.const_expr(cfg.norm_entries == 0):
+                vec_view(gape, e * ve, ve).store(tot.load())
+            else:
+                if e < cfg.ape_size // ve:
+                    vec_view(gape, e * ve, ve).store(tot.load())
+                else:
+                    vec_view(gnorm, e * ve - cfg.ape_size, ve).store(tot.load())
 
     @cute.jit
     def walk(self, ws, acc, bufs, q, e, num_ctas):
@@ -74,7 +97,7 @@ class ApeReduce:
             for u in cutlass.range_constexpr(REDUCE_UNROLL):
                 # Past the last slab the load is clamped to it (in bounds) and not added.
                 p = cutlass.min(p0 + u * stride, num_ctas - 1)
-                bufs[u].store(vec_view(ws, p * cfg.ape_size + e * ve, ve).load())
+                bufs[u].store(vec_view(ws, p * cfg.slab_size + e * ve, ve).load())
             for u in cutlass.range_constexpr(REDUCE_UNROLL):
                 if p0 + u * stride < num_ctas:
                     for i in cutlass.range_constexpr(ve):

@@ -78,10 +78,23 @@ def kernel_for(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
     return KERNEL_OF_CONFIG[type(config)], config
 
 
+# Factories of the fused tail's configurations per architecture family: (forward, backward).
+_FUSED_FACTORIES = {
+    "sm_90": (configs.fused_forward_for_sm90, configs.fused_backward_for_sm90),
+    "sm_100": (configs.fused_forward_for_sm100, configs.fused_backward_for_sm100),
+}
+
+
 def fused_tail_config(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail_spec):
-    """The configuration of the pooling kernel of ``direction`` ("forward" or "backward") with the tail fused
-    inside (its ``tail`` field set), or None where the tail takes the composed route."""
-    return None
+    """The configuration that fuses the tail (``configs.TailSpec``) into ``direction``'s kernel ("forward" or
+    "backward"), or None where the window has no fused kernel (the composed route serves it): short windows of one
+    power-of-two slot group (``ForwardShortWindow``, ``BackwardShortWindow`` with whole rows per CTA)."""
+    forward, backward = _FUSED_FACTORIES["sm_100" if device.arch.startswith("sm_10") else "sm_90"]
+    if direction == "forward":
+        return forward(ratio, coff, head_dim, device, tail_spec)
+    if direction == "backward":
+        return backward(ratio, coff, head_dim, device, tail_spec)
+    raise ValueError(f"direction must be 'forward' or 'backward' for a fused tail, got {direction!r}")
 
 
 def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail_spec,

@@ -1,0 +1,341 @@
+"""The cute backend's fused tail (RMSNorm + RoPE inside the short-window kernels of one power-of-two slot group).
+
+On the CPU: the fused ``ForwardShortWindow`` and ``BackwardShortWindow`` (and the reduction of their slabs into
+grad_ape and grad_norm_weight) compile offline for sm_90a and sm_100a over the tail's shapes (rope_dim 0 / 2 / 64 /
+head_dim, both pair conventions, norm fp32 / bf16 / none, positions or not, head_dim 128 / 512 and odd ones)
+with the agreed parameter lists, no local memory and the row sums' shuffles; the fused configurations hold whole
+rows and exist exactly for those windows; the host functions take the tail's arguments in the agreed order.
+
+On the GPU (``-m gpu``): the host functions launched directly, held to ``csa_compressor.tail.check_backend``
+(out within 1 bf16 ulp of the fp32 reference, grad_kv / grad_score within 1 ulp, grad_ape and grad_norm_weight
+at relative L2 <= 1e-5 against fp64, bitwise run to run) over ragged packs, short segments, padding rows and odd
+head_dims; outputs, gradients and slabs start as NaN, so an entry a kernel leaves unwritten fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+
+launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
+if launch.unavailable_reason() is not None:
+    pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
+
+from csa_compressor import tail as T  # noqa: E402
+from csa_compressor.backends.cute import configs, select  # noqa: E402
+from csa_compressor.backends.cute.backward_short import BackwardShortWindow  # noqa: E402
+from csa_compressor.backends.cute.build import compile_kernel  # noqa: E402
+from csa_compressor.backends.cute.device import offline_spec  # noqa: E402
+from csa_compressor.backends.cute.forward import ForwardShortWindow  # noqa: E402
+from csa_compressor.testing import make_pack  # noqa: E402
+
+H200 = offline_spec("sm_90a")
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
+
+
+def spec(norm="fp32", rope_dim=0, interleaved=True, positions=False) -> configs.TailSpec:
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[norm]
+    return configs.TailSpec.of(T.TailConfig(dtype, rope_dim, interleaved, positions))
+
+
+# (name, ratio, coff, head_dim, spec): the tail shapes that matter, each compiled forward and backward.
+BUILDS = [
+    ("r4c2d512-rope64-fp32", 4, 2, 512, spec("fp32", 64)),
+    ("r4c2d512-half-bf16-pos", 4, 2, 512, spec("bf16", 64, False, True)),
+    ("r4c2d128-rope64-pos", 4, 2, 128, spec("fp32", 64, True, True)),
+    ("r2c1d128-rope128-only", 2, 1, 128, spec(None, 128)),
+    ("r8c1d512-norm-only", 8, 1, 512, spec("bf16")),
+    ("r4c2d65-rope2-pos", 4, 2, 65, spec("fp32", 2, True, True)),
+    ("r4c1d7-rope2-half", 4, 1, 7, spec("fp32", 2, False)),
+]
+
+
+def _kinds(params: str) -> str:
+    """Parameter kinds: 'p' a 64-bit pointer, 'f' an fp32 scalar, 'i' a 32-bit int."""
+    kinds = []
+    for p in params.split(","):
+        if p.strip():
+            kinds.append("p" if (".u64" in p or ".b64" in p) else "f" if ".f32" in p else "i")
+    return "".join(kinds)
+
+
+@pytest.fixture(scope="module", params=["sm_90a", "sm_100a"])
+def built(request):
+    """(arch, (name, direction) -> (kernel, PTX)) of every entry of BUILDS, both directions."""
+    arch = request.param
+    device = offline_spec(arch)
+    result = {}
+    with tempfile.TemporaryDirectory() as dump:
+        for name, ratio, coff, head_dim, tail in BUILDS:
+            for direction, kernel_class in (("forward", ForwardShortWindow), ("backward", BackwardShortWindow)):
+                config = select.fused_tail_config(direction, ratio, coff, head_dim, device, tail)
+                kernel = kernel_class(config)
+                result[name, direction] = (kernel, compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
+    return arch, result
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("name", [b[0] for b in BUILDS])
+def test_fused_kernels_compile(built, name, direction):
+    """The agreed parameter lists (the tail's pointers, then eps and max_position), no local memory, the row
+    sums' shuffles where a row spans threads, correctly rounded rstd steps with a norm, the slabs' reduction
+    into grad_norm_weight with a norm."""
+    arch, kernels = built
+    kernel, ptx = kernels[name, direction]
+    cfg, tail = kernel.config, kernel.config.tail
+    assert f".target {arch}" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    entries = sorted(_kinds(params) for _name, params in _ENTRY.findall(ptx))
+    if direction == "forward":
+        assert entries == ["pppppp" + "iii" + "ppppp" + "fi"]
+        assert ("ld.global.cs" in ptx) == (cfg.vector_width > 1)  # the window streams as without a tail
+    else:
+        reduce = "pppi" if tail.has_norm else "ppi"
+        assert entries == sorted(["p" * 9 + "iiii" + "ppppp" + "fi", reduce])
+        assert f".minnctapersm {configs.launch_bound(cfg.threads)}" in ptx
+    assert f".reqntid {cfg.threads}, 1, 1" in ptx or f".maxntid {cfg.threads}, 1, 1" in ptx
+    if tail.has_norm:
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "rcp.rn.f32" in ptx
+        assert ("shfl.sync.bfly" in ptx) == (cfg.column_threads > 1)
+
+
+CONFIG_SPACE = [(r, c) for r in (1, 2, 3, 4, 5, 8, 16, 32, 128) for c in (1, 2)]
+
+
+@pytest.mark.parametrize("ratio,coff", CONFIG_SPACE)
+def test_fused_configs_exactly_for_one_power_of_two_group(ratio, coff):
+    """Fused configurations exist where the exact short kernels serve the window (one power-of-two slot group);
+    they hold whole rows (one column chunk) of a power-of-two thread count, keep the pooling-only kernel's vectors
+    (and its tile where that is one chunk already), and leave the default configurations without a tail."""
+    tail = spec("fp32", 64, True, True)
+    for head_dim in (7, 64, 65, 128, 130, 512):
+        for direction, kernel_class in (("forward", ForwardShortWindow), ("backward", BackwardShortWindow)):
+            fused = select.fused_tail_config(direction, ratio, coff, head_dim, H200, tail)
+            default_class, default = select.kernel_for(direction, ratio, coff, head_dim, H200)
+            if default_class is not kernel_class or getattr(default, "slot_groups", 1) != 1:
+                assert fused is None, (direction, ratio, coff, head_dim)
+                continue
+            assert fused is not None and fused.tail == tail and default.tail is None
+            assert fused.column_chunks == 1 and fused.columns_per_cta >= head_dim
+            assert fused.column_threads & (fused.column_threads - 1) == 0
+            assert fused.vector_width == default.vector_width and fused.threads % 32 == 0
+            if default.column_chunks == 1 and default.column_threads == fused.column_threads:
+                assert dataclasses.replace(default, tail=tail) == fused
+    with pytest.raises(ValueError, match="direction"):
+        select.fused_tail_config("forward_stats", 4, 2, 128, H200, tail)
+
+
+def test_tail_spec_and_slabs():
+    """TailSpec.of maps a TailConfig; a fused norm adds head_dim slab entries, summed by the reduction after
+    grad_ape's (vectors never straddle the two parts)."""
+    assert spec("bf16", 64, False, True) == configs.TailSpec(True, False, 64, False, True)
+    assert spec(None, 2) == configs.TailSpec(False, False, 2, True, False)
+    for head_dim, vector in ((512, 4), (65, 1), (130, 1)):
+        back = select.fused_tail_config("backward", 4, 2, head_dim, H200, spec("fp32"))
+        assert back.slab_entries == back.ape_size + head_dim
+        assert back.reduce.norm_entries == head_dim and back.reduce.slab_size == back.slab_entries
+        assert back.reduce.vector == vector
+    rope_only = select.fused_tail_config("backward", 4, 2, 512, H200, spec(None, 64))
+    assert rope_only.slab_entries == rope_only.ape_size and rope_only.reduce.norm_entries == 0
+    default = select.config_for("backward", 4, 2, 512, H200)
+    assert default.slab_entries == default.ape_size and default.reduce == configs.ApeReduceConfig(default.ape_size, 4)
+    # The fused backward's shared memory adds the row sums' two buffers where a row spans warps.
+    fused = select.fused_tail_config("backward", 4, 2, 512, H200, spec("fp32"))
+    plain = dataclasses.replace(fused, tail=None)
+    assert fused.smem_bytes - plain.smem_bytes == 4 * 2 * fused.row_lanes * 2 * (fused.column_threads // 32)
+
+
+def _signature(function) -> str:
+    with pytest.raises(TypeError, match="Expects") as info:
+        function()
+    text = str(info.value)
+    return text[text.index("fused_host(") + len("fused_host(") : text.rindex(")")]
+
+
+def test_host_function_signatures(tmp_path, monkeypatch):
+    """The loaded host functions take the existing arguments, the tail's pointers, norm_eps and max_position, then
+    the stream."""
+    monkeypatch.setenv("CSA_COMPRESSOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(launch, "_FUNCTIONS", {})
+    tail = spec("fp32", 64)
+    pointers = "kv score ape cu_seqlens cu_seqlens_comp".split()
+    tail_pointers = "norm_weight rope_cos rope_sin position_start rstd".split()
+    scalars = ["norm_eps: float32", "max_position: int32", "stream: Stream"]
+    cfg = select.fused_tail_config("forward", 4, 2, 64, H200, tail)
+    forward = launch.host_function(ForwardShortWindow, cfg, "sm_90a")
+    want = [f"{p}: DataPointer" for p in [*pointers, "out", "stats"]]
+    want += [f"{i}: int32" for i in ("segments", "total_comp", "tokens")]
+    assert _signature(forward) == ", ".join(want + [f"{p}: DataPointer" for p in tail_pointers] + scalars)
+    cfg = select.fused_tail_config("backward", 4, 2, 64, H200, tail)
+    backward = launch.host_function(BackwardShortWindow, cfg, "sm_90a")
+    grads = "grad_out grad_kv grad_score grad_ape slabs stats".split()
+    want = [f"{p}: DataPointer" for p in [*pointers, *grads]]
+    want += [f"{i}: int32" for i in ("segments", "total_comp", "tokens", "rows_per_cta", "num_ctas")]
+    want += [f"{p}: DataPointer" for p in [*tail_pointers, "grad_norm_weight"]]
+    assert _signature(backward) == ", ".join(want + scalars)
+
+
+# ---------------------------------------------------------------- GPU: the kernels against the references
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _nan(shape, dtype=torch.float32, device="cuda"):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _tail_pointers(tail: T.Tail, rstd):
+    return [_ptr(tail.norm_weight), _ptr(tail.rope_cos), _ptr(tail.rope_sin), _ptr(tail.position_start), _ptr(rstd)]
+
+
+def _tail_scalars(tail: T.Tail):
+    max_position = tail.rope_cos.shape[0] if tail.has_rope else 1
+    return [float(tail.norm_eps), max_position]
+
+
+def _function(direction, kernel_class, tail: T.Tail, ratio, coff, head_dim, device):
+    from csa_compressor.backends.cute.device import device_spec
+
+    dev = device_spec(device.index or 0)
+    cfg = select.fused_tail_config(direction, ratio, coff, head_dim, dev, configs.TailSpec.of(tail.config))
+    assert cfg is not None
+    return cfg, dev, launch.host_function(kernel_class, cfg, dev.arch)
+
+
+def fused_forward(kv, score, ape, cu, cuc, tail, *, ratio, coff, total_comp, rstd=None):
+    """The fused forward's output (NaN-filled before the launch); ``rstd`` a buffer it fills."""
+    head_dim = kv.shape[1] // coff
+    _cfg, _dev, function = _function("forward", ForwardShortWindow, tail, ratio, coff, head_dim, kv.device)
+    out = _nan((total_comp, head_dim), kv.dtype, kv.device)
+    stream = torch.cuda.current_stream(kv.device).cuda_stream
+    function(kv.data_ptr(), score.data_ptr(), ape.data_ptr(), cu.data_ptr(), cuc.data_ptr(), out.data_ptr(), 0,
+             cu.shape[0] - 1, total_comp, kv.shape[0], *_tail_pointers(tail, rstd), *_tail_scalars(tail),
+             stream)  # fmt: skip
+    return out
+
+
+def fused_backward(kv, score, ape, cu, cuc, grad_out, tail, *, ratio, coff, rstd=None):
+    """(grad_kv, grad_score, grad_ape, grad_norm_weight) of the fused backward, every buffer NaN-filled first."""
+    head_dim = grad_out.shape[1]
+    cfg, dev, function = _function("backward", BackwardShortWindow, tail, ratio, coff, head_dim, kv.device)
+    n = grad_out.shape[0]
+    grid = SimpleNamespace(row_lanes=cfg.row_lanes, tiles=cfg.tiles, capacity=launch.grid_capacity(cfg, dev))
+    rows_per_cta, num_ctas = launch.backward_grid(grid, n, cfg.slab_entries)
+    slabs = _nan((num_ctas * cfg.slab_entries,), device=kv.device)
+    grad_kv, grad_score = _nan(kv.shape, kv.dtype, kv.device), _nan(kv.shape, kv.dtype, kv.device)
+    grad_ape = _nan(ape.shape, device=kv.device)
+    grad_w = _nan((head_dim,), device=kv.device) if tail.has_norm else None
+    stream = torch.cuda.current_stream(kv.device).cuda_stream
+    function(kv.data_ptr(), score.data_ptr(), ape.data_ptr(), cu.data_ptr(), cuc.data_ptr(), grad_out.data_ptr(),
+             grad_kv.data_ptr(), grad_score.data_ptr(), grad_ape.data_ptr(), slabs.data_ptr(), 0, cu.shape[0] - 1, n,
+             kv.shape[0], rows_per_cta, num_ctas, *_tail_pointers(tail, rstd), _ptr(grad_w), *_tail_scalars(tail),
+             stream)  # fmt: skip
+    return grad_kv, grad_score, grad_ape, grad_w
+
+
+def _with_rstd(forward_fn, backward_fn):
+    """The pair with the forward's rstd saved and handed to the backward (as the autograd does)."""
+    saved = {}
+
+    def fwd(kv, score, ape, cu, cuc, tail, *, ratio, coff, total_comp):
+        rstd = _nan((total_comp,), device=kv.device)
+        saved["rstd"] = rstd
+        return forward_fn(kv, score, ape, cu, cuc, tail, ratio=ratio, coff=coff, total_comp=total_comp, rstd=rstd)
+
+    def bwd(kv, score, ape, cu, cuc, grad_out, tail, *, ratio, coff):
+        return backward_fn(kv, score, ape, cu, cuc, grad_out, tail, ratio=ratio, coff=coff, rstd=saved["rstd"])
+
+    return fwd, bwd
+
+
+# (ratio, coff, head_dim, seqlens, token_padding, comp_padding, random_tail keywords): ragged packs with short and
+# empty segments, padding rows, odd head_dims, the SPEC sizes.
+GPU_CASES = {
+    "r4c2d512-rope64": (4, 2, 512, (4096, 37, 3, 0, 1030), 5, 3, dict(rope_dim=64)),
+    "r4c2d512-half-bf16w-pos": (4, 2, 512, (2050, 9, 515), 0, 2,
+                                dict(rope_dim=64, interleaved=False, norm_dtype=torch.bfloat16, positions=True)),
+    "r4c2d128-rope64-pos": (4, 2, 128, (3000, 5, 2, 777), 3, 4, dict(rope_dim=64, positions=True)),
+    "r4c2d128-rope128-half": (4, 2, 128, (600, 13), 0, 1, dict(rope_dim=128, interleaved=False)),
+    "r2c1d128-rope2-only": (2, 1, 128, (1001, 1, 64), 1, 2, dict(norm=False, rope_dim=2, positions=True)),
+    "r8c1d512-norm": (8, 1, 512, (1024, 15, 7), 0, 2, dict()),
+    "r8c1d64-rope64-half-pos": (8, 1, 64, (333, 8, 0, 90), 2, 1, dict(rope_dim=64, interleaved=False, positions=True)),
+    "r4c2d65-rope2-pos": (4, 2, 65, (257, 3, 40), 2, 2, dict(rope_dim=2, positions=True)),
+    "r4c1d7-rope6-half": (4, 1, 7, (131, 6, 2), 0, 3, dict(rope_dim=6, interleaved=False)),
+    "r2c1d66-rope64-half-pos": (2, 1, 66, (91, 4), 0, 1, dict(rope_dim=64, interleaved=False, positions=True)),
+    "r4c2d72-rope64-bf16w-pos": (4, 2, 72, (120, 5), 0, 1, dict(rope_dim=64, norm_dtype=torch.bfloat16,
+                                                                 positions=True)),
+    "r1c2d96-rope32": (1, 2, 96, (50, 3), 1, 2, dict(rope_dim=32)),
+    "r4c2d8-padding-only": (4, 2, 8, (3, 2, 1), 0, 2, dict(rope_dim=8, positions=True)),
+}  # fmt: skip
+
+
+def gpu_case(name, seed=0):
+    ratio, coff, head_dim, seqlens, tok_pad, comp_pad, tail_kw = GPU_CASES[name]
+    pack = make_pack(seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, seed=seed,
+                     device="cuda")  # fmt: skip
+    return pack, T.random_tail(pack, seed=seed + 5, **tail_kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_fused_pair_meets_the_contract(name):
+    pack, tail = gpu_case(name, seed=3)
+    report = T.check_backend(fused_forward, fused_backward, pack, tail)
+    print(name, report)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["r4c2d512-rope64", "r4c2d128-rope64-pos", "r4c2d65-rope2-pos", "r8c1d512-norm"])
+def test_fused_pair_with_the_saved_rstd(name):
+    """The forward fills rstd (every row, padding rows too; close to the fp32 reference's), the backward reads it."""
+    pack, tail = gpu_case(name, seed=4)
+    T.check_backend(*_with_rstd(fused_forward, fused_backward), pack, tail)
+    rstd = _nan((pack.total_comp,))
+    fused_forward(*pack.inputs, tail, ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, rstd=rstd)
+    x = T.pooled_rows(*pack.inputs, ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, dtype=torch.float32)
+    want = T.row_rstd(x, tail.norm_eps)[:, 0]
+    torch.testing.assert_close(rstd, want, rtol=4e-7, atol=0)
+
+
+@pytest.mark.gpu
+def test_rstd_is_one_without_a_norm():
+    pack, tail = gpu_case("r2c1d128-rope2-only", seed=5)
+    rstd = _nan((pack.total_comp,))
+    fused_forward(*pack.inputs, tail, ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, rstd=rstd)
+    assert bool((rstd == 1.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_positions_outside_the_tables_rotate_by_nothing(interleaved):
+    """Rows whose position leaves [0, max_position) use cos 1, sin 0 and read nothing outside the tables: the
+    tables cut short (the rest of their storage NaN) give the reference of tables extended by rows of cos 1, sin 0."""
+    pack, tail = gpu_case("r4c2d128-rope64-pos", seed=6)
+    tail = dataclasses.replace(tail, rope_interleaved=interleaved)
+    keep = tail.rope_cos.shape[0] // 2
+    storage = [torch.full_like(t, float("nan")) for t in (tail.rope_cos, tail.rope_sin)]
+    for full, t in zip(storage, (tail.rope_cos, tail.rope_sin), strict=True):
+        full[:keep] = t[:keep]
+    cut = dataclasses.replace(tail, rope_cos=storage[0][:keep], rope_sin=storage[1][:keep])
+    extended = dataclasses.replace(tail, rope_cos=tail.rope_cos.clone(), rope_sin=tail.rope_sin.clone())
+    extended.rope_cos[keep:] = 1.0
+    extended.rope_sin[keep:] = 0.0
+    kw = dict(ratio=pack.ratio, coff=pack.coff)
+    out = fused_forward(*pack.inputs, cut, total_comp=pack.total_comp, **kw)
+    assert not bool(torch.isnan(out).any())
+    report = T.contract_report(pack, extended, out=out)
+    assert report["fwd_beyond"] == 0, report
+    grads = fused_backward(*pack.inputs, pack.grad_out, cut, **kw)
+    report = T.contract_report(pack, extended, grads=grads)
+    assert report["ok"], report
