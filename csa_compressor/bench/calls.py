@@ -197,8 +197,9 @@ def flat_gather_pool(kv, score, ape, cu_seqlens, cu_seqlens_comp, *, ratio: int,
     segments = cu_seqlens.numel() - 1
     comp = cu_seqlens_comp.long()
     # Padding rows (past cu_seqlens_comp[-1]) form one more segment: t0 = 0, first group.
-    counts = torch.cat([comp[1:] - comp[:-1], (total_comp - comp[-1:]).clamp(min=0)])
-    seg = torch.repeat_interleave(torch.arange(segments + 1, device=device), counts, output_size=total_comp)
+    index = torch.arange(segments + 1, device=device)
+    counts = torch.nn.functional.pad(comp[1:] - comp[:-1], (0, 1)) + (index == segments) * (total_comp - comp[segments])
+    seg = torch.repeat_interleave(index, counts, output_size=total_comp)
     padding = seg == segments
     seg = seg.clamp(max=segments - 1)
     j = torch.where(padding, 0, torch.arange(total_comp, device=device) - comp[seg])
