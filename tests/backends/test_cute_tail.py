@@ -76,17 +76,20 @@ WINDOWS = [(1, 1), (2, 1), (4, 2), (3, 2), (5, 1), (8, 1), (8, 2), (16, 1), (17,
 
 
 @pytest.mark.parametrize("ratio,coff", WINDOWS)
-def test_every_window_class_takes_the_composed_route(ratio, coff):
-    """The composed route (every window has it; windows without a fused kernel take it): forward = statistics
-    forward + TailForward; backward = the statistics forward (recompute), TailGradient, the statistics backward on
-    fp32 dx. The kernels tile the window and the rows."""
+def test_every_window_class_has_the_composed_route(ratio, coff):
+    """Where the fused hook has a configuration, the route is that kernel alone; every window has the composed
+    route (the route without the hook): forward = statistics forward + TailForward; backward = the statistics
+    forward (recompute), TailGradient, the statistics backward on fp32 dx. The kernels tile the window and rows."""
     for head_dim in (7, 64, 130, 512, 2048):
-        fwd = select.tail_route("forward", ratio, coff, head_dim, H200, SPEC_FULL, fuse=False)
-        bwd = select.tail_route("backward", ratio, coff, head_dim, H200, SPEC_FULL, fuse=False)
         for direction in ("forward", "backward"):
             fused = select.fused_tail_config(direction, ratio, coff, head_dim, H200, SPEC_FULL)
             route = select.tail_route(direction, ratio, coff, head_dim, H200, SPEC_FULL)
-            assert set(route) == ({"fused"} if fused is not None else set(fwd if direction == "forward" else bwd))
+            if fused is None:
+                assert "fused" not in route
+            else:
+                assert route == {"fused": (select.KERNEL_OF_CONFIG[type(fused)], fused)} and fused.tail == SPEC_FULL
+        fwd = select.tail_route("forward", ratio, coff, head_dim, H200, SPEC_FULL, fuse=False)
+        bwd = select.tail_route("backward", ratio, coff, head_dim, H200, SPEC_FULL, fuse=False)
         assert set(fwd) == {"stats", "tail"} and set(bwd) == {"stats", "tail", "pool"}
         for route in (fwd, bwd):
             stats_class, stats = route["stats"]
@@ -537,6 +540,18 @@ API_CASES = [
     for name in API_NAMES
     if entry != "wrappers-stats" or "r128" in name  # softmax statistics: long windows only
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["r4c2d5-rope2-pos", "r2c1d66-rope64-half-pos", "r4c2d512-rope64-pos"])
+def test_composed_route_of_windows_the_hook_fuses(name, monkeypatch):
+    """The composed route also where select.fused_tail_config has a fused kernel (one-group short windows)."""
+    _gpu_launch()
+    monkeypatch.setattr(select, "fused_tail_config", lambda *args: None)
+    monkeypatch.setattr(tail_launch, "_ROUTES", {})
+    pack, tail = _case(name, seed=37)
+    T.check_backend(*_protocol(False, True), pack, tail)
+    assert all(route.fused is None for route in tail_launch._ROUTES.values()) and tail_launch._ROUTES
 
 
 @pytest.mark.gpu
