@@ -124,7 +124,8 @@ class ForwardShortConfig(_Tile):
 
     def wide(self) -> ForwardShortConfig | None:
         """The register-capped build for launches of more than one wave, where it holds more CTAs per SM: 8-slot
-        windows at 128 threads with more than one row per CTA."""
+        windows at 128 threads with more than one row per CTA, without a fused tail (whose registers the cap
+        would spill)."""
         if self.window != 8 or self.ctas_per_sm_cap or self.threads != 128 or self.rows_per_cta < 2 or self.tail:
             return None
         return replace(self, ctas_per_sm_cap=WIDE_CTAS_PER_SM)

@@ -165,6 +165,9 @@ class ForwardShortWindow:
         """Host function with the tail (arguments: ``build.py``): ``out`` is the rows' rope(rmsnorm(x)); ``rstd``
         (0: none) gets every row's rsqrt(mean(x*x) + eps), 1 without a norm; absent tables and weights are 0."""
         cfg = self.config
+        bounds = {}
+        if cutlass.const_expr(cfg.ctas_per_sm_cap > 0):
+            bounds = dict(min_blocks_per_mp=cfg.ctas_per_sm_cap, preferred_smem_carveout=50)
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp, tokens)
         tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
         self.fused_kernel(*args, *tail_args).launch(
@@ -172,6 +175,7 @@ class ForwardShortWindow:
             block=[cfg.threads, 1, 1],
             smem=self.fused_smem_bytes(),
             stream=stream,
+            **bounds,
         )
 
     def fused_smem_bytes(self) -> int:
