@@ -139,6 +139,7 @@ def test_tail_spec_and_slabs():
     grad_ape's (vectors never straddle the two parts)."""
     assert spec("bf16", 64, False, True) == configs.TailSpec(True, False, 64, False, True)
     assert spec(None, 2) == configs.TailSpec(False, False, 2, True, False)
+    assert spec("fp32", 0, False, True) == configs.TailSpec(True, True, 0, True, False)  # no rotation: one spec
     for head_dim, vector in ((512, 4), (65, 1), (130, 1)):
         back = select.fused_tail_config("backward", 4, 2, head_dim, H200, spec("fp32"))
         assert back.slab_entries == back.ape_size + head_dim
