@@ -115,11 +115,11 @@ def _kernels():
     mode = _interpret()
     mods = _KERNELS.get(mode)
     if mods is None:
-        from . import backward, backward_tail, forward, forward_long, norm_rope
+        from . import backward, backward_stats, backward_tail, forward, forward_long, norm_rope, sweep
 
         if (type(forward.csa_fwd_kernel).__name__ == "InterpretedFunction") != mode:
             # The helper modules too, before the kernels that import their functions.
-            for mod in (norm_rope, forward, forward_long, backward_tail, backward):
+            for mod in (norm_rope, forward, forward_long, sweep, backward_tail, backward_stats, backward):
                 importlib.reload(mod)
         mods = (forward, forward_long, backward)
         _KERNELS[mode] = mods
