@@ -35,7 +35,7 @@ from csa_compressor.backends.reference import launch as reference_launch
 from csa_compressor.testing import make_pack
 from csa_compressor.windows import uses_softmax_stats
 
-from .test_tail import BAD_TAILS, CASES, _on_cuda, case_pack_and_tail
+from .test_tail import BAD_TAILS, CASES, _on_cuda, case_pack_and_tail, out_of_table_tail
 
 NAMES = tuple(f.name for f in dataclasses.fields(T.Tail))
 
@@ -406,6 +406,28 @@ def test_validate_checks_the_positions():
     csa_compressor_forward_wrapper(*pack.inputs, **kw, **_kwargs(tail))
     with pytest.raises(ValueError, match="row positions must lie in"):
         csa_compressor_forward_wrapper(*pack.inputs, **kw, **_kwargs(short))
+
+
+@pytest.mark.parametrize("backend", TAIL_BACKENDS)
+def test_positions_outside_the_tables_through_the_api(backend):
+    """Without validation a row outside the tables is not rotated (the reference's answer, on every entry point);
+    with it, every entry point raises a ValueError naming the bound and the segment."""
+    pack, tail = out_of_table_tail("r4c2d5-rope2-pos", seed=22)
+    kw = dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, backend=backend, **_kwargs(tail))
+    out = csa_compressor_forward_wrapper(*pack.inputs, **kw)["out"]
+    grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+    report = T.contract_report(pack, tail, out, tuple(grads.values()))
+    assert report["ok"], report
+    bound = re.escape(f"row positions must lie in [0, max_position={tail.rope_cos.shape[0]})") + ".*segment 0"
+    calls = {
+        "forward wrapper": lambda: csa_compressor_forward_wrapper(*pack.inputs, validate=True, **kw),
+        "backward wrapper": lambda: csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, validate=True, **kw),
+        "compressor_pool": lambda: compressor_pool(*pack.inputs, validate=True, **kw),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=bound):
+            call()
+            raise AssertionError(f"{name} let a position outside the tables through")
 
 
 def test_empty_output_zeroes_the_weight_gradient():

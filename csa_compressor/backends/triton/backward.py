@@ -32,6 +32,7 @@ from .backward_stats import csa_bwd_stats_kernel  # noqa: F401 (launched from he
 from .backward_tail import _tail_dx, csa_tail_dx_kernel  # noqa: F401 (launched from here)
 from .forward import (
     _OFFSETS,
+    _TAIL_INTS,
     _TAIL_OFFSETS,
     LOG2E,
     _load_ape,
@@ -52,7 +53,7 @@ from .sweep import _zero_sweep
 @triton.jit
 def _short_tile_dx(
     kv_cur, score_cur, g_cur, ape, valid, rows, row_ok, is_real, tcols, tcol_ok, w, uniform, seg0, comp0, B, n_iter,
-    cu_comp_ptr, grad_out_ptr, norm_eps, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, RATIO: tl.constexpr,
+    cu_comp_ptr, grad_out_ptr, norm_eps, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, RATIO: tl.constexpr,
     HEAD_DIM: tl.constexpr, PRECISE_EXP: tl.constexpr, TORCH_ORDER: tl.constexpr, HAS_NORM: tl.constexpr,
     ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
@@ -65,7 +66,7 @@ def _short_tile_dx(
     if HAS_NORM or ROPE_DIM > 0:
         dx, gw_rows = _tail_dx(
             v, p, g_cur.to(tl.float32), rows, row_ok, is_real, tcols, tcol_ok, w, uniform, seg0, comp0,
-            B, n_iter, cu_comp_ptr, grad_out_ptr, norm_eps, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, RATIO,
+            B, n_iter, cu_comp_ptr, grad_out_ptr, norm_eps, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, RATIO,
             HEAD_DIM, TORCH_ORDER, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
         )  # fmt: skip
         g = dx[None, :, :]
@@ -93,7 +94,7 @@ def _short_tile_store(
 @triton.jit
 def _short_bwd_program(
     pid, kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr, N, T, B,
-    n_iter, tiles_per_prog, norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
+    n_iter, tiles_per_prog, norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
     RATIO: tl.constexpr, SP: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, VEC: tl.constexpr, N_COL: tl.constexpr, PRECISE_EXP: tl.constexpr,
     MANUAL_RTNE: tl.constexpr, TORCH_ORDER: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr,
@@ -151,8 +152,8 @@ def _short_bwd_program(
 
         v, p, g, gw_rows = _short_tile_dx(
             kv_cur, score_cur, g_cur, ape, valid, rows_cur, row_ok_cur, is_real, tcols, tcol_ok, w, uniform, seg0,
-            comp0, B, n_iter, cu_comp_ptr, grad_out_ptr, norm_eps, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, RATIO,
-            HEAD_DIM, PRECISE_EXP, TORCH_ORDER, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+            comp0, B, n_iter, cu_comp_ptr, grad_out_ptr, norm_eps, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr,
+            RATIO, HEAD_DIM, PRECISE_EXP, TORCH_ORDER, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
         )  # fmt: skip
         if HAS_NORM:
             grad_w += tl.where(is_real[:, None], gw_rows, 0.0)
@@ -169,12 +170,12 @@ def _short_bwd_program(
 
 
 @triton.jit(
-    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute"],
+    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", "n_compute", *_TAIL_INTS],
     do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
 )
 def csa_bwd_kernel(
-    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr,
-    N, T, B, n_iter, tiles_per_prog, n_compute, norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
+    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr, N, T, B, n_iter,
+    tiles_per_prog, n_compute, norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
     RATIO: tl.constexpr, SP: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, VEC: tl.constexpr, N_COL: tl.constexpr, SWEEP_T: tl.constexpr, SWEEP_D: tl.constexpr,
     PRECISE_EXP: tl.constexpr, MANUAL_RTNE: tl.constexpr, TORCH_ORDER: tl.constexpr, HAS_NORM: tl.constexpr = False,
@@ -190,10 +191,10 @@ def csa_bwd_kernel(
     pid = tl.program_id(0)
     if pid < n_compute:
         _short_bwd_program(
-            pid, kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr,
-            N, T, B, n_iter, tiles_per_prog, norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
-            RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC, N_COL, PRECISE_EXP, MANUAL_RTNE, TORCH_ORDER, HAS_NORM,
-            ROPE_DIM, ROPE_INTERLEAVED,
+            pid, kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr, N,
+            T, B, n_iter, tiles_per_prog, norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps,
+            wws_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC, N_COL, PRECISE_EXP, MANUAL_RTNE, TORCH_ORDER,
+            HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
         )  # fmt: skip
     else:
         _zero_sweep(

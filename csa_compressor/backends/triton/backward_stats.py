@@ -9,7 +9,17 @@ import triton
 import triton.language as tl
 
 from .backward_tail import _stats_tail_dx
-from .forward import _OFFSETS, _TAIL_OFFSETS, LOG2E, _program_segment, _real_rows, _round, _row_position, _row_start
+from .forward import (
+    _OFFSETS,
+    _TAIL_INTS,
+    _TAIL_OFFSETS,
+    LOG2E,
+    _program_segment,
+    _real_rows,
+    _round,
+    _row_position,
+    _row_start,
+)
 from .norm_rope import _load_norm_weight
 from .sweep import _zero_sweep
 
@@ -83,11 +93,11 @@ def _stats_row_grads(
 
 @triton.jit
 def _stats_bwd_program(
-    pid, kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr,
-    stats_ptr, N, T, B, n_iter, rows_per_prog, norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
+    pid, kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr, stats_ptr,
+    N, T, B, n_iter, rows_per_prog, norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr,
-    VEC: tl.constexpr, N_COL: tl.constexpr, N_CHUNK: tl.constexpr, MANUAL_RTNE: tl.constexpr,
-    HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    VEC: tl.constexpr, N_COL: tl.constexpr, N_CHUNK: tl.constexpr, MANUAL_RTNE: tl.constexpr, HAS_NORM: tl.constexpr,
+    ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Compute program ``pid`` of ``csa_bwd_stats_kernel``: its rows' slots of one chunk and column block, then its
     slice of the dAPE (and norm weight) partial."""
@@ -143,7 +153,7 @@ def _stats_bwd_program(
             x_row = stats_ptr + (row_base.to(tl.int64) + (row - row_base)) * (3 * HEAD_DIM) + 2 * HEAD_DIM
             g, gw_row = _stats_tail_dx(
                 g, o, row, pos, cols, col_ok, norm_w, x_row, grad_out_ptr, norm_w_ptr, norm_eps, cos_ptr, sin_ptr,
-                rstd_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, ROW_BLOCK,
+                max_position, rstd_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, ROW_BLOCK,
             )  # fmt: skip
             if HAS_NORM:
                 grad_w += tl.where(row_real & (ch == 0), gw_row, 0.0)
@@ -158,15 +168,15 @@ def _stats_bwd_program(
 
 
 @triton.jit(
-    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute"],
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", "n_compute", *_TAIL_INTS],
     do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
 )
 def csa_bwd_stats_kernel(
-    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr, stats_ptr,
-    N, T, B, n_iter, rows_per_prog, n_compute, norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
-    RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr,
-    VEC: tl.constexpr, N_COL: tl.constexpr, N_CHUNK: tl.constexpr, SWEEP_T: tl.constexpr, SWEEP_D: tl.constexpr,
-    MANUAL_RTNE: tl.constexpr, HAS_NORM: tl.constexpr = False, ROPE_DIM: tl.constexpr = 0,
+    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr, stats_ptr, N, T,
+    B, n_iter, rows_per_prog, n_compute, norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps,
+    wws_ptr, RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SLOTS: tl.constexpr, VEC: tl.constexpr, N_COL: tl.constexpr, N_CHUNK: tl.constexpr, SWEEP_T: tl.constexpr,
+    SWEEP_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, HAS_NORM: tl.constexpr = False, ROPE_DIM: tl.constexpr = 0,
     ROPE_INTERLEAVED: tl.constexpr = True, ROW_BLOCK: tl.constexpr = 1,
 ):  # fmt: skip
     """Long-window backward from the forward's softmax statistics (``(N, 3, HEAD_DIM)`` fp32 at ``stats_ptr``:
@@ -196,9 +206,9 @@ def csa_bwd_stats_kernel(
     if pid < n_compute:
         _stats_bwd_program(
             pid, kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr,
-            stats_ptr, N, T, B, n_iter, rows_per_prog, norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps,
-            wws_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, SLOTS, VEC, N_COL, N_CHUNK, MANUAL_RTNE, HAS_NORM, ROPE_DIM,
-            ROPE_INTERLEAVED, ROW_BLOCK,
+            stats_ptr, N, T, B, n_iter, rows_per_prog, norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr,
+            norm_eps, wws_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, SLOTS, VEC, N_COL, N_CHUNK, MANUAL_RTNE, HAS_NORM,
+            ROPE_DIM, ROPE_INTERLEAVED, ROW_BLOCK,
         )  # fmt: skip
     else:
         _zero_sweep(

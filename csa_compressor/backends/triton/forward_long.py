@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .forward import (
     _OFFSETS,
+    _TAIL_INTS,
     _TAIL_OFFSETS,
     LOG2E,
     WINDOW_EVICT,
@@ -141,8 +142,8 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr, SLO
 
 @triton.jit
 def _long_row_finish(
-    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
+    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, max_position,
+    rstd_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
     HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics).
@@ -162,8 +163,8 @@ def _long_row_finish(
     if HAS_NORM or ROPE_DIM > 0:
         # Columns past head_dim hold 0 / 0: out of the row's sum of squares.
         y2, r = _tail_forward(
-            tl.where(cols < HEAD_DIM, res, 0.0)[None, :], pos, cols, cols < HEAD_DIM, w, norm_eps, cos_ptr, sin_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM,
-            ROPE_INTERLEAVED,
+            tl.where(cols < HEAD_DIM, res, 0.0)[None, :], pos, cols, cols < HEAD_DIM, w, norm_eps, cos_ptr, sin_ptr,
+            max_position, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
         )  # fmt: skip
         y = tl.reshape(y2, [BLOCK_D])
         if rstd_ptr is not None:
@@ -180,7 +181,7 @@ def _long_row_finish(
 @triton.jit
 def _long_row_store(
     m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
-    cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
+    cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
     RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
     WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
@@ -191,7 +192,7 @@ def _long_row_store(
             row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
         )  # fmt: skip
     _long_row_finish(
-        m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr,
+        m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, max_position,
         rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
     )  # fmt: skip
 
@@ -242,7 +243,7 @@ def _load_then_fold2(
 def _long_rows_depth1(
     kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w,
     kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
-    seg0, pos_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
+    seg0, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr,
     CS: tl.constexpr, NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
     WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
@@ -268,9 +269,9 @@ def _long_rows_depth1(
             SLOT_AXIS,
         )  # fmt: skip
         _long_row_store(
-            m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0,
-            tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr, RATIO, HEAD_DIM, BLOCK_D,
-            MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+            m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
+            seg0, cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, HEAD_DIM,
+            BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
         )  # fmt: skip
         ok = okn
 
@@ -279,7 +280,7 @@ def _long_rows_depth1(
 def _long_rows_depth2(
     kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w,
     kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
-    seg0, pos_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
+    seg0, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr,
     CS: tl.constexpr, NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
     WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
@@ -320,9 +321,9 @@ def _long_rows_depth2(
                 EVEN_D, WRITE_STATS, SLOT_AXIS,
             )  # fmt: skip
         _long_row_store(
-            m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0,
-            tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr, RATIO, HEAD_DIM, BLOCK_D,
-            MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+            m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
+            seg0, cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, HEAD_DIM,
+            BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
         )  # fmt: skip
         t0 = tn
         hp = hpn
@@ -330,12 +331,12 @@ def _long_rows_depth2(
 
 
 @triton.jit(
-    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog"],
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", *_TAIL_INTS],
     do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
 )
 def csa_fwd_long_kernel(
     kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, N, T, B, n_iter, rows_per_prog, stats_ptr,
-    norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps,
+    norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
     LANES: tl.constexpr, CS_IN: tl.constexpr, NCH_HALF: tl.constexpr, N_COL: tl.constexpr,
     MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr, DEPTH: tl.constexpr = 1, HAS_NORM: tl.constexpr = False,
@@ -379,13 +380,13 @@ def csa_fwd_long_kernel(
         _long_rows_depth1(
             kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w, kv_ptr, score_ptr,
             ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
-            pos_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, LANES, CS, NCH_HALF, EVEN_D,
-            MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, SLOT_AXIS,
+            pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, LANES, CS,
+            NCH_HALF, EVEN_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, SLOT_AXIS,
         )  # fmt: skip
     else:
         _long_rows_depth2(
             kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w, kv_ptr, score_ptr,
             ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
-            pos_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, LANES, CS, NCH_HALF, EVEN_D,
-            MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, SLOT_AXIS,
+            pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, LANES, CS,
+            NCH_HALF, EVEN_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, SLOT_AXIS,
         )  # fmt: skip

@@ -171,6 +171,7 @@ def _tail_args(tail, rstd) -> tuple:
         tail.norm_weight,
         tail.rope_cos if rope else None,
         tail.rope_sin if rope else None,
+        tail.rope_cos.shape[0] if rope else None,  # max_position: rows outside the tables are not rotated
         tail.position_start if rope else None,
         rstd,
         float(tail.norm_eps) if tail.has_norm else None,
@@ -309,16 +310,9 @@ def launch_forward(
     config = None if tail is None else tail.config
     plan = _plan("forward", ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None, cfg, None, config)
     plan(
-        kv,
-        score,
-        ape,
-        cu_seqlens,
-        cu_seqlens_comp,
-        out,
-        None,
-        stats,
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, out, None, stats,
         NO_TAIL if tail is None else _tail_args(tail, rstd),
-    )
+    )  # fmt: skip
 
 
 def launch_backward(
