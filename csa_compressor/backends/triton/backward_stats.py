@@ -172,11 +172,12 @@ def _stats_bwd_program(
     do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
 )
 def csa_bwd_stats_kernel(
-    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr, stats_ptr, N, T,
-    B, n_iter, rows_per_prog, n_compute, norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps,
-    wws_ptr, RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    SLOTS: tl.constexpr, VEC: tl.constexpr, N_COL: tl.constexpr, N_CHUNK: tl.constexpr, SWEEP_T: tl.constexpr,
-    SWEEP_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, HAS_NORM: tl.constexpr = False, ROPE_DIM: tl.constexpr = 0,
+    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, grad_out_ptr, grad_kv_ptr, grad_score_ptr, ws_ptr, stats_ptr,
+    N, T, B, n_iter, rows_per_prog, n_compute,
+    norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps, wws_ptr,
+    RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SLOTS: tl.constexpr,
+    VEC: tl.constexpr, N_COL: tl.constexpr, N_CHUNK: tl.constexpr, SWEEP_T: tl.constexpr, SWEEP_D: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr, HAS_NORM: tl.constexpr = False, ROPE_DIM: tl.constexpr = 0,
     ROPE_INTERLEAVED: tl.constexpr = True, ROW_BLOCK: tl.constexpr = 1,
 ):  # fmt: skip
     """Long-window backward from the forward's softmax statistics (``(N, 3, HEAD_DIM)`` fp32 at ``stats_ptr``:
