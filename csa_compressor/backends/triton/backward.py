@@ -60,17 +60,21 @@ def _short_tile_dx(
     """A loaded tile's softmax (values ``v``, weights ``p``) and the pooling's upstream gradient ``g``
     (``[1, BLOCK_R, BLOCK_D]``: ``grad_out``, or with a tail the ``dx`` of ``_tail_dx``), and the rows' terms of the
     norm weight's gradient (None without a norm)."""
+    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
     g = g_cur.to(tl.float32)[None, :, :]
-    gw_rows = None
-    if HAS_NORM or ROPE_DIM > 0:
+    if TAIL:
         dx, gw_rows = _tail_dx(
             v, p, g_cur.to(tl.float32), rows, row_ok, is_real, tcols, tcol_ok, w, uniform, seg0, comp0,
             B, n_iter, cu_comp_ptr, grad_out_ptr, norm_eps, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, RATIO,
             HEAD_DIM, TORCH_ORDER, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
         )  # fmt: skip
         g = dx[None, :, :]
-    return v, p, g, gw_rows
+    if HAS_NORM:
+        return v, p, g, gw_rows
+    else:
+        # A literal None: Triton returns a None constant, not a name bound to None.
+        return v, p, g, None
 
 
 @triton.jit
@@ -102,6 +106,7 @@ def _short_bwd_program(
 ):  # fmt: skip
     """Compute program ``pid`` of ``csa_bwd_kernel``: its row tiles' gradients, then its dAPE (and norm weight)
     partial."""
+    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     W: tl.constexpr = COFF * HEAD_DIM
     rp = pid // N_COL
     col_start = (pid % N_COL) * BLOCK_D
@@ -114,7 +119,7 @@ def _short_bwd_program(
     tcols = None
     tcol_ok = None
     w = None
-    if HAS_NORM or ROPE_DIM > 0:
+    if TAIL:
         tl.static_assert(N_COL == 1, "the tail needs whole rows per program")
         _s, _own, _so, tcols, tcol_ok, _col = _slot_columns(col_start, RATIO, SP, COFF, HEAD_DIM, BLOCK_D, VEC)
         w = _load_norm_weight(norm_w_ptr, tcols, tcol_ok, HAS_NORM)

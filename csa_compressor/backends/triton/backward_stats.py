@@ -101,6 +101,7 @@ def _stats_bwd_program(
 ):  # fmt: skip
     """Compute program ``pid`` of ``csa_bwd_stats_kernel``: its rows' slots of one chunk and column block, then its
     slice of the dAPE (and norm weight) partial."""
+    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     W: tl.constexpr = COFF * HEAD_DIM
     WIN: tl.constexpr = COFF * RATIO
     PREV: tl.constexpr = (COFF - 1) * RATIO
@@ -128,7 +129,7 @@ def _stats_bwd_program(
     kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
     sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
     dape = tl.zeros([SLOTS, BLOCK_D], dtype=tl.float32)
-    if HAS_NORM or ROPE_DIM > 0:
+    if TAIL:
         norm_w = _load_norm_weight(norm_w_ptr, cols, col_ok, HAS_NORM)
         if HAS_NORM:
             grad_w = tl.zeros([1, BLOCK_D], dtype=tl.float32)
@@ -146,7 +147,7 @@ def _stats_bwd_program(
         kv_n = tl.load(kv_ptr + offs, mask=lmask, other=0.0)
         sc_n = tl.load(score_ptr + offs, mask=lmask, other=0.0)
         m, inv_l, o, g = _stats_row_inputs(st_cols, row, row_base, grad_out_ptr, cols, col_ok, HEAD_DIM)
-        if HAS_NORM or ROPE_DIM > 0:
+        if TAIL:
             pos, row_real = _row_position(
                 row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
             )  # fmt: skip
