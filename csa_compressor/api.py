@@ -190,32 +190,32 @@ def _pool_backward(
 
 
 def _pool_forward_tail(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, tail_args, head_dim=None,
-    stream=None, return_stats=False, return_rstd=False, validate=False,
+    inputs, ratio, coff, total_comp, backend, tail_args, head_dim=None, stream=None, return_stats=False,
+    return_rstd=False, validate=False,
 ):  # fmt: skip
-    """The forward with the seven tail arguments ``tail_args``: ``(out, rstd, softmax_stats)``, rstd (with a
-    norm and ``return_rstd``) and the statistics (``return_stats``) None where absent."""
+    """The forward of ``inputs`` (kv, score, ape, cu_seqlens, cu_seqlens_comp) with the seven tail arguments
+    ``tail_args``: ``(out, rstd, softmax_stats)``, rstd (with a norm and ``return_rstd``) and the statistics
+    (``return_stats``) None where absent."""
+    kv = inputs[0]
     key = _tail_key(_fast_key(kv, ratio, coff, head_dim, backend), *tail_args)
     op = _FWD_TAIL_FAST.get(key) if key is not None else None
     if op is None:
-        op = _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key, tail_args)
+        op = _forward_op(*inputs, ratio, coff, head_dim, backend, key, tail_args)
     if total_comp is None:
-        total_comp = _rows_on_device(cu_seqlens_comp)
-    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+        total_comp = _rows_on_device(inputs[4])
     return op._run_fresh_tail(inputs, total_comp, tail_args, stream, return_stats, return_rstd, validate)
 
 
 def _pool_backward_tail(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, tail_args, head_dim=None,
-    stream=None, stats=None, rstd=None, validate=False,
+    inputs, grad_out, ratio, coff, backend, tail_args, head_dim=None, stream=None, stats=None, rstd=None,
+    validate=False,
 ):  # fmt: skip
-    """The backward with the tail: ``(grad_kv, grad_score, grad_ape, grad_norm_weight or None)``."""
-    key = _tail_key(_fast_key(kv, ratio, coff, head_dim, backend), *tail_args)
+    """The backward of ``inputs`` (as for the forward) with the tail: ``(grad_kv, grad_score, grad_ape,
+    grad_norm_weight or None)``."""
+    key = _tail_key(_fast_key(inputs[0], ratio, coff, head_dim, backend), *tail_args)
     op = _BWD_TAIL_FAST.get(key) if key is not None else None
     if op is None:
-        pack = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out)
-        op = _backward_op(*pack, ratio, coff, head_dim, backend, key, tail_args)
-    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+        op = _backward_op(*inputs, grad_out, ratio, coff, head_dim, backend, key, tail_args)
     return op._run_fresh_tail(inputs, grad_out, tail_args, stream, stats, rstd, validate)
 
 
@@ -260,9 +260,9 @@ def csa_compressor_forward_wrapper(
         and norm_eps == 1e-6
     ):
         tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+        inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
         out, _, stats = _pool_forward_tail(
-            kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, tail_args, head_dim,
-            stream, return_softmax_stats, False, validate,
+            inputs, ratio, coff, total_comp, backend, tail_args, head_dim, stream, return_softmax_stats, False, validate
         )  # fmt: skip
         return TupleDict(out=out, softmax_stats=stats) if return_softmax_stats else TupleDict(out=out)
     if return_softmax_stats:
@@ -329,9 +329,9 @@ def csa_compressor_backward_wrapper(
         and norm_eps == 1e-6
     ):
         tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+        inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
         *grads, grad_weight = _pool_backward_tail(
-            kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, tail_args, head_dim, stream,
-            softmax_stats, None, validate,
+            inputs, grad_out, ratio, coff, backend, tail_args, head_dim, stream, softmax_stats, None, validate
         )  # fmt: skip
         result = TupleDict(grad_kv=grads[0], grad_score=grads[1], grad_ape=grads[2])
         if grad_weight is not None:

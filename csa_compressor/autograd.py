@@ -4,8 +4,9 @@ nn.Module.
 The kernels are opaque to the compiler, so each direction is a ``torch.library``
 custom op with a fake (meta) implementation: ``torch.compile(fullgraph=True)``
 traces through it without graph breaks, and CUDA graphs capture it like any op.
-The pooling alone keeps its own ops; a tail (RMSNorm, RoPE: docs/tail.md) has two more
-(``pool_forward_tail``, ``pool_backward_tail``) with the tail's seven arguments.
+The pooling alone keeps its own ops; a tail (RMSNorm, RoPE: docs/tail.md) has three more
+(``pool_forward_tail``, ``pool_forward_tail_stats``, ``pool_backward_tail``), which take the tail's tensors as one
+``Tensor?[]`` list and its three scalars flat (a schema is flat, and the list keeps it short).
 """
 
 from __future__ import annotations
@@ -103,6 +104,38 @@ def _(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backen
     return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
 
 
+def _tail_args(tail_tensors, norm_eps, rope_dim, rope_interleaved) -> tuple:
+    """The seven tail arguments (``tail_args.TAIL_ARGS``' order) of a tail op's tensor list and scalars."""
+    if len(tail_tensors) != 4:
+        raise ValueError(
+            "csa_compressor: the tail ops' tail_tensors must be [norm_weight, rope_cos, rope_sin, position_start]: "
+            f"got {len(tail_tensors)} entries"
+        )
+    norm_weight, rope_cos, rope_sin, position_start = tail_tensors
+    return norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start
+
+
+def _op_tail(tail_args) -> tuple:
+    """A tail op's ``(tail_tensors, norm_eps, rope_dim, rope_interleaved)`` of the seven tail arguments."""
+    norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start = tail_args
+    return [norm_weight, rope_cos, rope_sin, position_start], norm_eps, rope_dim, rope_interleaved
+
+
+def _forward_tail_outputs(inputs, ratio, coff, total_comp, backend, tail_args, return_stats, validate):
+    """The tail forward ops' ``(out, rstd, softmax_stats)``, absent ones as empty tensors (an op returns tensors)."""
+    out, rstd, stats = api._pool_forward_tail(
+        inputs, ratio, coff, total_comp, backend, tail_args, return_stats=return_stats, return_rstd=True,
+        validate=validate,
+    )  # fmt: skip
+    empty_rstd, empty_stats = _absent_forward_outputs(inputs[0], coff)
+    return out, empty_rstd if rstd is None else rstd, empty_stats if stats is None else stats
+
+
+def _absent_forward_outputs(kv, coff):
+    d = kv.shape[-1] // coff
+    return kv.new_empty((0,), dtype=torch.float32), kv.new_empty((0, 3, d), dtype=torch.float32)
+
+
 @torch.library.custom_op("csa_compressor::pool_forward_tail", mutates_args=())
 def _pool_forward_tail(
     kv: torch.Tensor,
@@ -114,42 +147,65 @@ def _pool_forward_tail(
     coff: int,
     total_comp: int,
     backend: str,
-    norm_weight: torch.Tensor | None,
+    tail_tensors: list[torch.Tensor | None],
     norm_eps: float,
-    rope_cos: torch.Tensor | None,
-    rope_sin: torch.Tensor | None,
     rope_dim: int,
     rope_interleaved: bool,
-    position_start: torch.Tensor | None,
-    return_stats: bool = False,
     validate: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, rstd, softmax_stats)``: ``rstd`` ``(total_comp,)`` with a norm, else ``(0,)``; the statistics
-    ``(total_comp, 3, d)`` with ``return_stats``, else ``(0, 3, d)`` (an op returns tensors, never None)."""
-    tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
-    out, rstd, stats = api._pool_forward_tail(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, tail_args,
-        return_stats=return_stats, return_rstd=True, validate=validate,
-    )  # fmt: skip
-    empty_rstd, empty_stats = _absent_forward_outputs(kv, coff)
-    return out, empty_rstd if rstd is None else rstd, empty_stats if stats is None else stats
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, rstd)``, ``rstd`` ``(total_comp,)`` with a norm, else ``(0,)``. ``tail_tensors``: ``[norm_weight,
+    rope_cos, rope_sin, position_start]`` (each a tensor or None); the scalars are the tail's other three."""
+    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    tail_args = _tail_args(tail_tensors, norm_eps, rope_dim, rope_interleaved)
+    out, rstd, _ = _forward_tail_outputs(inputs, ratio, coff, total_comp, backend, tail_args, False, validate)
+    return out, rstd
 
 
-def _absent_forward_outputs(kv, coff):
+def _fake_forward_tail(kv, ratio, coff, total_comp, tail_tensors, return_stats):
+    _traced_scalars(ratio, coff, total_comp)
     d = kv.shape[-1] // coff
-    return kv.new_empty((0,), dtype=torch.float32), kv.new_empty((0, 3, d), dtype=torch.float32)
+    rstd = kv.new_empty((total_comp if tail_tensors[0] is not None else 0,), dtype=torch.float32)
+    stats = kv.new_empty((total_comp if return_stats else 0, 3, d), dtype=torch.float32)
+    return kv.new_empty((total_comp, d)), rstd, stats
 
 
 @_pool_forward_tail.register_fake
 def _(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, norm_weight, norm_eps, rope_cos,
-    rope_sin, rope_dim, rope_interleaved, position_start, return_stats=False, validate=False,
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, tail_tensors, norm_eps, rope_dim,
+    rope_interleaved, validate=False,
 ):  # fmt: skip
-    _traced_scalars(ratio, coff, total_comp)
-    d = kv.shape[-1] // coff
-    rstd = kv.new_empty((total_comp if norm_weight is not None else 0,), dtype=torch.float32)
-    stats = kv.new_empty((total_comp if return_stats else 0, 3, d), dtype=torch.float32)
-    return kv.new_empty((total_comp, d)), rstd, stats
+    return _fake_forward_tail(kv, ratio, coff, total_comp, tail_tensors, False)[:2]
+
+
+@torch.library.custom_op("csa_compressor::pool_forward_tail_stats", mutates_args=())
+def _pool_forward_tail_stats(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ape: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_comp: torch.Tensor,
+    ratio: int,
+    coff: int,
+    total_comp: int,
+    backend: str,
+    tail_tensors: list[torch.Tensor | None],
+    norm_eps: float,
+    rope_dim: int,
+    rope_interleaved: bool,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pool_forward_tail`` and the softmax statistics ``(total_comp, 3, d)`` of the pooling (long windows)."""
+    inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    tail_args = _tail_args(tail_tensors, norm_eps, rope_dim, rope_interleaved)
+    return _forward_tail_outputs(inputs, ratio, coff, total_comp, backend, tail_args, True, validate)
+
+
+@_pool_forward_tail_stats.register_fake
+def _(
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, tail_tensors, norm_eps, rope_dim,
+    rope_interleaved, validate=False,
+):  # fmt: skip
+    return _fake_forward_tail(kv, ratio, coff, total_comp, tail_tensors, True)
 
 
 @torch.library.custom_op("csa_compressor::pool_backward_tail", mutates_args=())
@@ -163,32 +219,36 @@ def _pool_backward_tail(
     ratio: int,
     coff: int,
     backend: str,
-    norm_weight: torch.Tensor | None,
+    tail_tensors: list[torch.Tensor | None],
     norm_eps: float,
-    rope_cos: torch.Tensor | None,
-    rope_sin: torch.Tensor | None,
     rope_dim: int,
     rope_interleaved: bool,
-    position_start: torch.Tensor | None,
-    softmax_stats: torch.Tensor | None = None,
-    rstd: torch.Tensor | None = None,
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(grad_kv, grad_score, grad_ape, grad_norm_weight)``, the last ``(d,)`` float32 with a norm, else ``(0,)``."""
-    tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+    """``(grad_kv, grad_score, grad_ape, grad_norm_weight)``, the last ``(d,)`` float32 with a norm, else ``(0,)``.
+
+    ``tail_tensors``: the forward's four, then what it saved: ``[norm_weight, rope_cos, rope_sin, position_start,
+    softmax_stats, rstd]`` (None where absent)."""
+    if len(tail_tensors) != 6:
+        raise ValueError(
+            "csa_compressor: pool_backward_tail's tail_tensors must be [norm_weight, rope_cos, rope_sin, "
+            f"position_start, softmax_stats, rstd]: got {len(tail_tensors)} entries"
+        )
+    tail_args = _tail_args(tail_tensors[:4], norm_eps, rope_dim, rope_interleaved)
+    stats, rstd = tail_tensors[4:]
     *grads, grad_weight = api._pool_backward_tail(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out.contiguous(), ratio, coff, backend, tail_args,
-        stats=softmax_stats, rstd=rstd, validate=validate,
+        (kv, score, ape, cu_seqlens, cu_seqlens_comp), grad_out.contiguous(), ratio, coff, backend, tail_args,
+        stats=stats, rstd=rstd, validate=validate,
     )  # fmt: skip
     return (*grads, kv.new_empty((0,), dtype=torch.float32) if grad_weight is None else grad_weight)
 
 
 @_pool_backward_tail.register_fake
 def _(
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, norm_weight, norm_eps, rope_cos,
-    rope_sin, rope_dim, rope_interleaved, position_start, softmax_stats=None, rstd=None, validate=False,
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, backend, tail_tensors, norm_eps, rope_dim,
+    rope_interleaved, validate=False,
 ):  # fmt: skip
-    d = kv.shape[-1] // coff if norm_weight is not None else 0
+    d = kv.shape[-1] // coff if tail_tensors[0] is not None else 0
     grad_weight = kv.new_empty((d,), dtype=torch.float32)
     return torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape), grad_weight
 
@@ -200,6 +260,7 @@ _pool_forward_op = torch.ops.csa_compressor.pool_forward.default
 _pool_forward_stats_op = torch.ops.csa_compressor.pool_forward_stats.default
 _pool_backward_op = torch.ops.csa_compressor.pool_backward.default
 _pool_forward_tail_op = torch.ops.csa_compressor.pool_forward_tail.default
+_pool_forward_tail_stats_op = torch.ops.csa_compressor.pool_forward_tail_stats.default
 _pool_backward_tail_op = torch.ops.csa_compressor.pool_backward_tail.default
 
 
@@ -226,6 +287,24 @@ def _direct_tail(norm_weight, rope_cos, rope_sin, position_start) -> bool:
     return all(t is None or type(t) in _PLAIN for t in (norm_weight, rope_cos, rope_sin, position_start))
 
 
+# The defaults of the tail's arguments after norm_weight, in compressor_pool's order.
+_TAIL_REST_DEFAULTS = (1e-6, None, None, 0, True, None)
+
+
+def _default_tail(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start) -> bool:
+    """Whether the seven tail arguments are all at their defaults (the pooling's own path; any other identity tail
+    takes the tail's checked path)."""
+    return (
+        norm_weight is None
+        and rope_cos is None
+        and rope_sin is None
+        and position_start is None
+        and rope_dim == 0
+        and rope_interleaved is True
+        and norm_eps == 1e-6
+    )
+
+
 class CompressorPoolFunction(torch.autograd.Function):
     """autograd over the custom ops; gradients flow to ``kv``, ``score``, ``ape`` and ``norm_weight``.
 
@@ -240,21 +319,17 @@ class CompressorPoolFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate=False,
-        norm_weight=None, norm_eps=1e-6, rope_cos=None, rope_sin=None, rope_dim=0, rope_interleaved=True,
-        position_start=None,
+        norm_weight=None, *tail_rest,
     ):  # fmt: skip
+        """``tail_rest``: the tail's other six arguments in ``compressor_pool``'s order (``norm_eps``, ``rope_cos``,
+        ``rope_sin``, ``rope_dim``, ``rope_interleaved``, ``position_start``), those not given at their defaults."""
         ctx.ratio, ctx.coff, ctx.backend, ctx.validate = ratio, coff, backend, validate
-        if not (
-            norm_weight is None
-            and rope_cos is None
-            and rope_sin is None
-            and position_start is None
-            and rope_dim == 0
-            and rope_interleaved is True
-            and norm_eps == 1e-6
-        ):
-            tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
-            return _forward_tail(ctx, (kv, score, ape, cu_seqlens, cu_seqlens_comp), total_comp, tail_args)
+        if norm_weight is not None or tail_rest:
+            tail_args = (norm_weight, *tail_rest, *_TAIL_REST_DEFAULTS[len(tail_rest) :])
+            if len(tail_args) != len(_TAIL_REST_DEFAULTS) + 1:
+                raise TypeError(f"CompressorPoolFunction takes at most 17 arguments, got {11 + len(tail_rest)}")
+            if not _default_tail(*tail_args):
+                return _forward_tail(ctx, (kv, score, ape, cu_seqlens, cu_seqlens_comp), total_comp, tail_args)
         ctx.tail_scalars = None
         direct = _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp)
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend)
@@ -307,15 +382,21 @@ def _forward_tail(ctx, inputs, total_comp, tail_args):
     use_stats = api.autograd_uses_stats(inputs[0], ratio, coff, backend)
     if _direct(*inputs) and _direct_tail(norm_weight, rope_cos, rope_sin, position_start):
         out, rstd, stats = api._pool_forward_tail(
-            *inputs, ratio, coff, total_comp, backend, tail_args, return_stats=use_stats, return_rstd=True,
+            inputs, ratio, coff, total_comp, backend, tail_args, return_stats=use_stats, return_rstd=True,
             validate=validate,
         )  # fmt: skip
     else:
-        out, rstd, stats = _pool_forward_tail_op(
-            *inputs, ratio, coff, total_comp, backend, *tail_args, use_stats, validate
-        )
+        op_tail = _op_tail(tail_args)
+        if use_stats:
+            out, rstd, stats = _pool_forward_tail_stats_op(
+                *inputs, ratio, coff, total_comp, backend, *op_tail, validate
+            )
+        else:
+            (out, rstd), stats = (
+                _pool_forward_tail_op(*inputs, ratio, coff, total_comp, backend, *op_tail, validate),
+                None,
+            )
         rstd = rstd if norm_weight is not None else None
-        stats = stats if use_stats else None
     ctx.save_for_backward(*inputs, norm_weight, rope_cos, rope_sin, position_start, stats, rstd)
     return out
 
@@ -331,11 +412,12 @@ def _backward_tail(ctx, grad_out):
     direct = _direct(*inputs) and _direct_tail(norm_weight, rope_cos, rope_sin, position_start)
     if direct and type(grad_out) in _PLAIN:
         grad_kv, grad_score, grad_ape, grad_weight = api._pool_backward_tail(
-            *inputs, grad_out.contiguous(), *scalars, tail_args, stats=stats, rstd=rstd, validate=ctx.validate
+            inputs, grad_out.contiguous(), *scalars, tail_args, stats=stats, rstd=rstd, validate=ctx.validate
         )
     else:
+        tail_tensors, *tail_scalars = _op_tail(tail_args)
         grad_kv, grad_score, grad_ape, grad_weight = _pool_backward_tail_op(
-            *inputs, grad_out, *scalars, *tail_args, stats, rstd, ctx.validate
+            *inputs, grad_out, *scalars, [*tail_tensors, stats, rstd], *tail_scalars, ctx.validate
         )
     if norm_weight is None:
         grad_weight = None

@@ -9,7 +9,9 @@ Per output row ``r`` (``x`` the pooled row of SPEC section 2, never rounded in t
 Rotary pairs are ``(2i, 2i+1)`` (``rope_interleaved=True``, DeepSeek's convention) or ``(i, i + rope_dim/2)``
 (half-split) inside the block ``[head_dim - rope_dim, head_dim)``; pair ``i`` reads column ``i`` of the
 caller's ``(max_position, rope_dim/2)`` fp32 tables at the row's position ``position_start[b] + j*ratio``
-(row ``j`` of segment ``b``, ``position_start`` defaulting to zeros); padding rows use position 0.
+(row ``j`` of segment ``b``, ``position_start`` defaulting to zeros); padding rows use position 0. A position
+outside ``[0, max_position)`` reads no table: the row is rotated by cos = 1, sin = 0, i.e. not rotated
+(``validate_positions``, and the validation mode, reject such positions instead).
 
 Three precisions, as for the pooling (``csa_compressor.reference``):
 
@@ -48,6 +50,7 @@ __all__ = [
     "forward",
     "pooled_rows",
     "random_tail",
+    "rope_angles",
     "rope_columns",
     "row_gradient",
     "row_positions",
@@ -160,6 +163,8 @@ def validate_positions(tail: Tail, cu_seqlens_comp: torch.Tensor, ratio: int) ->
     """Check that every real row's position is inside the tables (reads the device: for debugging).
 
     Positions are ``position_start[b] + j * ratio`` for ``j < rows_b``; they must lie in ``[0, max_position)``.
+    Without the check such a row is computed, not rotated (``rope_angles``); with it, a ValueError names the bound
+    and the segment.
     """
     if not tail.has_rope:
         return
@@ -203,15 +208,27 @@ def rope_columns(head_dim: int, rope_dim: int, interleaved: bool, device=None) -
     return base + i, base + half + i
 
 
+def rope_angles(tail: Tail, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of every row, ``(N, rope_dim // 2)`` fp32: the tables' rows at ``positions``, and for a
+    position outside ``[0, max_position)`` cos = 1 and sin = 0 (the row is not rotated; nothing is read outside
+    the tables, as in the kernels)."""
+    limit = tail.rope_cos.shape[0]
+    inside = ((positions >= 0) & (positions < limit))[:, None]
+    rows = torch.where(inside[:, 0], positions, torch.zeros_like(positions))
+    one, zero = (torch.tensor(v, dtype=tail.rope_cos.dtype, device=tail.rope_cos.device) for v in (1.0, 0.0))
+    return torch.where(inside, tail.rope_cos[rows], one), torch.where(inside, tail.rope_sin[rows], zero)
+
+
 def _rotate(y, tail: Tail, positions, *, inverse: bool = False, out_dtype=None) -> torch.Tensor:
     """``y`` with its rotary pairs rotated (by minus the angle for ``inverse``), out of place, differentiable.
 
     The pairs are computed in ``y``'s dtype and stored in ``out_dtype`` (default: ``y``'s); the other
-    columns keep ``y``'s values and dtype (the caller passes them already in ``out_dtype``).
+    columns keep ``y``'s values and dtype (the caller passes them already in ``out_dtype``). A row whose position
+    is outside the tables is rotated by cos = 1, sin = 0 (``rope_angles``).
     """
     first, second = rope_columns(y.shape[1], tail.rope_dim, tail.rope_interleaved, y.device)
-    cos = tail.rope_cos[positions].to(y.dtype)
-    sin = tail.rope_sin[positions].to(y.dtype)
+    cos, sin = rope_angles(tail, positions)
+    cos, sin = cos.to(y.dtype), sin.to(y.dtype)
     if inverse:
         sin = -sin
     a, b = y[:, first], y[:, second]
@@ -424,8 +441,7 @@ def random_tail(
 def _rotated_magnitude(m, tail: Tail, positions) -> torch.Tensor:
     """Magnitudes after a rotation: ``|cos| m_a + |sin| m_b`` and ``|sin| m_a + |cos| m_b`` per pair."""
     first, second = rope_columns(m.shape[1], tail.rope_dim, tail.rope_interleaved, m.device)
-    cos = tail.rope_cos[positions].double().abs()
-    sin = tail.rope_sin[positions].double().abs()
+    cos, sin = (t.double().abs() for t in rope_angles(tail, positions))
     a, b = m[:, first], m[:, second]
     return m.index_copy(1, first, cos * a + sin * b).index_copy(1, second, sin * a + cos * b)
 

@@ -360,6 +360,86 @@ def test_validate_positions():
         T.validate_positions(negative, pack.cu_seqlens_comp, pack.ratio)
 
 
+# ---------------------------------------------------------------- positions outside the tables
+
+# (case, position_start per segment, table rows): rows below 0, inside, and at or past the tables' end.
+OUT_OF_TABLE = {
+    "r4c2d5-rope2-pos": ([-4, 0, 5, 2, 7], 6),
+    "r2c1d66-rope64-half-pos": ([-3, 1], 4),
+    "r128c2d6-rope6-pos": ([-128, 130, 2], 129),
+}
+
+
+def out_of_table_tail(name, seed=0, device="cpu", guard_rows=0):
+    """A case's pack and tail with ``position_start`` putting rows below 0 and past ``max_position``; with
+    ``guard_rows``, the tables are views inside NaN rows (a read past a table shows as NaN)."""
+    pack, tail = case_pack_and_tail(name, seed=seed, device=device)
+    starts, rows = OUT_OF_TABLE[name]
+    half = tail.rope_dim // 2
+    angles = torch.arange(rows, dtype=torch.float64)[:, None] * (1.0 + torch.arange(half, dtype=torch.float64))
+    tables = []
+    for table in (torch.cos(angles), torch.sin(angles)):
+        buf = torch.full((rows + 2 * guard_rows, half), float("nan"), dtype=torch.float32, device=device)
+        buf[guard_rows : guard_rows + rows] = table.float()
+        tables.append(buf[guard_rows : guard_rows + rows])
+    start = torch.tensor(starts, dtype=torch.int32, device=device)
+    return pack, _with(tail, rope_cos=tables[0], rope_sin=tables[1], position_start=start)
+
+
+def _identity_padded(tail, shift, total_rows):
+    """The tail with its positions moved up by ``shift`` and its tables padded with rows of cos 1, sin 0 (before,
+    and after up to ``total_rows``): the same rotation, every position inside the tables."""
+    half = tail.rope_dim // 2
+    cos = torch.ones(total_rows, half)
+    sin = torch.zeros(total_rows, half)
+    rows = tail.rope_cos.shape[0]
+    cos[shift : shift + rows], sin[shift : shift + rows] = tail.rope_cos, tail.rope_sin
+    return _with(tail, rope_cos=cos, rope_sin=sin, position_start=tail.position_start + shift)
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_TABLE))
+def test_positions_outside_the_tables_are_not_rotated(name):
+    """A row at a position outside ``[0, max_position)`` is rotated by cos = 1, sin = 0: the same results, bitwise,
+    at every precision, as tables padded with such rows; its output is the norm's alone."""
+    pack, tail = out_of_table_tail(name)
+    positions = T.row_positions(pack.cu_seqlens_comp, pack.total_comp, pack.ratio, tail.position_start)
+    outside = (positions < 0) | (positions >= tail.rope_cos.shape[0])
+    assert bool(outside.any()) and bool((~outside).any())
+    shift = -int(positions.min())
+    padded = _identity_padded(tail, shift, int(positions.max()) + shift + 1)
+    fwd = dict(_kw(pack), total_comp=pack.total_comp)
+    for precision in T.PRECISIONS:
+        out = T.forward(*pack.inputs, tail, precision=precision, **fwd)
+        assert torch.equal(out, T.forward(*pack.inputs, padded, precision=precision, **fwd))
+        norm_only = T.forward(*pack.inputs, _with(tail, rope_dim=0, rope_cos=None, rope_sin=None,
+                                                  position_start=None), precision=precision, **fwd)  # fmt: skip
+        assert torch.equal(out[outside], norm_only[outside])
+    for precision in ("fp32", "fp64"):
+        got = T.backward(*pack.inputs, pack.grad_out, tail, precision=precision, **_kw(pack))
+        want = T.backward(*pack.inputs, pack.grad_out, padded, precision=precision, **_kw(pack))
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    T.check_backend(T.forward, T.backward, pack, tail)
+    with pytest.raises(
+        ValueError, match=re.escape(f"row positions must lie in [0, max_position={tail.rope_cos.shape[0]})")
+    ):
+        T.validate_positions(tail, pack.cu_seqlens_comp, pack.ratio)
+
+
+def test_positions_past_int32_are_outside_the_tables():
+    """``position_start`` near the int32 limit: the reference's positions (int64) run past the tables, and the
+    kernels' (int32, wrapped negative) fall below them; both mean no rotation."""
+    pack, tail = out_of_table_tail("r4c2d5-rope2-pos")
+    tail = _with(tail, position_start=torch.tensor([2**31 - 5, 0, 0, 2**31 - 1, -(2**31)], dtype=torch.int32))
+    positions = T.row_positions(pack.cu_seqlens_comp, pack.total_comp, pack.ratio, tail.position_start)
+    assert int(positions.max()) >= 2**31
+    out = T.forward(*pack.inputs, tail, total_comp=pack.total_comp, **_kw(pack))
+    norm_only = T.forward(
+        *pack.inputs, T.Tail(tail.norm_weight, tail.norm_eps), total_comp=pack.total_comp, **_kw(pack)
+    )
+    real = positions != 0
+    assert torch.equal(out[real], norm_only[real])
+
+
 def test_docs_examples_run():
     text = (pathlib.Path(__file__).parents[1] / "docs" / "tail.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)

@@ -19,6 +19,7 @@ import torch
 
 from csa_compressor import (
     CompressorPool,
+    CompressorPoolFunction,
     CSACompressorBackward,
     CSACompressorForward,
     api,
@@ -34,7 +35,7 @@ from csa_compressor.backends.reference import launch as reference_launch
 from csa_compressor.testing import make_pack
 from csa_compressor.windows import uses_softmax_stats
 
-from .test_tail import BAD_TAILS, CASES, _on_cuda, case_pack_and_tail
+from .test_tail import BAD_TAILS, CASES, _on_cuda, case_pack_and_tail, out_of_table_tail
 
 NAMES = tuple(f.name for f in dataclasses.fields(T.Tail))
 
@@ -407,6 +408,28 @@ def test_validate_checks_the_positions():
         csa_compressor_forward_wrapper(*pack.inputs, **kw, **_kwargs(short))
 
 
+@pytest.mark.parametrize("backend", TAIL_BACKENDS)
+def test_positions_outside_the_tables_through_the_api(backend):
+    """Without validation a row outside the tables is not rotated (the reference's answer, on every entry point);
+    with it, every entry point raises a ValueError naming the bound and the segment."""
+    pack, tail = out_of_table_tail("r4c2d5-rope2-pos", seed=22)
+    kw = dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, backend=backend, **_kwargs(tail))
+    out = csa_compressor_forward_wrapper(*pack.inputs, **kw)["out"]
+    grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+    report = T.contract_report(pack, tail, out, tuple(grads.values()))
+    assert report["ok"], report
+    bound = re.escape(f"row positions must lie in [0, max_position={tail.rope_cos.shape[0]})") + ".*segment 0"
+    calls = {
+        "forward wrapper": lambda: csa_compressor_forward_wrapper(*pack.inputs, validate=True, **kw),
+        "backward wrapper": lambda: csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, validate=True, **kw),
+        "compressor_pool": lambda: compressor_pool(*pack.inputs, validate=True, **kw),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=bound):
+            call()
+            raise AssertionError(f"{name} let a position outside the tables through")
+
+
 def test_empty_output_zeroes_the_weight_gradient():
     pack, tail = case_pack_and_tail("r4c2d5-rope2-pos")
     kw = dict(ratio=pack.ratio, coff=pack.coff, backend="reference", **_kwargs(tail))
@@ -432,28 +455,68 @@ def test_module_takes_the_tail():
 # ---------------------------------------------------------------- the custom ops
 
 
+def _op_tail(tail):
+    """The tail ops' ``(tail_tensors, norm_eps, rope_dim, rope_interleaved)`` of a ``Tail``."""
+    tensors = [tail.norm_weight, tail.rope_cos, tail.rope_sin, tail.position_start]
+    return tensors, tail.norm_eps, tail.rope_dim, tail.rope_interleaved
+
+
 @pytest.mark.parametrize("name", ["r4c2d5-rope2-pos", "r2c1d4-rope4-only-pos", "r128c2d4-rope2-only-half"])
 def test_opcheck_tail_ops(name):
     pack, tail = case_pack_and_tail(name, seed=17)
-    tail_list = [getattr(tail, n) for n in NAMES]
+    tensors, *scalars = _op_tail(tail)
     stats = uses_softmax_stats(pack.ratio, pack.coff)
-    args = (*pack.inputs, pack.ratio, pack.coff, pack.total_comp, "reference", *tail_list, stats)
-    torch.library.opcheck(torch.ops.csa_compressor.pool_forward_tail.default, args)
-    _, rstd, saved = torch.ops.csa_compressor.pool_forward_tail(*args)
+    args = (*pack.inputs, pack.ratio, pack.coff, pack.total_comp, "reference", tensors, *scalars)
+    op = torch.ops.csa_compressor.pool_forward_tail_stats if stats else torch.ops.csa_compressor.pool_forward_tail
+    torch.library.opcheck(op.default, args)
+    out, rstd, *saved = op(*args)
     assert rstd.shape == ((pack.total_comp,) if tail.has_norm else (0,))
-    bwd_args = (*pack.inputs, pack.grad_out, pack.ratio, pack.coff, "reference", *tail_list, saved if stats else None,
-                rstd if tail.has_norm else None)  # fmt: skip
+    assert len(saved) == int(stats) and torch.equal(out, T.forward(*pack.inputs, tail, **_pool_kw(pack)))
+    bwd_tensors = [*tensors, saved[0] if stats else None, rstd if tail.has_norm else None]
+    bwd_args = (*pack.inputs, pack.grad_out, pack.ratio, pack.coff, "reference", bwd_tensors, *scalars)
     torch.library.opcheck(torch.ops.csa_compressor.pool_backward_tail.default, bwd_args)
     grads = torch.ops.csa_compressor.pool_backward_tail(*bwd_args)
     want = T.backward(*pack.inputs, pack.grad_out, tail, ratio=pack.ratio, coff=pack.coff)
     assert torch.equal(grads[0], want[0]) and grads[3].shape == ((pack.head_dim,) if tail.has_norm else (0,))
 
 
+def _pool_kw(pack):
+    return dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp)
+
+
+def test_tail_ops_name_a_wrong_tensor_list():
+    pack, tail = case_pack_and_tail("r4c2d5-rope2-pos", seed=17)
+    tensors, *scalars = _op_tail(tail)
+    args = (*pack.inputs, pack.ratio, pack.coff, pack.total_comp, "reference")
+    with pytest.raises(ValueError, match=r"tail_tensors must be \[norm_weight, rope_cos, rope_sin, position_start\]"):
+        torch.ops.csa_compressor.pool_forward_tail(*args, tensors[:3], *scalars)
+    bwd_args = (*pack.inputs, pack.grad_out, pack.ratio, pack.coff, "reference", tensors, *scalars)
+    with pytest.raises(ValueError, match="position_start, softmax_stats, rstd"):
+        torch.ops.csa_compressor.pool_backward_tail(*bwd_args)
+
+
 def test_tail_op_with_an_identity_tail_is_the_pooling_op():
     pack, _ = case_pack_and_tail("r4c1d7-norm", seed=18)
     args = (*pack.inputs, pack.ratio, pack.coff, pack.total_comp, "reference")
-    out, rstd, stats = torch.ops.csa_compressor.pool_forward_tail(*args, None, 1e-5, None, None, 0, True, None)
-    assert torch.equal(out, torch.ops.csa_compressor.pool_forward(*args)) and rstd.numel() == stats.numel() == 0
+    out, rstd = torch.ops.csa_compressor.pool_forward_tail(*args, [None] * 4, 1e-5, 0, True)
+    assert torch.equal(out, torch.ops.csa_compressor.pool_forward(*args)) and rstd.numel() == 0
+
+
+def test_function_apply_keeps_the_positional_tail():
+    """``CompressorPoolFunction.apply`` takes validate and the seven tail arguments positionally, in
+    ``compressor_pool``'s order (the trailing ones may be left out), and hands norm_weight its gradient."""
+    pack, tail = case_pack_and_tail("r4c2d5-rope2-pos", seed=21)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape, tail.norm_weight)]
+    head = (*leaves[:3], *pack.inputs[3:], pack.ratio, pack.coff, pack.total_comp, "reference", False)
+    out = CompressorPoolFunction.apply(*head, leaves[3], *(getattr(tail, n) for n in NAMES[1:]))
+    out.backward(pack.grad_out)
+    assert torch.equal(out, T.forward(*pack.inputs, tail, **_pool_kw(pack)))
+    grads = T.backward(*pack.inputs, pack.grad_out, tail, ratio=pack.ratio, coff=pack.coff)
+    assert torch.equal(leaves[0].grad, grads[0]) and torch.equal(leaves[3].grad, grads[3].to(leaves[3].dtype))
+    norm_only = CompressorPoolFunction.apply(*head, tail.norm_weight)  # the other six at their defaults
+    assert torch.equal(norm_only, T.forward(*pack.inputs, T.Tail(tail.norm_weight), **_pool_kw(pack)))
+    with pytest.raises(TypeError, match="at most 17 arguments"):
+        CompressorPoolFunction.apply(*head, tail.norm_weight, *(getattr(tail, n) for n in NAMES[1:]), None)
 
 
 @pytest.mark.gpu

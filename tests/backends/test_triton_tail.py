@@ -27,7 +27,7 @@ from csa_compressor import reference  # noqa: E402
 from csa_compressor import tail as T  # noqa: E402
 from csa_compressor.backends.triton import config, launch, plans  # noqa: E402
 from csa_compressor.testing import make_pack  # noqa: E402
-from tests.test_tail import CASES, case_pack_and_tail  # noqa: E402
+from tests.test_tail import CASES, OUT_OF_TABLE, case_pack_and_tail, out_of_table_tail  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 _REASON = launch.device_unsupported_reason(DEVICE)
@@ -160,6 +160,31 @@ def test_identity_tail_is_the_pooling_bitwise(name):
         launch.backward(*pack.inputs, pack.grad_out, *g, pack.ratio, pack.coff, None, None, tail)
         grads.append(g)
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+OUT_OF_TABLE_ROUTES = [
+    (name, route)
+    for name in OUT_OF_TABLE
+    for route in ([Route(), Route(rstd=True)] if name in SHORT else list(LONG_ROUTES.values()))
+]
+
+
+@pytest.mark.parametrize(("name", "route"), OUT_OF_TABLE_ROUTES)
+def test_positions_outside_the_tables(name, route, monkeypatch):
+    """Rows at positions below 0 or at / past ``max_position`` are not rotated (cos 1, sin 0), as the reference
+    defines, in every route; the tables sit inside NaN rows, so a read past them would poison the results."""
+    if route.dx:
+        _force_dx_route(monkeypatch)
+    pack, tail = out_of_table_tail(name, seed=15, device=DEVICE, guard_rows=256)
+    T.check_backend(*_adapters(route), pack, tail)
+
+
+def test_positions_past_int32_are_outside_the_tables():
+    """``position_start`` near the int32 limits: the kernels' positions wrap (int32) where the reference's do not;
+    every such row is outside the tables either way, and not rotated."""
+    pack, tail = out_of_table_tail("r4c2d5-rope2-pos", seed=16, device=DEVICE, guard_rows=256)
+    starts = torch.tensor([2**31 - 5, 0, 0, 2**31 - 1, -(2**31)], dtype=torch.int32, device=DEVICE)
+    T.check_backend(*_adapters(Route()), pack, dataclasses.replace(tail, position_start=starts))
 
 
 def test_explicit_tiles(monkeypatch):

@@ -14,15 +14,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import _OFFSETS, _TAIL_OFFSETS, _guard_row, _positions, _real_rows, _segment_of, _sum_slots
+from .forward import _OFFSETS, _TAIL_INTS, _TAIL_OFFSETS, _guard_row, _positions, _real_rows, _segment_of, _sum_slots
 from .norm_rope import _load_norm_weight, _norm_backward, _row_rstd, _turn_back
 
 
 @triton.jit
 def _tail_dx(
-    v, p, g, rows, row_ok, is_real, cols, col_ok, w, uniform, seg0, comp0, B, n_iter, cu_comp_ptr, grad_out_ptr, norm_eps,
-    cos_ptr, sin_ptr, pos_ptr, rstd_ptr, RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, TORCH_ORDER: tl.constexpr,
-    HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+    v, p, g, rows, row_ok, is_real, cols, col_ok, w, uniform, seg0, comp0, B, n_iter, cu_comp_ptr, grad_out_ptr,
+    norm_eps, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, RATIO: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TORCH_ORDER: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """The pooling's upstream gradient ``dx`` of a short-window tile (``[BLOCK_R, BLOCK_D]``, whole rows) from its
     ``grad_out`` rows ``g`` (0 on padding rows), and the rows' terms of the weight's gradient (None without a norm).
@@ -31,7 +31,10 @@ def _tail_dx(
     if ROPE_DIM > 0:
         pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
         gmask = is_real[:, None] & col_ok[None, :]
-        dy = _turn_back(g, grad_out_ptr, rows, cols, gmask, pos, cos_ptr, sin_ptr, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
+        dy = _turn_back(
+            g, grad_out_ptr, rows, cols, gmask, pos, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM,
+            ROPE_INTERLEAVED,
+        )  # fmt: skip
     if HAS_NORM:
         x = _sum_slots(v * p, TORCH_ORDER)
         if rstd_ptr is not None:
@@ -45,7 +48,7 @@ def _tail_dx(
 
 @triton.jit
 def _stats_row_scalars(
-    row, pos, x_ptr, grad_out_ptr, norm_w_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
+    row, pos, x_ptr, grad_out_ptr, norm_w_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
     HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr, ROW_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """``(r, mean(x w dy))`` of row ``row`` (``[1]`` each) over all its columns, ``ROW_BLOCK`` at a time: ``x`` the
@@ -60,8 +63,9 @@ def _stats_row_scalars(
         x = tl.load(x_ptr + cols, mask=ok, other=0.0)[None, :]
         g = tl.load(grad_out_ptr + row * HEAD_DIM + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
         dy = _turn_back(
-            g, grad_out_ptr, rows, cols, ok[None, :], pos, cos_ptr, sin_ptr, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED
-        )
+            g, grad_out_ptr, rows, cols, ok[None, :], pos, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM,
+            ROPE_INTERLEAVED,
+        )  # fmt: skip
         w = tl.load(norm_w_ptr + cols, mask=ok, other=0.0).to(tl.float32)[None, :]
         ss += x * x
         dot += x * (w * dy)
@@ -76,8 +80,8 @@ def _stats_row_scalars(
 
 @triton.jit
 def _stats_tail_dx(
-    g, o, row, pos, cols, col_ok, w, x_ptr, grad_out_ptr, norm_w_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
-    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+    g, o, row, pos, cols, col_ok, w, x_ptr, grad_out_ptr, norm_w_ptr, norm_eps, cos_ptr, sin_ptr, max_position,
+    rstd_ptr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """The pooling's upstream gradient ``dx`` of one row's columns ``cols`` (``[1, BLOCK_D]``) from its ``grad_out``
@@ -85,12 +89,13 @@ def _stats_tail_dx(
     (None without a norm)."""
     rows = tl.zeros([1], tl.int32) + row
     dy = _turn_back(
-        g, grad_out_ptr, rows, cols, col_ok[None, :], pos, cos_ptr, sin_ptr, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED
+        g, grad_out_ptr, rows, cols, col_ok[None, :], pos, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM,
+        ROPE_INTERLEAVED
     )  # fmt: skip
     if HAS_NORM:
         r, mean = _stats_row_scalars(
-            row, pos, x_ptr, grad_out_ptr, norm_w_ptr, norm_eps, cos_ptr, sin_ptr, rstd_ptr, HEAD_DIM, ROPE_DIM,
-            ROPE_INTERLEAVED, ROW_BLOCK,
+            row, pos, x_ptr, grad_out_ptr, norm_w_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, HEAD_DIM,
+            ROPE_DIM, ROPE_INTERLEAVED, ROW_BLOCK,
         )  # fmt: skip
         rc = r[:, None]
         wdy = w[None, :] * dy
@@ -99,10 +104,12 @@ def _stats_tail_dx(
         return dy, None
 
 
-@triton.jit(do_not_specialize=["N", "T", "B", "n_iter"], do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS)
+@triton.jit(
+    do_not_specialize=["N", "T", "B", "n_iter", *_TAIL_INTS], do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS
+)
 def csa_tail_dx_kernel(
     stats_ptr, grad_out_ptr, dx_ptr, wws_ptr, cu_ptr, cu_comp_ptr, N, T, B, n_iter,
-    norm_w_ptr, cos_ptr, sin_ptr, pos_ptr, rstd_ptr, norm_eps,
+    norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps,
     RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
@@ -123,7 +130,10 @@ def csa_tail_dx_kernel(
     dx = g
     if ROPE_DIM > 0:
         pos = _positions(rows, is_real, True, seg, rows - j, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
-        dx = _turn_back(g, grad_out_ptr, rows, cols, gmask, pos, cos_ptr, sin_ptr, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
+        dx = _turn_back(
+            g, grad_out_ptr, rows, cols, gmask, pos, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM,
+            ROPE_INTERLEAVED,
+        )  # fmt: skip
     if HAS_NORM:
         xmask = row_ok[:, None] & col_ok[None, :]
         x_offs = rows.to(tl.int64)[:, None] * (3 * HEAD_DIM) + 2 * HEAD_DIM + cols[None, :]

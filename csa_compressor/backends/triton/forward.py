@@ -34,6 +34,8 @@ WINDOW_EVICT = tl.constexpr("evict_first")
 _OFFSETS = ["cu_ptr", "cu_comp_ptr"]
 # The tail's scalar and gather reads: position_start is checked for 4-byte alignment only, rstd is written per row.
 _TAIL_OFFSETS = ["pos_ptr", "rstd_ptr"]
+# The tail's runtime integer (the tables' rows): any value, one compiled kernel.
+_TAIL_INTS = ["max_position"]
 
 
 @triton.jit
@@ -254,42 +256,17 @@ def _softmax(kv, score, ape, valid, PRECISE_EXP: tl.constexpr):
 
 
 @triton.jit(
-    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog"],
+    do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", *_TAIL_INTS],
     do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
 )
 def csa_fwd_kernel(
-    kv_ptr,
-    score_ptr,
-    ape_ptr,
-    cu_ptr,
-    cu_comp_ptr,
-    out_ptr,
-    N,
-    T,
-    B,
-    n_iter,
-    tiles_per_prog,
-    norm_w_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    rstd_ptr,
-    norm_eps,
-    RATIO: tl.constexpr,
-    SP: tl.constexpr,
-    COFF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr,
-    N_COL: tl.constexpr,
-    PRECISE_EXP: tl.constexpr,
-    MANUAL_RTNE: tl.constexpr,
-    TORCH_ORDER: tl.constexpr,
-    HAS_NORM: tl.constexpr = False,
-    ROPE_DIM: tl.constexpr = 0,
+    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, N, T, B, n_iter, tiles_per_prog,
+    norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps,
+    RATIO: tl.constexpr, SP: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr, VEC: tl.constexpr, N_COL: tl.constexpr, PRECISE_EXP: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr, TORCH_ORDER: tl.constexpr, HAS_NORM: tl.constexpr = False, ROPE_DIM: tl.constexpr = 0,
     ROPE_INTERLEAVED: tl.constexpr = True,
-):
+):  # fmt: skip
     """Grid: ``ceil(N / (BLOCK_R * tiles_per_prog)) * N_COL`` programs; neighbours share rows.
 
     Each program walks ``tiles_per_prog`` row tiles and loads tile ``i + 1`` before
@@ -328,8 +305,8 @@ def csa_fwd_kernel(
             RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
         _r, _ro, _ir, _c, _co, _so, _v, offs, lmask = _tile(
-            row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), T, B, n_iter, n_real, uniform, comp0,
-            tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
+            row_start + BLOCK_R, col_start, tl.where(it + 1 < tiles_per_prog, N, 0), T, B, n_iter, n_real, uniform,
+            comp0, tok0, cu_ptr, cu_comp_ptr, RATIO, SP, COFF, HEAD_DIM, BLOCK_R, BLOCK_D, VEC,
         )  # fmt: skip
         kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
@@ -340,7 +317,8 @@ def csa_fwd_kernel(
             if ROPE_DIM > 0:
                 pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
             out, r = _tail_forward(
-                out, pos, cols, col_ok, w, norm_eps, cos_ptr, sin_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED
+                out, pos, cols, col_ok, w, norm_eps, cos_ptr, sin_ptr, max_position, HEAD_DIM, HAS_NORM, ROPE_DIM,
+                ROPE_INTERLEAVED
             )  # fmt: skip
             if rstd_ptr is not None:
                 tl.store(rstd_ptr + rows, r, mask=row_ok)

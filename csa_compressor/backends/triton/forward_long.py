@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .forward import (
     _OFFSETS,
+    _TAIL_INTS,
     _TAIL_OFFSETS,
     LOG2E,
     WINDOW_EVICT,
@@ -141,8 +142,8 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr, SLO
 
 @triton.jit
 def _long_row_finish(
-    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, rstd_ptr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
+    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, max_position,
+    rstd_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
     HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics).
@@ -162,8 +163,8 @@ def _long_row_finish(
     if HAS_NORM or ROPE_DIM > 0:
         # Columns past head_dim hold 0 / 0: out of the row's sum of squares.
         y2, r = _tail_forward(
-            tl.where(cols < HEAD_DIM, res, 0.0)[None, :], pos, cols, cols < HEAD_DIM, w, norm_eps, cos_ptr, sin_ptr, HEAD_DIM, HAS_NORM, ROPE_DIM,
-            ROPE_INTERLEAVED,
+            tl.where(cols < HEAD_DIM, res, 0.0)[None, :], pos, cols, cols < HEAD_DIM, w, norm_eps, cos_ptr, sin_ptr,
+            max_position, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
         )  # fmt: skip
         y = tl.reshape(y2, [BLOCK_D])
         if rstd_ptr is not None:
@@ -177,46 +178,170 @@ def _long_row_finish(
         tl.store(sptr + 2 * HEAD_DIM, res, mask=omask)
 
 
+@triton.jit
+def _long_row_store(
+    m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
+    cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
+    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
+    WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """The row's position (with a rotation) and its stores (``_long_row_finish``)."""
+    pos = None
+    if ROPE_DIM > 0:
+        pos, _real = _row_position(
+            row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
+        )  # fmt: skip
+    _long_row_finish(
+        m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, max_position,
+        rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+    )  # fmt: skip
+
+
+@triton.jit
+def _running(LANES: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A row's empty running max, sum of exponentials and weighted sum, per (lane, column)."""
+    m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
+    return m, tl.zeros([LANES, BLOCK_D], tl.float32), tl.zeros([LANES, BLOCK_D], tl.float32)
+
+
+@triton.jit
+def _load_then_fold(
+    kv_c, sc_c, ape_c, mask_c, m, den, acc, kv_ptr, score_ptr, ape_ptr, c, t0, has_prev, ok, slot, base, col_ok,
+    RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr, NCH_HALF: tl.constexpr,
+    EVEN_D: tl.constexpr, WRITE_STATS: tl.constexpr, SLOT_AXIS: tl.constexpr,
+):  # fmt: skip
+    """DEPTH 1's step: chunk ``c`` (of the row starting at ``t0``: this row or the next) goes in flight, then the
+    chunk in hand is folded. Returns the loaded chunk and the running values."""
+    kv_n, sc_n, ape_n, lmask = _load_chunk(
+        kv_ptr, score_ptr, ape_ptr, c, t0, has_prev, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF,
+        EVEN_D,
+    )  # fmt: skip
+    m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
+    return kv_n, sc_n, ape_n, lmask, m, den, acc
+
+
+@triton.jit
+def _load_then_fold2(
+    kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc, kv_ptr, score_ptr, ape_ptr, c_win, t0, has_prev, ok,
+    c_ape, slot, base, col_ok, RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr,
+    NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, WRITE_STATS: tl.constexpr, SLOT_AXIS: tl.constexpr,
+):  # fmt: skip
+    """DEPTH 2's step: chunk ``c_win``'s kv and score (of the row starting at ``t0``) and chunk ``c_ape``'s ape go in
+    flight, then the older chunk in hand (``*_1``) is folded. Returns the chunks in hand, oldest first (``*_1``:
+    the previous ``*_2`` with the new ape; ``*_2``: the new window), and the running values."""
+    offs, _aoffs, mask_n, _amask = _long_chunk_at(
+        c_win, t0, has_prev, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+    )  # fmt: skip
+    kv_n, sc_n = _load_window(kv_ptr, score_ptr, offs, mask_n)
+    aoffs, amask = _long_ape_at(c_ape, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D)
+    ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
+    m, den, acc = _online_step(kv_1, sc_1, ape_1, mask_1, m, den, acc, WRITE_STATS, SLOT_AXIS)
+    return kv_2, sc_2, ape_n, mask_2, kv_n, sc_n, mask_n, m, den, acc
+
+
+@triton.jit
+def _long_rows_depth1(
+    kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w,
+    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
+    seg0, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
+    RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr,
+    CS: tl.constexpr, NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
+    WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+    SLOT_AXIS: tl.constexpr,
+):  # fmt: skip
+    """The rows ``[row_base, row_end)`` with one chunk in flight: the next chunk (of this row, or chunk 0 of the
+    next) is loaded before the current one is folded. ``kv_n`` .. ``lmask``: the row's chunk 0, loaded."""
+    NCH: tl.constexpr = COFF * NCH_HALF
+    for row in range(row_base, row_end):
+        m, den, acc = _running(LANES, BLOCK_D)
+        for c in range(NCH - 1):
+            kv_n, sc_n, ape_n, lmask, m, den, acc = _load_then_fold(
+                kv_n, sc_n, ape_n, lmask, m, den, acc, kv_ptr, score_ptr, ape_ptr, c + 1, t0, hp, ok, slot, base,
+                col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D, WRITE_STATS, SLOT_AXIS,
+            )  # fmt: skip
+        # Last chunk of this row; prefetch chunk 0 of the next row.
+        t0, hp, _ir, okn = _row_start(
+            row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+        )
+        kv_n, sc_n, ape_n, lmask, m, den, acc = _load_then_fold(
+            kv_n, sc_n, ape_n, lmask, m, den, acc, kv_ptr, score_ptr, ape_ptr, row * 0, t0, hp,
+            okn & (row + 1 < row_end), slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D, WRITE_STATS,
+            SLOT_AXIS,
+        )  # fmt: skip
+        _long_row_store(
+            m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
+            seg0, cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, HEAD_DIM,
+            BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+        )  # fmt: skip
+        ok = okn
+
+
+@triton.jit
+def _long_rows_depth2(
+    kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w,
+    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
+    seg0, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
+    RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr,
+    CS: tl.constexpr, NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
+    WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+    SLOT_AXIS: tl.constexpr,
+):  # fmt: skip
+    """The rows ``[row_base, row_end)`` with two chunks in flight: chunk c is folded while chunks c + 1 (the *_1
+    tensors) and c + 2 (*_2) are loading. Where the grid is under one wave, a program's prefetched chunks are all its
+    SM has in flight, and one chunk leaves DRAM bandwidth unused. ``kv_n`` .. ``lmask``: the row's chunk 0."""
+    NCH: tl.constexpr = COFF * NCH_HALF
+    tl.static_assert(NCH >= 2, "DEPTH 2 needs two chunks per row")
+    # ape (L2-resident, the same for every row) stays one chunk ahead: with a third ape buffer the tile would
+    # need more registers, and fewer warps than programs would fit on an SM.
+    mask_1 = lmask
+    ape_1 = ape_n
+    offs, _aoffs, mask_2, _amask = _long_chunk_at(
+        1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+    )  # fmt: skip
+    kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
+    kv_1 = kv_n
+    sc_1 = sc_n
+    for row in range(row_base, row_end):
+        m, den, acc = _running(LANES, BLOCK_D)
+        for c in range(NCH - 2):
+            kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc = _load_then_fold2(
+                kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc, kv_ptr, score_ptr, ape_ptr, c + 2, t0, hp,
+                ok, c + 1, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D, WRITE_STATS, SLOT_AXIS,
+            )  # fmt: skip
+        # The row's last two chunks; chunks 0 and 1 of the next row go in flight.
+        tn, hpn, _ir, okn = _row_start(
+            row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
+        )
+        okl = okn & (row + 1 < row_end)
+        for h in tl.static_range(2):
+            # ape of chunk NCH - 1 of this row (h = 0), then of chunk 0 of the next (h = 1).
+            kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc = _load_then_fold2(
+                kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc, kv_ptr, score_ptr, ape_ptr, row * 0 + h,
+                tn, hpn, okl, row * 0 + (NCH - 1 + h) % NCH, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF,
+                EVEN_D, WRITE_STATS, SLOT_AXIS,
+            )  # fmt: skip
+        _long_row_store(
+            m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
+            seg0, cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, HEAD_DIM,
+            BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+        )  # fmt: skip
+        t0 = tn
+        hp = hpn
+        ok = okn
+
+
 @triton.jit(
-    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog"],
+    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", *_TAIL_INTS],
     do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
 )
 def csa_fwd_long_kernel(
-    kv_ptr,
-    score_ptr,
-    ape_ptr,
-    cu_ptr,
-    cu_comp_ptr,
-    out_ptr,
-    N,
-    T,
-    B,
-    n_iter,
-    rows_per_prog,
-    stats_ptr,
-    norm_w_ptr,
-    cos_ptr,
-    sin_ptr,
-    pos_ptr,
-    rstd_ptr,
-    norm_eps,
-    RATIO: tl.constexpr,
-    COFF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr,
-    LANES: tl.constexpr,
-    CS_IN: tl.constexpr,
-    NCH_HALF: tl.constexpr,
-    N_COL: tl.constexpr,
-    MANUAL_RTNE: tl.constexpr,
-    WRITE_STATS: tl.constexpr,
-    DEPTH: tl.constexpr = 1,
-    HAS_NORM: tl.constexpr = False,
-    ROPE_DIM: tl.constexpr = 0,
-    ROPE_INTERLEAVED: tl.constexpr = True,
-    SLOT_AXIS: tl.constexpr = 1,
-):
+    kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, N, T, B, n_iter, rows_per_prog, stats_ptr,
+    norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps,
+    RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
+    LANES: tl.constexpr, CS_IN: tl.constexpr, NCH_HALF: tl.constexpr, N_COL: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr, DEPTH: tl.constexpr = 1, HAS_NORM: tl.constexpr = False,
+    ROPE_DIM: tl.constexpr = 0, ROPE_INTERLEAVED: tl.constexpr = True, SLOT_AXIS: tl.constexpr = 1,
+):  # fmt: skip
     """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next ``DEPTH`` chunks (of this
     row or the next) loaded before the current one is computed (``DEPTH`` 2 needs two chunks per row).
 
@@ -228,7 +353,6 @@ def csa_fwd_long_kernel(
     it) needs ``N_COL == 1``: see ``_long_row_finish``.
     """
     TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
-    NCH: tl.constexpr = COFF * NCH_HALF
     CS: tl.constexpr = CS_IN * LANES
     EVEN_D: tl.constexpr = HEAD_DIM % BLOCK_D == 0
     pid = tl.program_id(0)
@@ -253,109 +377,16 @@ def csa_fwd_long_kernel(
         NCH_HALF, EVEN_D,
     )  # fmt: skip
     if DEPTH == 1:
-        for row in range(row_base, row_end):
-            m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
-            den = tl.zeros([LANES, BLOCK_D], tl.float32)
-            acc = tl.zeros([LANES, BLOCK_D], tl.float32)
-            for c in range(NCH - 1):
-                kv_c = kv_n
-                sc_c = sc_n
-                ape_c = ape_n
-                mask_c = lmask
-                kv_n, sc_n, ape_n, lmask = _load_chunk(
-                    kv_ptr, score_ptr, ape_ptr, c + 1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS,
-                    NCH_HALF, EVEN_D,
-                )  # fmt: skip
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
-            # Last chunk of this row; prefetch chunk 0 of the next row.
-            kv_c = kv_n
-            sc_c = sc_n
-            ape_c = ape_n
-            mask_c = lmask
-            t0, hp, _ir, okn = _row_start(
-                row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
-            )
-            kv_n, sc_n, ape_n, lmask = _load_chunk(
-                kv_ptr, score_ptr, ape_ptr, row * 0, t0, hp, okn & (row + 1 < row_end), slot, base, col_ok, RATIO,
-                COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D,
-            )  # fmt: skip
-            m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
-            pos = None
-            if ROPE_DIM > 0:
-                pos, _real = _row_position(
-                    row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
-                )  # fmt: skip
-            _long_row_finish(
-                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr,
-                rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
-            )  # fmt: skip
-            ok = okn
-    else:
-        # DEPTH 2: chunk c is computed while chunks c + 1 (the *_1 tensors) and c + 2 (*_2) are in flight. Where
-        # the grid is under one wave, a program's prefetched chunks are all its SM has in flight, and one chunk
-        # leaves DRAM bandwidth unused.
-        tl.static_assert(NCH >= 2, "DEPTH 2 needs two chunks per row")
-        # ape (L2-resident, the same for every row) stays one chunk ahead: with a third ape buffer the tile would
-        # need more registers, and fewer warps than programs would fit on an SM.
-        mask_1 = lmask
-        ape_1 = ape_n
-        offs, aoffs, mask_2, amask = _long_chunk_at(
-            1, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
+        _long_rows_depth1(
+            kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w, kv_ptr, score_ptr,
+            ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
+            pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, LANES, CS,
+            NCH_HALF, EVEN_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, SLOT_AXIS,
         )  # fmt: skip
-        kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
-        kv_1 = kv_n
-        sc_1 = sc_n
-        for row in range(row_base, row_end):
-            m = tl.full([LANES, BLOCK_D], float("-inf"), tl.float32)
-            den = tl.zeros([LANES, BLOCK_D], tl.float32)
-            acc = tl.zeros([LANES, BLOCK_D], tl.float32)
-            for c in range(NCH - 2):
-                kv_c = kv_1
-                sc_c = sc_1
-                ape_c = ape_1
-                mask_c = mask_1
-                kv_1 = kv_2
-                sc_1 = sc_2
-                mask_1 = mask_2
-                offs, aoffs, mask_2, amask = _long_chunk_at(
-                    c + 2, t0, hp, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
-                )  # fmt: skip
-                kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
-                aoffs, amask = _long_ape_at(c + 1, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D)
-                ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
-            # The row's last two chunks; chunks 0 and 1 of the next row go in flight.
-            tn, hpn, _ir, okn = _row_start(
-                row + 1, N, T, B, n_iter, n_real, uniform, comp0, tok0, cu_ptr, cu_comp_ptr, RATIO
-            )
-            okl = okn & (row + 1 < row_end)
-            for h in tl.static_range(2):
-                kv_c = kv_1
-                sc_c = sc_1
-                ape_c = ape_1
-                mask_c = mask_1
-                kv_1 = kv_2
-                sc_1 = sc_2
-                mask_1 = mask_2
-                offs, aoffs, mask_2, amask = _long_chunk_at(
-                    row * 0 + h, tn, hpn, okl, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
-                )  # fmt: skip
-                kv_2, sc_2 = _load_window(kv_ptr, score_ptr, offs, mask_2)
-                # ape of chunk NCH - 1 of this row (h = 0), then of chunk 0 of the next (h = 1).
-                aoffs, amask = _long_ape_at(
-                    row * 0 + (NCH - 1 + h) % NCH, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D
-                )  # fmt: skip
-                ape_1 = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-                m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
-            pos = None
-            if ROPE_DIM > 0:
-                pos, _real = _row_position(
-                    row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
-                )  # fmt: skip
-            _long_row_finish(
-                m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr,
-                rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
-            )  # fmt: skip
-            t0 = tn
-            hp = hpn
-            ok = okn
+    else:
+        _long_rows_depth2(
+            kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w, kv_ptr, score_ptr,
+            ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
+            pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, LANES, CS,
+            NCH_HALF, EVEN_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, SLOT_AXIS,
+        )  # fmt: skip

@@ -115,11 +115,11 @@ def _kernels():
     mode = _interpret()
     mods = _KERNELS.get(mode)
     if mods is None:
-        from . import backward, backward_tail, forward, forward_long, norm_rope
+        from . import backward, backward_stats, backward_tail, forward, forward_long, norm_rope, sweep
 
         if (type(forward.csa_fwd_kernel).__name__ == "InterpretedFunction") != mode:
             # The helper modules too, before the kernels that import their functions.
-            for mod in (norm_rope, forward, forward_long, backward_tail, backward):
+            for mod in (norm_rope, forward, forward_long, sweep, backward_tail, backward_stats, backward):
                 importlib.reload(mod)
         mods = (forward, forward_long, backward)
         _KERNELS[mode] = mods
@@ -171,6 +171,7 @@ def _tail_args(tail, rstd) -> tuple:
         tail.norm_weight,
         tail.rope_cos if rope else None,
         tail.rope_sin if rope else None,
+        tail.rope_cos.shape[0] if rope else None,  # max_position: rows outside the tables are not rotated
         tail.position_start if rope else None,
         rstd,
         float(tail.norm_eps) if tail.has_norm else None,
@@ -309,16 +310,9 @@ def launch_forward(
     config = None if tail is None else tail.config
     plan = _plan("forward", ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None, cfg, None, config)
     plan(
-        kv,
-        score,
-        ape,
-        cu_seqlens,
-        cu_seqlens_comp,
-        out,
-        None,
-        stats,
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, out, None, stats,
         NO_TAIL if tail is None else _tail_args(tail, rstd),
-    )
+    )  # fmt: skip
 
 
 def launch_backward(

@@ -35,10 +35,13 @@ def _rope_columns(cols, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INT
 
 
 @triton.jit
-def _angles(pos, angle, mask, cos_ptr, sin_ptr, ROPE_DIM: tl.constexpr):
+def _angles(pos, angle, mask, cos_ptr, sin_ptr, max_position, ROPE_DIM: tl.constexpr):
     """``cos`` and ``sin`` of every (row, column) of a ``[R, D]`` tile (``pos`` ``[R]``, ``angle``/``mask`` of the
-    columns; 1 and 0 where ``mask`` is false)."""
+    columns; 1 and 0 where ``mask`` is false). A row whose position is outside the tables, ``[0, max_position)``,
+    gets 1 and 0 too (no rotation) and reads nothing: one compare per row, whatever ``position_start`` holds."""
+    inside = (pos >= 0) & (pos < max_position)
     offs = pos[:, None] * (ROPE_DIM // 2) + angle
+    mask = mask & inside[:, None]
     cos = tl.load(cos_ptr + offs, mask=mask, other=1.0)
     sin = tl.load(sin_ptr + offs, mask=mask, other=0.0)
     return cos, sin
@@ -78,7 +81,7 @@ def _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED: tl.constexpr
 
 @triton.jit
 def _tail_forward(
-    x, pos, cols, col_ok, w, eps, cos_ptr, sin_ptr,
+    x, pos, cols, col_ok, w, eps, cos_ptr, sin_ptr, max_position,
     HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """``(rope(rmsnorm(x)), rstd)`` of pooled rows ``x`` ``[R, D]`` fp32 (whole rows, zeros past ``head_dim``),
@@ -91,7 +94,7 @@ def _tail_forward(
         y = x
     if ROPE_DIM > 0:
         is_rope, first, angle, partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
-        cos, sin = _angles(pos, angle, (is_rope & col_ok)[None, :], cos_ptr, sin_ptr, ROPE_DIM)
+        cos, sin = _angles(pos, angle, (is_rope & col_ok)[None, :], cos_ptr, sin_ptr, max_position, ROPE_DIM)
         y = _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED, HEAD_DIM % 2 == 0)
     return y, r
 
@@ -106,7 +109,7 @@ def _load_norm_weight(w_ptr, cols, col_ok, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _turn_back(g, g_ptr, rows, cols, gmask, pos, cos_ptr, sin_ptr,
+def _turn_back(g, g_ptr, rows, cols, gmask, pos, cos_ptr, sin_ptr, max_position,
                HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr):  # fmt: skip
     """``dy``: the ``grad_out`` rows ``g`` ``[R, D]`` (fp32, loaded with ``gmask``: 0 on padding rows) turned back by
     the inverse rotation, ``dy_a = g_a cos + g_b sin``, ``dy_b = g_b cos - g_a sin``. The partner's ``g`` is read
@@ -115,7 +118,7 @@ def _turn_back(g, g_ptr, rows, cols, gmask, pos, cos_ptr, sin_ptr,
         is_rope, first, angle, partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
         rmask = gmask & is_rope[None, :]
         other = tl.load(g_ptr + rows[:, None] * HEAD_DIM + partner[None, :], mask=rmask, other=0.0).to(tl.float32)
-        cos, sin = _angles(pos, angle, rmask, cos_ptr, sin_ptr, ROPE_DIM)
+        cos, sin = _angles(pos, angle, rmask, cos_ptr, sin_ptr, max_position, ROPE_DIM)
         # The reference's rotation by minus the angle: first a cos - b (-sin), second a (-sin) + b cos.
         turned = tl.where(first[None, :], g * cos - other * -sin, other * -sin + g * cos)
         return tl.where(rmask, turned, g)

@@ -32,9 +32,9 @@ __all__ = ["NO_TAIL", "BackwardPlan", "ForwardPlan", "tail_consts"]
 
 _MAX_SIZES = 4096  # problem sizes remembered per plan (a training loop sees few; a sweep is bounded by this)
 
-# The tail's runtime arguments of the window kernels, (norm_weight, rope_cos, rope_sin, position_start, rstd,
-# norm_eps): all None without a tail, so that the kernels compile to the pooling alone.
-NO_TAIL = (None,) * 6
+# The tail's runtime arguments of the window kernels, (norm_weight, rope_cos, rope_sin, max_position,
+# position_start, rstd, norm_eps): all None without a tail, so that the kernels compile to the pooling alone.
+NO_TAIL = (None,) * 7
 
 
 def tail_consts(tail_config) -> dict:

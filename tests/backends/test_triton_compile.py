@@ -1,0 +1,129 @@
+"""Triton backend: every kernel family compiles for sm_90 without a GPU, with and without the fused tail.
+
+The interpreter (what the other Triton tests run) executes a kernel's Python, not its compilation: a helper that
+only Triton's code generator rejects (a branch it cannot make static, a value whose type differs between the
+branches) passes there and fails on the first GPU launch. So a subprocess, with the interpreter off, compiles
+each family to PTX for an sm_90 target (Triton's own compiler, no device needed), and checks that a tail-less
+launch compiles to the pooling alone: its kernel takes none of the tail's runtime arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+# The runtime arguments the tail adds to the window kernels (None without a tail: constexprs, not parameters).
+TAIL_ARGS = ("norm_w_ptr", "cos_ptr", "sin_ptr", "max_position", "pos_ptr", "rstd_ptr", "norm_eps", "wws_ptr")
+_PTRS = {
+    "ape_ptr": "*fp32", "ws_ptr": "*fp32", "stats_ptr": "*fp32", "norm_w_ptr": "*fp32", "cos_ptr": "*fp32",
+    "sin_ptr": "*fp32", "rstd_ptr": "*fp32", "wws_ptr": "*fp32", "dx_ptr": "*fp32", "cu_ptr": "*i32",
+    "cu_comp_ptr": "*i32", "pos_ptr": "*i32",
+}  # fmt: skip
+_INTS = {"N", "T", "B", "n_iter", "tiles_per_prog", "rows_per_prog", "n_compute", "max_position"}
+_TAIL = dict(HAS_NORM=True, ROPE_DIM=16, ROPE_INTERLEAVED=True)
+_HALF_SPLIT = dict(HAS_NORM=False, ROPE_DIM=16, ROPE_INTERLEAVED=False)
+
+
+def _cases(forward, forward_long, backward, backward_tail):
+    """(name, kernel, constexprs, launch options, tail given) of every family, small tiles (d = 32)."""
+    d = dict(HEAD_DIM=32, BLOCK_D=32, VEC=8, N_COL=1)
+    short = dict(RATIO=4, SP=4, COFF=2, BLOCK_R=2, PRECISE_EXP=True, MANUAL_RTNE=False, TORCH_ORDER=True, **d)
+    long = dict(RATIO=32, COFF=2, LANES=4, CS_IN=4, NCH_HALF=2, MANUAL_RTNE=False, **d)
+    bwd_long = dict(RATIO=32, SP=32, COFF=1, LANES=8, CS_IN=4, SWEEP_T=16, SWEEP_D=32, MANUAL_RTNE=False, **d)
+    stats = dict(RATIO=32, COFF=2, HEAD_DIM=32, BLOCK_D=32, SLOTS=16, VEC=8, N_COL=1, N_CHUNK=4, SWEEP_T=16,
+                 SWEEP_D=32, MANUAL_RTNE=False)  # fmt: skip
+    fast = dict(num_warps=4)
+    exact = dict(num_warps=4, enable_fp_fusion=False)  # the short windows' launch option
+    one_stage = dict(num_warps=4, num_stages=1)
+    sweep = dict(SWEEP_T=16, SWEEP_D=32)
+    fwd, fwd_long, bwd = forward.csa_fwd_kernel, forward_long.csa_fwd_long_kernel, backward.csa_bwd_kernel
+    long_tail = dict(long, WRITE_STATS=False, DEPTH=2, SLOT_AXIS=0, **_HALF_SPLIT)
+    dx_consts = dict(RATIO=32, HEAD_DIM=32, BLOCK_R=4, BLOCK_D=32, **_HALF_SPLIT)
+    return [
+        ("forward short", fwd, short, exact, False),
+        ("forward short, tail", fwd, {**short, **_TAIL}, exact, True),
+        ("forward long, stats", fwd_long, dict(long, WRITE_STATS=True), fast, False),
+        ("forward long, depth 2, tail", fwd_long, long_tail, fast, True),
+        ("backward short", bwd, {**short, **sweep}, exact, False),
+        ("backward short, tail", bwd, {**short, **sweep, **_TAIL}, exact, True),
+        ("backward long", backward.csa_bwd_long_kernel, bwd_long, fast, False),
+        ("backward stats", backward.csa_bwd_stats_kernel, stats, one_stage, False),
+        ("backward stats, tail", backward.csa_bwd_stats_kernel, dict(stats, ROW_BLOCK=32, **_TAIL), one_stage, True),
+        ("tail dx", backward_tail.csa_tail_dx_kernel, dx_consts, fast, True),
+    ]
+
+
+def _compile(kernel, consts, opts, with_tail) -> tuple[str, list[str]]:
+    """PTX of ``kernel`` for sm_90 and its runtime parameters' names; without a tail its arguments are None."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs, runtime = {}, {}, []
+    for index, name in enumerate(kernel.arg_names):
+        param = kernel.params[index]
+        absent = name in TAIL_ARGS and (not with_tail or (name in ("norm_w_ptr", "norm_eps", "wws_ptr")
+                                                          and not consts.get("HAS_NORM")))  # fmt: skip
+        absent = absent or (name == "stats_ptr" and consts.get("WRITE_STATS") is False)
+        if name in consts or param.is_constexpr or absent:
+            signature[name] = "constexpr"
+            constexprs[name] = consts.get(name, None if absent else param.default)
+        else:
+            signature[name] = _PTRS.get(name, "i32" if name in _INTS else "fp32" if name == "norm_eps" else "*bf16")
+            runtime.append(name)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=opts)
+    return compiled.asm["ptx"], runtime
+
+
+def main() -> None:
+    from csa_compressor.backends.triton import backward, backward_tail, forward, forward_long
+
+    results = {}
+    for name, kernel, consts, opts, with_tail in _cases(forward, forward_long, backward, backward_tail):
+        try:
+            ptx, runtime = _compile(kernel, consts, opts, with_tail)
+            params = len(re.findall(r"\.param \.\w+ (?:\.ptr \.global \.align \d+ )?\w+_param_\d+", ptx))
+            results[name] = dict(ok=True, runtime=runtime, params=params)
+        except Exception as exc:  # reported by the test, with the compiler's message
+            results[name] = dict(ok=False, error=f"{type(exc).__name__}: {exc}"[-2000:])
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DISABLE_LINE_INFO"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.backends.test_triton_compile"], cwd=root, env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_every_family_compiles_for_sm90(compiled):
+    failed = {name: r["error"] for name, r in compiled.items() if not r["ok"]}
+    assert not failed, failed
+    assert len(compiled) == 10
+
+
+def test_a_tailless_launch_takes_no_tail_argument(compiled):
+    """Without a tail the kernels' parameters are the pooling's: the tail's arguments are constexpr None."""
+    for name, result in compiled.items():
+        tail_params = set(result["runtime"]) & set(TAIL_ARGS)
+        assert bool(tail_params) == ("tail" in name), (name, result["runtime"])
+    plain, fused = compiled["forward short"], compiled["forward short, tail"]
+    # The compiled kernel has as many parameters more as the tail passes runtime arguments.
+    assert fused["params"] - plain["params"] == len(set(fused["runtime"]) - set(plain["runtime"])) > 0
+
+
+if __name__ == "__main__":
+    main()
