@@ -330,11 +330,13 @@ def _check_grad_norm_weight(tail, grad_norm_weight) -> None:
 def launch_forward(
     kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg: KernelConfig, stats=None, tail=None, rstd=None
 ) -> None:  # fmt: skip
-    """``forward`` with the tiles ``cfg`` (tests and tile sweeps; with a tail ``cfg`` must span whole rows), on the
-    current stream."""
+    """``forward`` with the tiles ``cfg`` (tests and tile sweeps; with a tail on a short window ``cfg`` must span
+    whole rows, a long window's are its statistics forward's), on the current stream."""
     tail = _active(tail)
     config = None if tail is None else tail.config
-    plan = _plan("forward", ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None, cfg, None, config)
+    # Whether rstd is given is part of the plan: the kernels specialise on a None pointer.
+    with_stats, with_rstd = stats is not None, tail is not None and rstd is not None
+    plan = _plan("forward", ratio, coff, out.shape[1], kv.dtype, kv.device, with_stats, cfg, None, config, with_rstd)
     plan(
         kv, score, ape, cu_seqlens, cu_seqlens_comp, out, None, stats,
         NO_TAIL if tail is None else _tail_args(tail, rstd),
@@ -350,7 +352,8 @@ def launch_backward(
     tail = _active(tail)
     config = None if tail is None else tail.config
     with_stats = stats is not None
-    plan = _plan("backward", ratio, coff, grad_out.shape[1], kv.dtype, kv.device, with_stats, cfg, tile, config)
+    shape = (ratio, coff, grad_out.shape[1], kv.dtype, kv.device, with_stats)
+    plan = _plan("backward", *shape, cfg, tile, config, tail is not None and rstd is not None)
     grads = (grad_kv, grad_score, grad_ape)
     if tail is None:
         plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, None, stats)
