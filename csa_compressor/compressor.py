@@ -114,8 +114,8 @@ class Compressor(nn.Module):
         ``total_comp``: output rows (an int capacity for CUDA graphs and ``torch.compile``; None reads
         ``cu_seqlens_comp[-1]``, one host synchronisation); ``position_start`` ``(B,)`` integers: position of
         each segment's first token (default 0); ``rope_cos`` / ``rope_sin``: tables ``(max_position,
-        rope_dim // 2)`` float32 in place of the module's own (``rope_tables``). Every real row's position must
-        lie inside the tables (``csa_compressor.tail.validate_positions`` checks it).
+        rope_dim // 2)`` float32 in place of the module's own (``rope_tables``). A real row whose position lies
+        outside the tables is not rotated (the validation mode rejects it instead).
         """
         three_d = x.dim() == 3
         if three_d:

@@ -104,6 +104,13 @@ def _pair_columns(head_dim, rope_dim, interleaved):
     return [(base + i, base + rope_dim // 2 + i) for i in range(rope_dim // 2)]
 
 
+def _angle(tail, pos: int, i: int) -> tuple[float, float]:
+    """(cos, sin) of pair ``i`` at ``pos``; a position outside the tables is not rotated (1, 0)."""
+    if not 0 <= pos < tail.rope_cos.shape[0]:
+        return 1.0, 0.0
+    return float(tail.rope_cos[pos, i]), float(tail.rope_sin[pos, i])
+
+
 def tail_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, tail):
     """fp64: the pooled row (unrounded), RMSNorm with the weight, then the rotation of each pair."""
     x = forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp)
@@ -116,7 +123,7 @@ def tail_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total
             inv_rms = 1.0 / math.sqrt(sum(v * v for v in row) / d + tail.norm_eps)
             row = [v * inv_rms * float(w) for v, w in zip(row, tail.norm_weight.tolist(), strict=True)]
         for i, (ca, cb) in enumerate(pairs):
-            cos, sin = float(tail.rope_cos[pos, i]), float(tail.rope_sin[pos, i])
+            cos, sin = _angle(tail, pos, i)
             a, b = row[ca], row[cb]
             row[ca], row[cb] = a * cos - b * sin, a * sin + b * cos
         out[r] = torch.tensor(row, dtype=torch.float64)
@@ -142,7 +149,7 @@ def tail_backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, 
             continue
         gy = [float(v) for v in grad_out[r].double()]
         for i, (ca, cb) in enumerate(pairs):
-            cos, sin = float(tail.rope_cos[pos, i]), float(tail.rope_sin[pos, i])
+            cos, sin = _angle(tail, pos, i)
             ga, gb = gy[ca], gy[cb]
             # Transpose of [[cos, -sin], [sin, cos]].
             gy[ca], gy[cb] = ga * cos + gb * sin, -ga * sin + gb * cos

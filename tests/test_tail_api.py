@@ -56,14 +56,20 @@ def _triton_tail_reason() -> str | None:
 _TRITON_REASON = _triton_tail_reason()
 
 
+_CUTE_REASON = dispatch.unavailable_reason("cute") or (None if torch.cuda.is_available() else "needs a CUDA GPU")
+
+
 def _marks(backend: str):
-    # A reference-backend failure fails; the Triton cases turn on by themselves once its tail lands.
+    # A reference-backend failure fails; the Triton cases run under the interpreter too, the cute ones on a GPU.
     if backend == "triton":
         return [pytest.mark.skipif(_TRITON_REASON is not None, reason=str(_TRITON_REASON))]
+    if backend == "cute":
+        return [pytest.mark.gpu, pytest.mark.skipif(_CUTE_REASON is not None, reason=str(_CUTE_REASON))]
     return []
 
 
-BACKENDS = [pytest.param(b, marks=_marks(b)) for b in ("reference", "triton")]
+ENTRY_BACKENDS = ("reference", "triton", "cute")
+BACKENDS = [pytest.param(b, marks=_marks(b)) for b in ENTRY_BACKENDS]
 # The Triton interpreter is slow on the CPU: there it gets the cases without ratio 128 (a GPU runs them all).
 _INTERPRETED = not torch.cuda.is_available()
 TAIL_BACKENDS = [b for b in ("reference", "triton") if b == "reference" or _TRITON_REASON is None]
@@ -81,7 +87,7 @@ def _entry_cases(entries):
     return [
         pytest.param(entry, b, name, marks=_marks(b), id=f"{entry}-{b}-{name}")
         for entry in entries
-        for b in ("reference", "triton")
+        for b in ENTRY_BACKENDS
         for name, (ratio, coff, *_) in CASES.items()
         if not (b == "triton" and _INTERPRETED and ratio == 128)
         and (entry != "wrappers-stats" or uses_softmax_stats(ratio, coff))
@@ -520,7 +526,7 @@ def test_function_apply_keeps_the_positional_tail():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", TAIL_BACKENDS)
+@pytest.mark.parametrize("backend", [*TAIL_BACKENDS, pytest.param("cute", marks=_marks("cute"))])
 def test_cuda_graph_captures_the_tail(backend):
     """compressor_pool with norm, rope and positions, forward and backward, captured and replayed: no host sync on
     the tail's path, the replay equal to the eager call bitwise."""

@@ -139,6 +139,7 @@ def test_tail_spec_and_slabs():
     grad_ape's (vectors never straddle the two parts)."""
     assert spec("bf16", 64, False, True) == configs.TailSpec(True, False, 64, False, True)
     assert spec(None, 2) == configs.TailSpec(False, False, 2, True, False)
+    assert spec("fp32", 0, False, True) == configs.TailSpec(True, True, 0, True, False)  # no rotation: one spec
     for head_dim, vector in ((512, 4), (65, 1), (130, 1)):
         back = select.fused_tail_config("backward", 4, 2, head_dim, H200, spec("fp32"))
         assert back.slab_entries == back.ape_size + head_dim
@@ -305,7 +306,7 @@ def test_fused_pair_with_the_saved_rstd(name):
     fused_forward(*pack.inputs, tail, ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, rstd=rstd)
     x = T.pooled_rows(*pack.inputs, ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, dtype=torch.float32)
     want = T.row_rstd(x, tail.norm_eps)[:, 0]
-    torch.testing.assert_close(rstd, want, rtol=4e-7, atol=0)
+    torch.testing.assert_close(rstd, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.gpu

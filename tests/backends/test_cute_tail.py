@@ -35,7 +35,7 @@ if launch.unavailable_reason() is not None:
     pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
 
 from csa_compressor import tail as T  # noqa: E402
-from csa_compressor.backends.cute import build, configs, select, tail_launch  # noqa: E402
+from csa_compressor.backends.cute import build, configs, select, tail_configs, tail_launch  # noqa: E402
 from csa_compressor.backends.cute.backward_stats import BackwardWithStats  # noqa: E402
 from csa_compressor.backends.cute.device import offline_spec  # noqa: E402
 from csa_compressor.backends.cute.forward import ForwardLongWindow  # noqa: E402
@@ -112,10 +112,10 @@ def test_every_window_class_has_the_composed_route(ratio, coff):
 
 
 def test_stats_forward_of_short_windows_is_one_group():
-    cfg = configs.stats_forward_for_sm90(4, 2, 512, H200)
+    cfg = tail_configs.stats_forward_for_sm90(4, 2, 512, H200)
     assert (cfg.slot_groups, cfg.slots_per_batch, cfg.batches, cfg.write_stats) == (1, 8, 1, True)
-    assert configs.stats_forward_for_sm90(32, 2, 64, H200) == configs.forward_for_sm90(32, 2, 64, H200, stats=True)
-    grouped = configs.stats_forward_for_sm90(3, 2, 36, H200)
+    assert tail_configs.stats_forward_for_sm90(32, 2, 64, H200) == configs.forward_for_sm90(32, 2, 64, H200, stats=True)
+    grouped = tail_configs.stats_forward_for_sm90(3, 2, 36, H200)
     assert grouped == dataclasses.replace(configs.forward_for_sm90(3, 2, 36, H200), write_stats=True)
 
 
@@ -126,7 +126,7 @@ def test_slab_entries_of_every_backward_config():
             configs.stats_backward_for_sm90(ratio, coff, 64, H200),
         ):
             assert cfg.slab_entries == cfg.ape_size
-    gradient = configs.tail_rows(configs.TailGradientConfig, 4, 130, SPEC_FULL, 390, 260)
+    gradient = tail_configs.tail_rows(tail_configs.TailGradientConfig, 4, 130, SPEC_FULL, 390, 260)
     assert gradient.slab_entries == 130 and gradient.reduce.ape_size == 130
 
 
@@ -172,9 +172,9 @@ TAIL_BUILDS = [
 ]
 # (name, kernel class, configuration factory): the statistics forward of short windows, dx-reading backwards.
 POOL_BUILDS = [
-    ("stats forward r4c2", ForwardLongWindow, lambda: configs.stats_forward_for_sm90(4, 2, 128, H200)),
-    ("stats forward r2c1", ForwardLongWindow, lambda: configs.stats_forward_for_sm90(2, 1, 65, H200)),
-    ("stats forward r3c2", ForwardLongWindow, lambda: configs.stats_forward_for_sm90(3, 2, 36, H200)),
+    ("stats forward r4c2", ForwardLongWindow, lambda: tail_configs.stats_forward_for_sm90(4, 2, 128, H200)),
+    ("stats forward r2c1", ForwardLongWindow, lambda: tail_configs.stats_forward_for_sm90(2, 1, 65, H200)),
+    ("stats forward r3c2", ForwardLongWindow, lambda: tail_configs.stats_forward_for_sm90(3, 2, 36, H200)),
     ("dx backward r4c2", BackwardWithStats,
      lambda: dataclasses.replace(configs.stats_backward_for_sm90(4, 2, 64, H200), grad_float32=True)),
     ("bf16 backward r4c2", BackwardWithStats, lambda: configs.stats_backward_for_sm90(4, 2, 64, H200)),
@@ -202,8 +202,8 @@ def built(request):
     result = {}
     with tempfile.TemporaryDirectory() as dump:
         for name, kernel_class, ratio, head_dim, spec in TAIL_BUILDS:
-            kind = configs.TailForwardConfig if kernel_class is TailForward else configs.TailGradientConfig
-            cfg = configs.tail_rows(kind, ratio, head_dim, SPECS[spec], 3 * head_dim, 2 * head_dim)
+            kind = tail_configs.TailForwardConfig if kernel_class is TailForward else tail_configs.TailGradientConfig
+            cfg = tail_configs.tail_rows(kind, ratio, head_dim, SPECS[spec], 3 * head_dim, 2 * head_dim)
             kernel = kernel_class(cfg)
             result[name] = (kernel, build.compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
         for name, kernel_class, factory in POOL_BUILDS:
@@ -255,7 +255,7 @@ def test_loaded_tail_functions_take_pointers_ints_floats_and_the_stream(tmp_path
     """Through the disk cache's export and load (the one TVM-FFI launch path): the host functions' parameters in
     build.py's order, norm_eps a Python float."""
     monkeypatch.setenv("CSA_COMPRESSOR_CACHE_DIR", str(tmp_path))
-    cfg = configs.tail_rows(configs.TailForwardConfig, 4, 64, SPEC_FULL, 192, 128)
+    cfg = tail_configs.tail_rows(tail_configs.TailForwardConfig, 4, 64, SPEC_FULL, 192, 128)
     function = launch.host_function(TailForward, cfg, "sm_90a")
     with pytest.raises(TypeError) as info:
         function()
@@ -308,8 +308,8 @@ def _composed(host_path, direction, pack, spec, fuse=True):
     route = tail_launch.TailRoute.__new__(tail_launch.TailRoute)
     route.fused = None
     route.stats = _forward_launcher()
-    kind = configs.TailForwardConfig if direction == "forward" else configs.TailGradientConfig
-    tail_cfg = configs.tail_rows(kind, pack.ratio, pack.head_dim, spec, 3 * pack.head_dim, 2 * pack.head_dim)
+    kind = tail_configs.TailForwardConfig if direction == "forward" else tail_configs.TailGradientConfig
+    tail_cfg = tail_configs.tail_rows(kind, pack.ratio, pack.head_dim, spec, 3 * pack.head_dim, 2 * pack.head_dim)
     route.tail = _forward_launcher(tail_cfg) if direction == "forward" else _backward_launcher(tail_cfg)
     route.pool = _backward_launcher(SimpleNamespace(whole_tile=False, slab_entries=pack.ape.numel()), 8)
     host_path[(direction, pack.ratio, pack.coff, pack.head_dim, pack.kv.dtype, None, spec, fuse)] = route

@@ -138,7 +138,7 @@ class RowTail:
         local = self.local(col)
         if self.spec.rope_interleaved:
             return local // 2
-        return cutlass.select_(local < self.half, local, local - self.half)
+        return Int32(cutlass.select_(local < self.half, local, local - self.half))
 
     def partner(self, col):
         """The other column of the pair (the column itself outside the block)."""
@@ -147,7 +147,7 @@ class RowTail:
             other = cutlass.select_(local % 2 == 0, col + 1, col - 1)
         else:
             other = cutlass.select_(local < self.half, col + self.half, col - self.half)
-        return cutlass.select_(self.in_rope(col), other, col)
+        return Int32(cutlass.select_(self.in_rope(col), Int32(other), col))
 
     @cute.jit
     def load_angles(self, rope_cos, rope_sin, pos, max_position, c, cs, sn):

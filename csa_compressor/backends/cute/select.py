@@ -14,7 +14,7 @@ With the fused tail (``configs.TailSpec``; ``tail_route``) a call takes one of t
 
 - fused: the pooling kernel with the tail inside, where ``fused_tail_config`` has a configuration for it;
 - composed, every other window: forward = the statistics forward (``ForwardLongWindow`` with ``write_stats``, for
-  any window: ``configs.stats_forward_for_sm90``) then ``TailForward`` on ``stats[:, 2]``; backward = the
+  any window: ``tail_configs.stats_forward_for_sm90``) then ``TailForward`` on ``stats[:, 2]``; backward = the
   statistics forward again where no statistics were saved, ``TailGradient`` (dx, fp32) and ``BackwardWithStats``
   reading dx (``grad_float32``).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...windows import uses_softmax_stats
-from . import configs
+from . import configs, tail_configs
 from .backward_long import BackwardLongWindow
 from .backward_short import BackwardShortWindow
 from .backward_stats import BackwardWithStats
@@ -40,17 +40,17 @@ KERNEL_OF_CONFIG = {
     configs.BackwardShortConfig: BackwardShortWindow,
     configs.BackwardLongConfig: BackwardLongWindow,
     configs.BackwardStatsConfig: BackwardWithStats,
-    configs.TailForwardConfig: TailForward,
-    configs.TailGradientConfig: TailGradient,
+    tail_configs.TailForwardConfig: TailForward,
+    tail_configs.TailGradientConfig: TailGradient,
 }
 
 # Factories per architecture family: (forward, backward, backward with statistics, forward with statistics of
 # any window).
 _FACTORIES = {
     "sm_90": (configs.forward_for_sm90, configs.backward_for_sm90, configs.stats_backward_for_sm90,
-              configs.stats_forward_for_sm90),
+              tail_configs.stats_forward_for_sm90),
     "sm_100": (configs.forward_for_sm100, configs.backward_for_sm100, configs.stats_backward_for_sm100,
-               configs.stats_forward_for_sm100),
+               tail_configs.stats_forward_for_sm100),
 }  # fmt: skip
 
 
@@ -80,8 +80,8 @@ def kernel_for(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
 
 # Factories of the fused tail's configurations per architecture family: (forward, backward).
 _FUSED_FACTORIES = {
-    "sm_90": (configs.fused_forward_for_sm90, configs.fused_backward_for_sm90),
-    "sm_100": (configs.fused_forward_for_sm100, configs.fused_backward_for_sm100),
+    "sm_90": (tail_configs.fused_forward_for_sm90, tail_configs.fused_backward_for_sm90),
+    "sm_100": (tail_configs.fused_forward_for_sm100, tail_configs.fused_backward_for_sm100),
 }
 
 
@@ -109,8 +109,8 @@ def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
         return {"fused": (KERNEL_OF_CONFIG[type(fused)], fused)}
     _, _, stats_backward, stats_forward = _family(device)
     # The pooled rows x are stats[:, 2]: rows of 3 * head_dim floats from column 2 * head_dim.
-    kind = configs.TailForwardConfig if direction == "forward" else configs.TailGradientConfig
-    tail = configs.tail_rows(kind, ratio, head_dim, tail_spec, 3 * head_dim, 2 * head_dim)
+    kind = tail_configs.TailForwardConfig if direction == "forward" else tail_configs.TailGradientConfig
+    tail = tail_configs.tail_rows(kind, ratio, head_dim, tail_spec, 3 * head_dim, 2 * head_dim)
     steps = {"stats": stats_forward(ratio, coff, head_dim, device), "tail": tail}
     if direction == "backward":
         steps["pool"] = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)

@@ -29,9 +29,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .configs import TailForwardConfig, TailGradientConfig
 from .ptx import add_rn, mul_rn, ptx_f32, sub_rn
 from .reduce import ApeReduce
+from .tail_configs import TailForwardConfig, TailGradientConfig
 from .window import Segments, locate_row, real_rows, register_slots, registers, vec_view, widen_plain
 
 

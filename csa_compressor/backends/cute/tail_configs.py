@@ -1,0 +1,195 @@
+"""Configurations of the fused tail's kernels (RMSNorm, RoPE): the composed route's row kernels and statistics
+forward, and the fused short-window kernels' factories (``select.tail_route`` picks between them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...windows import is_short_window
+from .configs import (
+    SHORT_BACKWARD_THREADS,
+    ApeReduceConfig,
+    BackwardShortConfig,
+    ForwardLongConfig,
+    ForwardShortConfig,
+    TailSpec,
+    forward_for_sm90,
+    slots_per_group,
+    tile_shape,
+    vector_width,
+)
+from .device import DeviceSpec
+
+# ---------------------------------------------------------------- the fused tail (RMSNorm, RoPE)
+
+# Tail kernels: threads per CTA at least, and at most this many per row (a row's column vectors in steps of them).
+TAIL_THREADS = 128
+TAIL_ROW_THREADS = 256
+TAIL_COLUMN_STEPS = 4
+
+
+@dataclass(frozen=True)
+class _TailRows:
+    """Whole rows per thread group: ``row_threads`` threads own a row (``vector_width`` columns each, in
+    ``column_steps`` steps), ``row_lanes`` rows side by side per CTA. ``source_stride`` / ``source_offset``: the
+    fp32 pooled rows' stride and first column (``stats[:, 2]``: 3 * head_dim and 2 * head_dim)."""
+
+    ratio: int
+    head_dim: int
+    tail: TailSpec
+    vector_width: int
+    row_threads: int
+    row_lanes: int
+    source_stride: int
+    source_offset: int
+
+    @property
+    def threads(self) -> int:
+        return self.row_threads * self.row_lanes
+
+    @property
+    def vectors(self) -> int:
+        """Column vectors of a row."""
+        return -(-self.head_dim // self.vector_width)
+
+    @property
+    def column_steps(self) -> int:
+        return -(-self.vectors // self.row_threads)
+
+    @property
+    def padded_columns(self) -> int:
+        """Columns of a row's shared-memory row: every thread's columns, past head_dim too."""
+        return self.column_steps * self.row_threads * self.vector_width
+
+    @property
+    def row_warps(self) -> int:
+        """Warps of one row (1 for rows of at most 32 threads)."""
+        return max(1, self.row_threads // 32)
+
+    @property
+    def reduction_bytes(self) -> int:
+        return 4 * self.row_lanes * self.row_warps if self.row_warps > 1 else 0
+
+
+@dataclass(frozen=True)
+class TailForwardConfig(_TailRows):
+    """The composed forward's epilogue (``tail_kernels.TailForward``): pooled rows -> out (bf16) and rstd."""
+
+    @property
+    def smem_bytes(self) -> int:
+        rows = 4 * self.row_lanes * self.padded_columns if self.tail.rope_dim else 0
+        return rows + self.reduction_bytes + 64
+
+
+@dataclass(frozen=True)
+class TailGradientConfig(_TailRows):
+    """The composed backward's first kernel (``tail_kernels.TailGradient``): grad_out -> dx (fp32) and the norm
+    weight's gradient through per-CTA slabs, persistent CTAs over row ranges."""
+
+    carveout = 50
+    tiles = 1
+    whole_tile = False
+
+    @property
+    def slab_entries(self) -> int:
+        return self.head_dim
+
+    @property
+    def smem_bytes(self) -> int:
+        lanes = 4 * self.row_lanes * self.padded_columns if self.tail.has_norm and self.row_lanes > 1 else 0
+        return lanes + 2 * self.reduction_bytes + 64
+
+    @property
+    def reduce(self) -> ApeReduceConfig:
+        return ApeReduceConfig(self.head_dim, slab_lanes=1)
+
+
+def tail_rows(kind, ratio: int, head_dim: int, tail: TailSpec, source_stride: int, source_offset: int):
+    """A ``kind`` (TailForwardConfig or TailGradientConfig) of 8- or 16-byte column vectors, at most
+    TAIL_COLUMN_STEPS steps per thread up to TAIL_ROW_THREADS threads per row, and rows side by side to
+    TAIL_THREADS threads."""
+    width = vector_width(head_dim, 4)
+    vectors = -(-head_dim // width)
+    row_threads = 1
+    while row_threads * TAIL_COLUMN_STEPS < vectors and row_threads < TAIL_ROW_THREADS:
+        row_threads *= 2
+    lanes = max(1, TAIL_THREADS // row_threads)
+    return kind(ratio, head_dim, tail, width, row_threads, lanes, source_stride, source_offset)
+
+
+def stats_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec) -> ForwardLongConfig:
+    """The grouped forward with statistics for any window (the composed tail's x): long windows' own, and for
+    short windows of one group the exact forward's tile as one group of one batch."""
+    config = forward_for_sm90(ratio, coff, head_dim, device, stats=True)
+    if isinstance(config, ForwardLongConfig):
+        return config
+    width, tc, groups, sg, rows = tile_shape(ratio, coff, head_dim, vcap=4, threads=128, cols_cap=512)
+    return ForwardLongConfig(ratio, coff, head_dim, width, tc, groups, sg, 1, rows, False, True)
+
+
+def stats_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec) -> ForwardLongConfig:
+    return stats_forward_for_sm90(ratio, coff, head_dim, device)
+
+
+# ---------------------------------------------------------------- the fused tail (RMSNorm, RoPE in the kernels)
+
+# Threads one fused forward row may span (one CTA row), and the fused forward CTA's size when rows are narrower.
+FUSED_ROW_THREADS_CAP = 1024
+FUSED_FORWARD_THREADS = 128
+
+
+def _row_threads(head_dim: int, width: int) -> int:
+    """Threads of a fused row: the smallest power of two covering head_dim in ``width``-column vectors (so that a
+    row's threads are a warp's aligned share or whole warps, and its sums go through shuffles in a fixed order)."""
+    n = 1
+    while n * width < head_dim:
+        n *= 2
+    return n
+
+
+def _one_exact_group(ratio: int, coff: int) -> bool:
+    """The windows the exact short kernels serve: short, one power-of-two group of slots."""
+    window = coff * ratio
+    return is_short_window(ratio, coff) and slots_per_group(window, 8) == window
+
+
+def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    """The short-window forward with the tail, or None where it cannot fuse it: whole rows (one column chunk) of a
+    power-of-two thread count, 4-column vectors (8 for rows past FUSED_ROW_THREADS_CAP threads), rows side by side
+    up to FUSED_FORWARD_THREADS threads; the SPEC head_dims keep the pooling-only tile."""
+    if not _one_exact_group(ratio, coff):
+        return None
+    for cap in (4, 8):
+        width = vector_width(head_dim, cap)
+        threads = _row_threads(head_dim, width)
+        if threads <= FUSED_ROW_THREADS_CAP:
+            break
+    else:
+        return None
+    rows = 1
+    while threads * rows * 2 <= FUSED_FORWARD_THREADS:
+        rows *= 2
+    return ForwardShortConfig(ratio, coff, head_dim, width, threads, rows_per_cta=rows, tail=tail)
+
+
+def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    """The short-window backward with the tail, or None where it cannot fuse it: the pooling-only backward's
+    2-column vectors and SHORT_BACKWARD_THREADS-thread CTAs, each row lane a whole row (a power-of-two thread
+    count, at most the CTA)."""
+    if not _one_exact_group(ratio, coff):
+        return None
+    width = vector_width(head_dim, 2)
+    threads = _row_threads(head_dim, width)
+    if threads > SHORT_BACKWARD_THREADS:
+        return None
+    window = coff * ratio
+    lanes = SHORT_BACKWARD_THREADS // threads
+    return BackwardShortConfig(ratio, coff, head_dim, width, threads, 1, window, lanes, tail=tail)
+
+
+def fused_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    return fused_forward_for_sm90(ratio, coff, head_dim, device, tail)
+
+
+def fused_backward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    return fused_backward_for_sm90(ratio, coff, head_dim, device, tail)
