@@ -31,7 +31,7 @@ _TAIL = dict(HAS_NORM=True, ROPE_DIM=16, ROPE_INTERLEAVED=True)
 _HALF_SPLIT = dict(HAS_NORM=False, ROPE_DIM=16, ROPE_INTERLEAVED=False)
 
 
-def _cases(forward, forward_long, backward, backward_tail):
+def _cases(forward, forward_long, backward, backward_tail, forward_tail):
     """(name, kernel, constexprs, launch options, tail given) of every family, small tiles (d = 32)."""
     d = dict(HEAD_DIM=32, BLOCK_D=32, VEC=8, N_COL=1)
     short = dict(RATIO=4, SP=4, COFF=2, BLOCK_R=2, PRECISE_EXP=True, MANUAL_RTNE=False, TORCH_ORDER=True, **d)
@@ -44,13 +44,18 @@ def _cases(forward, forward_long, backward, backward_tail):
     one_stage = dict(num_warps=4, num_stages=1)
     sweep = dict(SWEEP_T=16, SWEEP_D=32)
     fwd, fwd_long, bwd = forward.csa_fwd_kernel, forward_long.csa_fwd_long_kernel, backward.csa_bwd_kernel
-    long_tail = dict(long, WRITE_STATS=False, DEPTH=2, SLOT_AXIS=0, **_HALF_SPLIT)
     dx_consts = dict(RATIO=32, HEAD_DIM=32, BLOCK_R=4, BLOCK_D=32, **_HALF_SPLIT)
+    # The long-window forward's epilogue: an odd head_dim gathers the interleaved partners across the row.
+    epilogue = dict(RATIO=128, HEAD_DIM=32, BLOCK_R=4, BLOCK_D=32, MANUAL_RTNE=False)
+    odd = dict(epilogue, HEAD_DIM=27, **_TAIL)
     return [
         ("forward short", fwd, short, exact, False),
         ("forward short, tail", fwd, {**short, **_TAIL}, exact, True),
         ("forward long, stats", fwd_long, dict(long, WRITE_STATS=True), fast, False),
-        ("forward long, depth 2, tail", fwd_long, long_tail, fast, True),
+        ("forward long, depth 2", fwd_long, dict(long, WRITE_STATS=False, DEPTH=2), fast, False),
+        ("tail forward", forward_tail.csa_tail_fwd_kernel, {**epilogue, **_TAIL}, fast, True),
+        ("tail forward, half-split", forward_tail.csa_tail_fwd_kernel, {**epilogue, **_HALF_SPLIT}, fast, True),
+        ("tail forward, odd head_dim", forward_tail.csa_tail_fwd_kernel, odd, fast, True),
         ("backward short", bwd, {**short, **sweep}, exact, False),
         ("backward short, tail", bwd, {**short, **sweep, **_TAIL}, exact, True),
         ("backward long", backward.csa_bwd_long_kernel, bwd_long, fast, False),
@@ -83,10 +88,10 @@ def _compile(kernel, consts, opts, with_tail) -> tuple[str, list[str]]:
 
 
 def main() -> None:
-    from csa_compressor.backends.triton import backward, backward_tail, forward, forward_long
+    from csa_compressor.backends.triton import backward, backward_tail, forward, forward_long, forward_tail
 
     results = {}
-    for name, kernel, consts, opts, with_tail in _cases(forward, forward_long, backward, backward_tail):
+    for name, kernel, consts, opts, with_tail in _cases(forward, forward_long, backward, backward_tail, forward_tail):
         try:
             ptx, runtime = _compile(kernel, consts, opts, with_tail)
             params = len(re.findall(r"\.param \.\w+ (?:\.ptr \.global \.align \d+ )?\w+_param_\d+", ptx))
@@ -112,7 +117,7 @@ def compiled():
 def test_every_family_compiles_for_sm90(compiled):
     failed = {name: r["error"] for name, r in compiled.items() if not r["ok"]}
     assert not failed, failed
-    assert len(compiled) == 10
+    assert len(compiled) == 13
 
 
 def test_a_tailless_launch_takes_no_tail_argument(compiled):

@@ -2,10 +2,12 @@
 ``csa_compressor.tail.check_backend`` (out within 1 bf16 ulp of the fp32 reference, grad_kv / grad_score within
 1 ulp, grad_ape and grad_norm_weight at relative L2 <= 1e-5 against fp64, bitwise run to run).
 
-Routes: short windows (whole-row programs); long windows without statistics (recomputed through the statistics
-pair), with the statistics pair (its backward's in-program row sums, or its dx kernel first), with and without the
-forward's rstd. Every output and partial starts as NaN, so an entry a kernel leaves unwritten fails the contract.
-Runs under Triton's interpreter on a CPU-only machine, on the small cases of tests/test_tail.py.
+Routes: short windows, up to 16 slots (the tail fused into whole-row window programs); long windows, whose forward
+is composed (the statistics forward into the caller's statistics or a workspace, then the epilogue over whole rows)
+and whose backward runs without statistics (recomputed through the statistics pair) or with them (its in-program
+row sums, or its dx kernel first), with and without the forward's rstd. Every output, partial and workspace starts
+as NaN, so an entry a kernel leaves unwritten fails the contract. Runs under Triton's interpreter on a CPU-only
+machine, on the small cases of tests/test_tail.py and a few more (``EXTRA``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ pytest.importorskip("triton")
 from csa_compressor import reference  # noqa: E402
 from csa_compressor import tail as T  # noqa: E402
 from csa_compressor.backends.triton import config, launch, plans  # noqa: E402
-from csa_compressor.testing import make_pack  # noqa: E402
+from csa_compressor.testing import bf16_ulp_distance, make_pack  # noqa: E402
 from tests.test_tail import CASES, OUT_OF_TABLE, case_pack_and_tail, out_of_table_tail  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -101,7 +103,33 @@ def _force_dx_route(monkeypatch):
 
 SHORT = [name for name, case in CASES.items() if not config.is_long(case[0], case[1])]
 LONG = [name for name, case in CASES.items() if config.is_long(case[0], case[1])]
-LONG_ROUTES = {"recompute": Route(), "stats": Route(stats=True), "stats-dx-rstd": Route(True, True, True)}
+LONG_ROUTES = {
+    "recompute": Route(),
+    "stats": Route(stats=True),
+    "stats-dx-rstd": Route(True, True, True),
+    "rstd": Route(rstd=True),
+}
+# Two routes per long case, each route on a coff-1 and a coff-2 case (the interpreter's time is the budget).
+LONG_CASE_ROUTES = [(name, list(LONG_ROUTES)[(i + k) % 4]) for i, name in enumerate(LONG) for k in (0, 2)]
+
+# Cases tests/test_tail.py does not have (its format): windows of 9-16 slots (fused short programs), and long windows
+# with a norm only, an odd head_dim under interleaved pairs (they start on an odd column: gathered),
+# short segments and padding rows; each with one route.
+EXTRA = {
+    "r8c2d9-rope4-pos": ((8, 2, 9, (35, 7, 16), 1, 2, dict(rope_dim=4, positions=True)), Route()),
+    "r16c1d12-rope12-half": ((16, 1, 12, (40, 15), 0, 1, dict(rope_dim=12, interleaved=False)), Route(rstd=True)),
+    "r5c2d10-norm": ((5, 2, 10, (23, 4, 11), 2, 1, dict(norm_dtype=torch.bfloat16)), Route(rstd=True)),
+    "r128c2d7-norm": ((128, 2, 7, (260, 3), 1, 2, dict()), Route(rstd=True)),
+    "r128c1d35-rope32-pos": ((128, 1, 35, (130, 256), 0, 1, dict(rope_dim=32, positions=True)), Route(True, False, True)),
+}  # fmt: skip
+
+
+def _extra_pack_and_tail(name, seed):
+    (ratio, coff, head_dim, seqlens, tok_pad, comp_pad, tail_kw), _route = EXTRA[name]
+    pack = make_pack(
+        seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, seed=seed, device=DEVICE
+    )
+    return pack, T.random_tail(pack, seed=seed + 7, **tail_kw)
 
 
 @pytest.mark.parametrize("name", SHORT)
@@ -110,14 +138,24 @@ def test_short_windows_meet_the_contract(name):
     T.check_backend(*_adapters(Route()), pack, tail)
 
 
+@pytest.mark.parametrize("name", list(EXTRA))
+def test_more_windows_meet_the_contract(name, monkeypatch):
+    route = EXTRA[name][1]
+    if route.dx:
+        _force_dx_route(monkeypatch)
+    pack, tail = _extra_pack_and_tail(name, seed=17)
+    T.check_backend(*_adapters(route), pack, tail)
+    (plan,) = launch._FORWARD.values()
+    assert isinstance(plan, plans.TailForwardPlan) == config.is_long(pack.ratio, pack.coff)
+
+
 @pytest.mark.parametrize("name", ["r4c2d72-rope64-bf16w-pos", "r2c1d66-rope64-half-pos"])
 def test_short_windows_with_rstd(name):
     pack, tail = case_pack_and_tail(name, seed=12)
     T.check_backend(*_adapters(Route(rstd=True)), pack, tail)
 
 
-@pytest.mark.parametrize("route", list(LONG_ROUTES))
-@pytest.mark.parametrize("name", LONG)
+@pytest.mark.parametrize(("name", "route"), LONG_CASE_ROUTES)
 def test_long_windows_meet_the_contract(name, route, monkeypatch):
     if LONG_ROUTES[route].dx:
         _force_dx_route(monkeypatch)
@@ -126,6 +164,34 @@ def test_long_windows_meet_the_contract(name, route, monkeypatch):
     (plan,) = launch._BACKWARD.values()
     assert plan.family == "stats" and (plan.stats_forward is None) == LONG_ROUTES[route].stats
     assert all(bool(sizes[-1]) == LONG_ROUTES[route].dx for sizes in plan._sizes.values())
+    (forward_plan,) = launch._FORWARD.values()
+    assert isinstance(forward_plan, plans.TailForwardPlan)
+
+
+def test_long_forward_composes_the_pooling_and_the_epilogue():
+    """The long-window forward with a tail at the pooling's column-chunked tiles (two column blocks, the last one
+    partial): the statistics are the tail-less statistics forward's, bitwise, whether the caller gives them or not;
+    ``out`` is within 1 bf16 ulp of the fp32 reference, the same bits either way; rstd is every row's."""
+    pack = make_pack((300, 5, 129), 12, 128, 1, token_padding=2, comp_padding=2, seed=18, device=DEVICE)
+    tail = T.random_tail(pack, rope_dim=8, interleaved=False, positions=True, seed=6)
+    cfg = config.KernelConfig(1, 8, 1, rows_per_prog=2, vec=1, slots_per_thread=4)
+    args = (pack.ratio, pack.coff, pack.total_comp)
+    plain_out, plain_stats, _ = _forward(pack.inputs, None, *args, Route(stats=True), cfg)
+    outs = []
+    for route in (Route(stats=True, rstd=True), Route()):
+        out, stats, rstd = _forward(pack.inputs, tail, *args, route, cfg)
+        outs.append(out)
+        if stats is not None:
+            assert torch.equal(stats, plain_stats)
+            x = T.pooled_rows(*pack.inputs, dtype=torch.float32, ratio=pack.ratio, coff=pack.coff,
+                              total_comp=pack.total_comp)  # fmt: skip
+            torch.testing.assert_close(rstd, T.row_rstd(x, tail.norm_eps).reshape(-1), rtol=1e-6, atol=0)
+    want = T.forward(*pack.inputs, tail, ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp)
+    assert int(bf16_ulp_distance(outs[0], want).max()) <= 1
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert not torch.equal(outs[0].view(torch.int16), plain_out.view(torch.int16))
+    kinds = {type(plan) for plan in launch._PLANS.values()}
+    assert kinds == {plans.ForwardPlan, plans.TailForwardPlan}
 
 
 def test_statistics_keep_the_pooled_row_and_rstd_is_filled():
@@ -165,7 +231,7 @@ def test_identity_tail_is_the_pooling_bitwise(name):
 OUT_OF_TABLE_ROUTES = [
     (name, route)
     for name in OUT_OF_TABLE
-    for route in ([Route(), Route(rstd=True)] if name in SHORT else list(LONG_ROUTES.values()))
+    for route in ([Route(), Route(rstd=True)] if name in SHORT else [Route(), Route(True, True, True)])
 ]
 
 
@@ -188,8 +254,8 @@ def test_positions_past_int32_are_outside_the_tables():
 
 
 def test_explicit_tiles(monkeypatch):
-    """GPU-like code paths under the interpreter: the long forward with two chunks in flight (its row finish runs
-    with the next row's chunks loaded), and the statistics backward with several column blocks and slot chunks
+    """GPU-like code paths under the interpreter: the long forward's pooling with two chunks in flight (its row finish
+    runs with the next row's chunks loaded), and the statistics backward with several column blocks and slot chunks
     whose in-program row sums take several column steps."""
     monkeypatch.setattr(plans, "TAIL_ROW_BLOCK", 4)
     pack = make_pack((40, 20, 3), 12, 12, 2, token_padding=3, comp_padding=2, seed=16, device=DEVICE)
@@ -225,6 +291,7 @@ def test_compile_builds_the_tail_plans():
     launch.compile("backward", 4, 2, 8, torch.bfloat16, DEVICE, config_)
     forward_keys = [k for k in launch._FORWARD if len(k) == 8]
     assert sorted((k[5], k[7]) for k in forward_keys) == [(False, False), (False, True), (True, False), (True, True)]
+    assert all(isinstance(launch._FORWARD[k], plans.TailForwardPlan) for k in forward_keys)
     assert sorted(k[7] for k in launch._BACKWARD if len(k) == 8) == [False, True]
 
 

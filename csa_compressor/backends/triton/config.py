@@ -25,7 +25,6 @@ __all__ = [
     "long_rows",
     "long_shape",
     "pow2",
-    "rotation_gathers",
     "rows_per_prog",
     "search_iters",
     "stats_rows",
@@ -53,6 +52,9 @@ TAIL_ROW_BLOCK = 512
 STATS_TAIL_RESIDENT = 2
 # Rows per program of csa_tail_dx_kernel: about 4096 elements per program.
 TAIL_DX_ELEMENTS = 4096
+# Rows per program of csa_tail_fwd_kernel (the long-window forward's epilogue): about 2048 elements per program, so
+# that the few rows of a ratio-128 pack still spread over the SMs.
+TAIL_FWD_ELEMENTS = 2048
 
 
 def pow2(n: int) -> int:
@@ -173,26 +175,16 @@ def _long_config(direction: str, ratio: int, coff: int, head_dim: int) -> Kernel
     return KernelConfig(1, block_d, num_warps, rows_per_prog=0, vec=8, sweep_d=min(256, d2))
 
 
-def whole_rows(cfg: KernelConfig, head_dim: int, gathers: bool = False) -> KernelConfig:
-    """``cfg`` widened so that a program owns whole rows (the tail's row reductions need every column): ``block_d``
-    covers ``head_dim`` and the warps grow with it (up to ``MAX_TAIL_WARPS``), so that each thread keeps the
-    elements of the tile it had and the window loads keep their width. A ``cfg`` narrower than ``head_dim`` spans
-    one row tile per warp already (``block_r == 1``).
-
-    Long-window forwards keep two chunks in flight (the grid has one program per row, so each must keep more bytes
-    in flight), except where the rotation ``gathers`` its partners across the row (``rotation_gathers``): those
-    registers and a second chunk's would spill."""
+def whole_rows(cfg: KernelConfig, head_dim: int) -> KernelConfig:
+    """``cfg`` widened so that a program owns whole rows (the short-window tail's row reductions need every column):
+    ``block_d`` covers ``head_dim`` and the warps grow with it (up to ``MAX_TAIL_WARPS``), so that each thread keeps
+    the elements of the tile it had and the window loads keep their width. A ``cfg`` narrower than ``head_dim``
+    spans one row tile per warp already (``block_r == 1``)."""
     d2 = pow2(head_dim)
     if cfg.block_d >= d2:
         return cfg
     warps = max(1, min(MAX_TAIL_WARPS, cfg.num_warps * (d2 // cfg.block_d)))
-    return dataclasses.replace(cfg, block_d=d2, num_warps=warps, prefetch_depth=1 if gathers else 2)
-
-
-def rotation_gathers(tail_config, head_dim: int) -> bool:
-    """Whether the forward's rotation exchanges values across the row (``norm_rope._rotate``): half-split pairs, or
-    interleaved pairs that start on an odd column. Interleaved pairs from an even column are adjacent elements."""
-    return tail_config.rope_dim > 0 and not (tail_config.rope_interleaved and head_dim % 2 == 0)
+    return dataclasses.replace(cfg, block_d=d2, num_warps=warps)
 
 
 def stats_tile(ratio: int, coff: int, head_dim: int, interpret: bool) -> StatsTile:

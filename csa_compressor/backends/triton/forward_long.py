@@ -14,25 +14,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .forward import (
-    _OFFSETS,
-    _TAIL_INTS,
-    _TAIL_OFFSETS,
-    LOG2E,
-    WINDOW_EVICT,
-    _program_segment,
-    _real_rows,
-    _round,
-    _row_position,
-    _row_start,
-)
-from .norm_rope import _load_norm_weight, _tail_forward
+from .forward import _OFFSETS, LOG2E, WINDOW_EVICT, _program_segment, _real_rows, _round, _row_start
 
 
 @triton.jit
 def _long_base(
     col_start, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
-    CS_IN: tl.constexpr, LANES: tl.constexpr, SLOT_AXIS: tl.constexpr = 1,
+    CS_IN: tl.constexpr, LANES: tl.constexpr,
 ):  # fmt: skip
     """Per-thread constants of the long-window tiles: the slot of each ``[l, i]`` (``i * LANES + l``,
     ``[LANES, CS_IN, 1]``), element offsets ``slot * W + col`` (``[LANES, CS_IN, BLOCK_D]``), the column mask and
@@ -40,12 +28,7 @@ def _long_base(
     W: tl.constexpr = COFF * HEAD_DIM
     # Lanes first: with the slot-in-thread axis second, Triton's coalescing order spreads threads over the
     # columns, then the lanes, and keeps CS_IN in each thread (reductions over axis 1 stay in-thread).
-    if SLOT_AXIS == 1:
-        slot = tl.arange(0, LANES)[:, None, None] + tl.arange(0, CS_IN)[None, :, None] * LANES
-    else:
-        # [CS_IN, LANES, BLOCK_D]: where the warps outnumber a row's column span (whole-row programs), Triton's
-        # order gives the spare warps to the lanes, not to the in-thread slots.
-        slot = tl.arange(0, CS_IN)[:, None, None] * LANES + tl.arange(0, LANES)[None, :, None]
+    slot = tl.arange(0, LANES)[:, None, None] + tl.arange(0, CS_IN)[None, :, None] * LANES
     lane = tl.arange(0, BLOCK_D)
     # Contiguous in runs of VEC only: caps the vector width Triton picks at VEC elements.
     cols = col_start + (lane // VEC) * VEC + lane % VEC
@@ -111,7 +94,7 @@ def _load_chunk(
 
 
 @triton.jit
-def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr, SLOT_AXIS: tl.constexpr = 1):
+def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
     """Fold one chunk into the running (max, sum of exp, weighted sum) of each (lane, column).
 
     ``LOG2_DOMAIN`` (the statistics forward): ``y = (score + ape) * log2e`` rounded once per element and ``m``
@@ -119,37 +102,32 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr, SLO
     of ``x = score + ape`` and the exponents are ``x * log2e - m * log2e``: each lane then carries its own
     rounding of ``m * log2e`` into its weights, which the bf16 output absorbs but the fp32 output saved as a
     statistic does not: at full size that rounding put dScore past the contract's fp32 slack.
-    ``SLOT_AXIS``: the chunk's in-thread slot axis (``_long_base``).
     """
     if LOG2_DOMAIN:
         y = tl.where(lmask, (sc.to(tl.float32) + ape) * LOG2E, float("-inf"))
-        m_new = tl.maximum(m, tl.max(y, axis=SLOT_AXIS))
+        m_new = tl.maximum(m, tl.max(y, axis=1))
         # An all -inf column keeps m = -inf and adds exact zeros.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
-        e = tl.exp2(y - tl.expand_dims(m_use, SLOT_AXIS))
+        e = tl.exp2(y - m_use[:, None, :])
     else:
         x = tl.where(lmask, sc.to(tl.float32) + ape, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=SLOT_AXIS))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
         # exp(x - m) as exp2(x * log2e - m * log2e); an all -inf column keeps m = -inf and adds exact zeros.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new) * LOG2E
         alpha = tl.exp2(m * LOG2E - m_use)
-        e = tl.exp2(x * LOG2E - tl.expand_dims(m_use, SLOT_AXIS))
-    den = den * alpha + tl.sum(e, axis=SLOT_AXIS)
-    acc = acc * alpha + tl.sum(e * kv.to(tl.float32), axis=SLOT_AXIS)
+        e = tl.exp2(x * LOG2E - m_use[:, None, :])
+    den = den * alpha + tl.sum(e, axis=1)
+    acc = acc * alpha + tl.sum(e * kv.to(tl.float32), axis=1)
     return m_new, den, acc
 
 
 @triton.jit
 def _long_row_finish(
-    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, max_position,
-    rstd_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
-    HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+    m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
 ):  # fmt: skip
-    """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics).
-
-    With a tail (the program owns the whole row) the output is the fp32 row normalised and rotated at position
-    ``pos`` (``[1]``), and ``rstd_ptr`` (not None) receives the row's rstd; the statistics keep the pooled row."""
+    """Combine a row's lanes (every lane rescaled to the column max) and store its output (and statistics)."""
     mx = tl.max(m, axis=0)
     if WRITE_STATS:  # log2 domain
         scale = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)[None, :])
@@ -159,42 +137,13 @@ def _long_row_finish(
     total = tl.sum(den * scale, axis=0)
     res = tl.math.div_rn(num, total)
     omask = cols < tl.where(ok, HEAD_DIM, 0)
-    y = res
-    if HAS_NORM or ROPE_DIM > 0:
-        # Columns past head_dim hold 0 / 0: out of the row's sum of squares.
-        y2, r = _tail_forward(
-            tl.where(cols < HEAD_DIM, res, 0.0)[None, :], pos, cols, cols < HEAD_DIM, w, norm_eps, cos_ptr, sin_ptr,
-            max_position, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
-        )  # fmt: skip
-        y = tl.reshape(y2, [BLOCK_D])
-        if rstd_ptr is not None:
-            tl.store(rstd_ptr + row, tl.sum(r, axis=0), mask=ok)
-    tl.store(out_ptr + row * HEAD_DIM + cols, _round(y, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
+    tl.store(out_ptr + row * HEAD_DIM + cols, _round(res, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
     if WRITE_STATS:
         # From the very values out was made of; mx is the max of y = (score + ape) * log2e.
         sptr = stats_ptr + (row - row_base) * (3 * HEAD_DIM) + cols
         tl.store(sptr, mx, mask=omask)
         tl.store(sptr + HEAD_DIM, tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), total), mask=omask)
         tl.store(sptr + 2 * HEAD_DIM, res, mask=omask)
-
-
-@triton.jit
-def _long_row_store(
-    m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
-    cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
-    RATIO: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
-    WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
-):  # fmt: skip
-    """The row's position (with a rotation) and its stores (``_long_row_finish``)."""
-    pos = None
-    if ROPE_DIM > 0:
-        pos, _real = _row_position(
-            row, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0, cu_ptr, cu_comp_ptr, pos_ptr, RATIO
-        )  # fmt: skip
-    _long_row_finish(
-        m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, w, pos, norm_eps, cos_ptr, sin_ptr, max_position,
-        rstd_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -208,7 +157,7 @@ def _running(LANES: tl.constexpr, BLOCK_D: tl.constexpr):
 def _load_then_fold(
     kv_c, sc_c, ape_c, mask_c, m, den, acc, kv_ptr, score_ptr, ape_ptr, c, t0, has_prev, ok, slot, base, col_ok,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr, NCH_HALF: tl.constexpr,
-    EVEN_D: tl.constexpr, WRITE_STATS: tl.constexpr, SLOT_AXIS: tl.constexpr,
+    EVEN_D: tl.constexpr, WRITE_STATS: tl.constexpr,
 ):  # fmt: skip
     """DEPTH 1's step: chunk ``c`` (of the row starting at ``t0``: this row or the next) goes in flight, then the
     chunk in hand is folded. Returns the loaded chunk and the running values."""
@@ -216,7 +165,7 @@ def _load_then_fold(
         kv_ptr, score_ptr, ape_ptr, c, t0, has_prev, ok, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF,
         EVEN_D,
     )  # fmt: skip
-    m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS, SLOT_AXIS)
+    m, den, acc = _online_step(kv_c, sc_c, ape_c, mask_c, m, den, acc, WRITE_STATS)
     return kv_n, sc_n, ape_n, lmask, m, den, acc
 
 
@@ -224,7 +173,7 @@ def _load_then_fold(
 def _load_then_fold2(
     kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc, kv_ptr, score_ptr, ape_ptr, c_win, t0, has_prev, ok,
     c_ape, slot, base, col_ok, RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, CS: tl.constexpr,
-    NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, WRITE_STATS: tl.constexpr, SLOT_AXIS: tl.constexpr,
+    NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, WRITE_STATS: tl.constexpr,
 ):  # fmt: skip
     """DEPTH 2's step: chunk ``c_win``'s kv and score (of the row starting at ``t0``) and chunk ``c_ape``'s ape go in
     flight, then the older chunk in hand (``*_1``) is folded. Returns the chunks in hand, oldest first (``*_1``:
@@ -235,19 +184,17 @@ def _load_then_fold2(
     kv_n, sc_n = _load_window(kv_ptr, score_ptr, offs, mask_n)
     aoffs, amask = _long_ape_at(c_ape, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D)
     ape_n = tl.load(ape_ptr + aoffs, mask=amask, other=0.0)
-    m, den, acc = _online_step(kv_1, sc_1, ape_1, mask_1, m, den, acc, WRITE_STATS, SLOT_AXIS)
+    m, den, acc = _online_step(kv_1, sc_1, ape_1, mask_1, m, den, acc, WRITE_STATS)
     return kv_2, sc_2, ape_n, mask_2, kv_n, sc_n, mask_n, m, den, acc
 
 
 @triton.jit
 def _long_rows_depth1(
-    kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w,
+    kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols,
     kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
-    seg0, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr,
     CS: tl.constexpr, NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
-    WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
-    SLOT_AXIS: tl.constexpr,
+    WRITE_STATS: tl.constexpr,
 ):  # fmt: skip
     """The rows ``[row_base, row_end)`` with one chunk in flight: the next chunk (of this row, or chunk 0 of the
     next) is loaded before the current one is folded. ``kv_n`` .. ``lmask``: the row's chunk 0, loaded."""
@@ -257,7 +204,7 @@ def _long_rows_depth1(
         for c in range(NCH - 1):
             kv_n, sc_n, ape_n, lmask, m, den, acc = _load_then_fold(
                 kv_n, sc_n, ape_n, lmask, m, den, acc, kv_ptr, score_ptr, ape_ptr, c + 1, t0, hp, ok, slot, base,
-                col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D, WRITE_STATS, SLOT_AXIS,
+                col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D, WRITE_STATS,
             )  # fmt: skip
         # Last chunk of this row; prefetch chunk 0 of the next row.
         t0, hp, _ir, okn = _row_start(
@@ -266,25 +213,20 @@ def _long_rows_depth1(
         kv_n, sc_n, ape_n, lmask, m, den, acc = _load_then_fold(
             kv_n, sc_n, ape_n, lmask, m, den, acc, kv_ptr, score_ptr, ape_ptr, row * 0, t0, hp,
             okn & (row + 1 < row_end), slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D, WRITE_STATS,
-            SLOT_AXIS,
         )  # fmt: skip
-        _long_row_store(
-            m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
-            seg0, cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, HEAD_DIM,
-            BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+        _long_row_finish(
+            m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
         )  # fmt: skip
         ok = okn
 
 
 @triton.jit
 def _long_rows_depth2(
-    kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w,
+    kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols,
     kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
-    seg0, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, LANES: tl.constexpr,
     CS: tl.constexpr, NCH_HALF: tl.constexpr, EVEN_D: tl.constexpr, MANUAL_RTNE: tl.constexpr,
-    WRITE_STATS: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
-    SLOT_AXIS: tl.constexpr,
+    WRITE_STATS: tl.constexpr,
 ):  # fmt: skip
     """The rows ``[row_base, row_end)`` with two chunks in flight: chunk c is folded while chunks c + 1 (the *_1
     tensors) and c + 2 (*_2) are loading. Where the grid is under one wave, a program's prefetched chunks are all its
@@ -306,7 +248,7 @@ def _long_rows_depth2(
         for c in range(NCH - 2):
             kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc = _load_then_fold2(
                 kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc, kv_ptr, score_ptr, ape_ptr, c + 2, t0, hp,
-                ok, c + 1, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D, WRITE_STATS, SLOT_AXIS,
+                ok, c + 1, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D, WRITE_STATS,
             )  # fmt: skip
         # The row's last two chunks; chunks 0 and 1 of the next row go in flight.
         tn, hpn, _ir, okn = _row_start(
@@ -318,29 +260,22 @@ def _long_rows_depth2(
             kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc = _load_then_fold2(
                 kv_1, sc_1, ape_1, mask_1, kv_2, sc_2, mask_2, m, den, acc, kv_ptr, score_ptr, ape_ptr, row * 0 + h,
                 tn, hpn, okl, row * 0 + (NCH - 1 + h) % NCH, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF,
-                EVEN_D, WRITE_STATS, SLOT_AXIS,
+                EVEN_D, WRITE_STATS,
             )  # fmt: skip
-        _long_row_store(
-            m, den, acc, ok, row, row_base, cols, w, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0,
-            seg0, cu_ptr, cu_comp_ptr, pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, HEAD_DIM,
-            BLOCK_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED,
+        _long_row_finish(
+            m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM, BLOCK_D, MANUAL_RTNE, WRITE_STATS
         )  # fmt: skip
         t0 = tn
         hp = hpn
         ok = okn
 
 
-@triton.jit(
-    do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog", *_TAIL_INTS],
-    do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
-)
+@triton.jit(do_not_specialize=["N", "T", "B", "n_iter", "rows_per_prog"], do_not_specialize_on_alignment=_OFFSETS)
 def csa_fwd_long_kernel(
     kv_ptr, score_ptr, ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, N, T, B, n_iter, rows_per_prog, stats_ptr,
-    norm_w_ptr, cos_ptr, sin_ptr, max_position, pos_ptr, rstd_ptr, norm_eps,
     RATIO: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr,
     LANES: tl.constexpr, CS_IN: tl.constexpr, NCH_HALF: tl.constexpr, N_COL: tl.constexpr,
-    MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr, DEPTH: tl.constexpr = 1, HAS_NORM: tl.constexpr = False,
-    ROPE_DIM: tl.constexpr = 0, ROPE_INTERLEAVED: tl.constexpr = True, SLOT_AXIS: tl.constexpr = 1,
+    MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr, DEPTH: tl.constexpr = 1,
 ):  # fmt: skip
     """Online softmax over the window in chunks of ``CS_IN * LANES`` slots, the next ``DEPTH`` chunks (of this
     row or the next) loaded before the current one is computed (``DEPTH`` 2 needs two chunks per row).
@@ -349,10 +284,9 @@ def csa_fwd_long_kernel(
     ``acc``; a chunk's slots in a thread are folded in-thread, the lanes are combined once per row.
     ``WRITE_STATS``: also store the row's softmax statistics (``reference.softmax_stats``) into the contiguous
     ``(N, 3, HEAD_DIM)`` fp32 ``stats_ptr``: max of ``y = x * log2e``, ``1 / sum 2^(y - max)`` and the fp32 output.
-    Grid: ``ceil(N / rows_per_prog) * N_COL``. The tail (``HAS_NORM``, ``ROPE_DIM > 0``; None pointers without
-    it) needs ``N_COL == 1``: see ``_long_row_finish``.
+    Grid: ``ceil(N / rows_per_prog) * N_COL``. The fused tail runs after it, from ``stats[:, 2]``
+    (``forward_tail.py``).
     """
-    TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     CS: tl.constexpr = CS_IN * LANES
     EVEN_D: tl.constexpr = HEAD_DIM % BLOCK_D == 0
     pid = tl.program_id(0)
@@ -360,12 +294,8 @@ def csa_fwd_long_kernel(
     col_start = (pid % N_COL) * BLOCK_D
     n_real = _real_rows(cu_comp_ptr, B, N)
     row_base = rp * rows_per_prog
-    uniform, comp0, tok0, seg0 = _program_segment(row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr)
-    slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES, SLOT_AXIS)
-    w = None
-    if TAIL:
-        tl.static_assert(N_COL == 1, "the tail needs whole rows per program")
-        w = _load_norm_weight(norm_w_ptr, cols, cols < HEAD_DIM, HAS_NORM)
+    uniform, comp0, tok0, _seg = _program_segment(row_base, rows_per_prog, N, B, n_iter, n_real, cu_ptr, cu_comp_ptr)
+    slot, base, col_ok, cols = _long_base(col_start, COFF, HEAD_DIM, BLOCK_D, VEC, CS_IN, LANES)
     row_end = tl.minimum(row_base + rows_per_prog, N)
     if WRITE_STATS:
         # 64-bit base: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM.
@@ -378,15 +308,13 @@ def csa_fwd_long_kernel(
     )  # fmt: skip
     if DEPTH == 1:
         _long_rows_depth1(
-            kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w, kv_ptr, score_ptr,
-            ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
-            pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, LANES, CS,
-            NCH_HALF, EVEN_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, SLOT_AXIS,
+            kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, kv_ptr, score_ptr,
+            ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, RATIO,
+            COFF, HEAD_DIM, BLOCK_D, LANES, CS, NCH_HALF, EVEN_D, MANUAL_RTNE, WRITE_STATS,
         )  # fmt: skip
     else:
         _long_rows_depth2(
-            kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, w, kv_ptr, score_ptr,
-            ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, seg0,
-            pos_ptr, norm_eps, cos_ptr, sin_ptr, max_position, rstd_ptr, RATIO, COFF, HEAD_DIM, BLOCK_D, LANES, CS,
-            NCH_HALF, EVEN_D, MANUAL_RTNE, WRITE_STATS, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED, SLOT_AXIS,
+            kv_n, sc_n, ape_n, lmask, t0, hp, ok, row_base, row_end, slot, base, col_ok, cols, kv_ptr, score_ptr,
+            ape_ptr, cu_ptr, cu_comp_ptr, out_ptr, stats_ptr, N, T, B, n_iter, n_real, uniform, comp0, tok0, RATIO,
+            COFF, HEAD_DIM, BLOCK_D, LANES, CS, NCH_HALF, EVEN_D, MANUAL_RTNE, WRITE_STATS,
         )  # fmt: skip

@@ -17,17 +17,17 @@ import os
 
 import torch
 
+from ...windows import uses_softmax_stats
 from .config import (
     MAX_RATIO,
     KernelConfig,
     StatsTile,
     choose_config,
     is_long,
-    rotation_gathers,
     stats_tile,
     whole_rows,
 )
-from .plans import NO_TAIL, BackwardPlan, ForwardPlan
+from .plans import NO_TAIL, BackwardPlan, ForwardPlan, TailForwardPlan
 
 __all__ = [
     "AUTOGRAD_STATS",
@@ -107,7 +107,8 @@ _KERNELS: dict[bool, tuple] = {}
 
 
 def _kernels():
-    """(forward, long-window forward, backward) kernel modules, decorated in the interpreter mode now in force.
+    """(forward, long-window forward, backward, tail epilogue) kernel modules, decorated in the interpreter mode now
+    in force.
 
     ``triton.jit`` decides at decoration time whether a kernel is interpreted; if
     the modules were first imported under the other mode they are reloaded once (in import order).
@@ -115,13 +116,13 @@ def _kernels():
     mode = _interpret()
     mods = _KERNELS.get(mode)
     if mods is None:
-        from . import backward, backward_stats, backward_tail, forward, forward_long, norm_rope, sweep
+        from . import backward, backward_stats, backward_tail, forward, forward_long, forward_tail, norm_rope, sweep
 
         if (type(forward.csa_fwd_kernel).__name__ == "InterpretedFunction") != mode:
             # The helper modules too, before the kernels that import their functions.
-            for mod in (norm_rope, forward, forward_long, sweep, backward_tail, backward_stats, backward):
+            for mod in (norm_rope, forward, forward_long, forward_tail, sweep, backward_tail, backward_stats, backward):
                 importlib.reload(mod)
-        mods = (forward, forward_long, backward)
+        mods = (forward, forward_long, backward, forward_tail)
         _KERNELS[mode] = mods
     return mods
 
@@ -145,7 +146,8 @@ def _check_stats(with_stats: bool, ratio: int, coff: int) -> None:
         )
 
 
-# The tail runs in programs that own whole rows (config.whole_rows); wider rows than this would spill registers.
+# The tail runs in programs that own whole rows (short windows' window programs, config.whole_rows; long windows'
+# epilogue and dx kernels); wider rows than this would spill registers.
 MAX_TAIL_HEAD_DIM = 2048
 
 
@@ -196,25 +198,36 @@ def _device(device) -> torch.device:
     return device
 
 
+def composes_tail(direction: str, ratio: int, coff: int, tail_config) -> bool:
+    """Whether a forward with a tail runs composed (``plans.TailForwardPlan``: the statistics forward, then the
+    epilogue over whole rows) rather than fused into the window programs: long windows, whose whole-row window
+    programs would hold ``head_dim`` columns of the window each. Short windows (up to 16 slots) keep the fused
+    program: its whole row is one tile of at most 16 slots, the same elements per thread as the pooling's."""
+    return direction == "forward" and tail_config is not None and uses_softmax_stats(ratio, coff)
+
+
 def _plan(direction, ratio, coff, head_dim, dtype, device, with_stats, cfg=None, tile=None, tail=None, rstd=False):
     """The plan of one configuration (built on first use): default tiles unless ``cfg`` / ``tile`` are given.
 
-    ``tail``: a ``TailConfig`` (default tiles are widened to whole rows, ``config.whole_rows``) or None; ``rstd``:
-    whether calls pass an rstd buffer (part of the key only, as the kernels specialise on a None pointer)."""
+    ``tail``: a ``TailConfig`` (default tiles are widened to whole rows, ``config.whole_rows``, except where the
+    forward composes the tail: ``composes_tail``, whose ``cfg`` is the pooling's) or None; ``rstd``: whether calls
+    pass an rstd buffer (part of the key only, as the kernels specialise on a None pointer)."""
     _check_stats(with_stats, ratio, coff)
+    if composes_tail(direction, ratio, coff, tail):
+        return _tail_forward_plan(ratio, coff, head_dim, dtype, device, cfg, tail, rstd)
     device = _device(device)
     interpret = _interpret() or device.type != "cuda"
     if cfg is None:
         cfg = choose_config(direction, ratio, coff, head_dim, interpret)
         if tail is not None:
-            cfg = whole_rows(cfg, head_dim, rotation_gathers(tail, head_dim))
+            cfg = whole_rows(cfg, head_dim)
     if direction == "backward" and tile is None:
         tile = stats_tile(ratio, coff, head_dim, interpret)
     # The dtype is part of the key: a bound kernel's compiled code is specialised on its pointers' element types.
     key = (direction, ratio, coff, head_dim, dtype, device, with_stats, cfg, tile, interpret, tail, rstd)
     plan = _PLANS.get(key)
     if plan is None:
-        fwd_mod, fwd_long_mod, bwd_mod = _kernels()
+        fwd_mod, fwd_long_mod, bwd_mod, _tail_mod = _kernels()
         if direction == "forward":
             kernel = fwd_long_mod.csa_fwd_long_kernel if is_long(ratio, coff) else fwd_mod.csa_fwd_kernel
             plan = ForwardPlan(kernel, ratio, coff, head_dim, cfg, with_stats, device, interpret, tail)
@@ -228,6 +241,19 @@ def _plan(direction, ratio, coff, head_dim, dtype, device, with_stats, cfg=None,
                 bwd_mod, ratio, coff, head_dim, cfg, tile, with_stats, device, interpret, sms, tail, recompute
             )
         plan = _PLANS[key] = plan
+    return plan
+
+
+def _tail_forward_plan(ratio, coff, head_dim, dtype, device, cfg, tail, rstd) -> TailForwardPlan:
+    """The composed forward of a long window with a tail: the statistics forward (tiles ``cfg``, default the
+    pooling's), then the epilogue specialised on ``tail`` and on whether rstd is given."""
+    device = _device(device)
+    interpret = _interpret() or device.type != "cuda"
+    key = ("forward-tail", ratio, coff, head_dim, dtype, device, cfg, interpret, tail, rstd)
+    plan = _PLANS.get(key)
+    if plan is None:
+        pooling = _plan("forward", ratio, coff, head_dim, dtype, device, True, cfg)
+        plan = _PLANS[key] = TailForwardPlan(_kernels()[3], pooling, ratio, head_dim, tail, interpret)
     return plan
 
 
@@ -304,11 +330,13 @@ def _check_grad_norm_weight(tail, grad_norm_weight) -> None:
 def launch_forward(
     kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, cfg: KernelConfig, stats=None, tail=None, rstd=None
 ) -> None:  # fmt: skip
-    """``forward`` with the tiles ``cfg`` (tests and tile sweeps; with a tail ``cfg`` must span whole rows), on the
-    current stream."""
+    """``forward`` with the tiles ``cfg`` (tests and tile sweeps; with a tail on a short window ``cfg`` must span
+    whole rows, a long window's are its statistics forward's), on the current stream."""
     tail = _active(tail)
     config = None if tail is None else tail.config
-    plan = _plan("forward", ratio, coff, out.shape[1], kv.dtype, kv.device, stats is not None, cfg, None, config)
+    # Whether rstd is given is part of the plan: the kernels specialise on a None pointer.
+    with_stats, with_rstd = stats is not None, tail is not None and rstd is not None
+    plan = _plan("forward", ratio, coff, out.shape[1], kv.dtype, kv.device, with_stats, cfg, None, config, with_rstd)
     plan(
         kv, score, ape, cu_seqlens, cu_seqlens_comp, out, None, stats,
         NO_TAIL if tail is None else _tail_args(tail, rstd),
@@ -324,7 +352,8 @@ def launch_backward(
     tail = _active(tail)
     config = None if tail is None else tail.config
     with_stats = stats is not None
-    plan = _plan("backward", ratio, coff, grad_out.shape[1], kv.dtype, kv.device, with_stats, cfg, tile, config)
+    shape = (ratio, coff, grad_out.shape[1], kv.dtype, kv.device, with_stats)
+    plan = _plan("backward", *shape, cfg, tile, config, tail is not None and rstd is not None)
     grads = (grad_kv, grad_score, grad_ape)
     if tail is None:
         plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, None, stats)

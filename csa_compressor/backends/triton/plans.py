@@ -13,6 +13,7 @@ from .binding import BoundKernel
 from .config import (
     STATS_TAIL_RESIDENT,
     TAIL_DX_ELEMENTS,
+    TAIL_FWD_ELEMENTS,
     TAIL_ROW_BLOCK,
     KernelConfig,
     StatsTile,
@@ -28,7 +29,7 @@ from .config import (
     torch_order,
 )
 
-__all__ = ["NO_TAIL", "BackwardPlan", "ForwardPlan", "tail_consts"]
+__all__ = ["NO_TAIL", "BackwardPlan", "ForwardPlan", "TailForwardPlan", "tail_consts"]
 
 _MAX_SIZES = 4096  # problem sizes remembered per plan (a training loop sees few; a sweep is bounded by this)
 
@@ -83,12 +84,15 @@ class _Plan:
 
 
 class ForwardPlan(_Plan):
-    """The forward of one configuration: ``csa_fwd_kernel`` (short windows) or ``csa_fwd_long_kernel`` (long
-    windows; ``with_stats``: it also writes the softmax statistics)."""
+    """The forward of one configuration: ``csa_fwd_kernel`` (short windows; with a ``tail`` in whole-row programs)
+    or ``csa_fwd_long_kernel`` (long windows, no tail: ``TailForwardPlan`` composes theirs; ``with_stats``: it also
+    writes the softmax statistics)."""
 
     def __init__(self, kernel, ratio, coff, head_dim, cfg: KernelConfig, with_stats, device, interpret, tail=None):
         super().__init__(device, interpret, with_stats)
         self.cfg, self.n_col, self.long = cfg, cdiv(head_dim, cfg.block_d), is_long(ratio, coff)
+        if tail is not None and self.long:
+            raise ValueError("the long-window forward with a tail is TailForwardPlan's (statistics, then epilogue)")
         if tail is not None and self.n_col != 1:
             raise ValueError(f"the tail needs whole rows per program: block_d={cfg.block_d} < head_dim={head_dim}")
         consts = dict(
@@ -100,8 +104,6 @@ class ForwardPlan(_Plan):
             nch_half = cdiv(ratio, lanes * cs_in)
             depth = 2 if cfg.prefetch_depth == 2 and coff * nch_half >= 2 else 1
             consts.update(LANES=lanes, CS_IN=cs_in, NCH_HALF=nch_half, WRITE_STATS=with_stats, DEPTH=depth)
-            if tail is not None:
-                consts.update(SLOT_AXIS=0)  # whole-row programs: see forward_long._long_base
             self.kernel = BoundKernel(kernel, consts, self.index)
         else:
             consts.update(
@@ -135,9 +137,42 @@ class ForwardPlan(_Plan):
         grid, n_iter, per_prog = sizes
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments, n_iter, per_prog)
         if self.long:
-            self.kernel.launch(grid, stream, *args, stats, *tail)
+            self.kernel.launch(grid, stream, *args, stats)
         else:
             self.kernel.launch(grid, stream, *args, *tail)
+
+
+class TailForwardPlan:
+    """The long-window forward with a tail: the pooling's statistics forward (``pooling``, a ``ForwardPlan`` with
+    statistics and no tail, at its own column-chunked tiles) into the caller's statistics or a workspace, then
+    ``csa_tail_fwd_kernel`` over whole rows from ``stats[:, 2]``. Whole-row window programs would hold ``head_dim``
+    columns of a long window each; the epilogue adds one read of the pooled rows instead."""
+
+    def __init__(self, tail_mod, pooling: ForwardPlan, ratio, head_dim, tail, interpret):
+        self.pooling, self.head_dim, self.device = pooling, head_dim, pooling.device
+        self.with_stats = True  # the statistics are written (the caller's buffer, or a workspace)
+        block_d = pow2(head_dim)
+        self.block_r = max(1, min(64, TAIL_FWD_ELEMENTS // block_d))
+        consts = dict(
+            RATIO=ratio, HEAD_DIM=head_dim, BLOCK_R=self.block_r, BLOCK_D=block_d, MANUAL_RTNE=interpret,
+            num_warps=4, **tail_consts(tail),
+        )  # fmt: skip
+        self.epilogue = BoundKernel(tail_mod.csa_tail_fwd_kernel, consts, pooling.index)
+
+    def _stats(self, n_rows: int) -> torch.Tensor:
+        return _workspace((n_rows, 3, self.head_dim), self.device)
+
+    def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail=NO_TAIL) -> None:
+        """``stats``: the caller's ``(N, 3, d)`` buffer, or None (a workspace on ``stream``)."""
+        if self.pooling._elsewhere():
+            with torch.cuda.device(self.pooling.index):
+                return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail)
+        n_rows, num_segments = out.shape[0], cu_seqlens.shape[0] - 1
+        if stats is None:
+            stats = _on_stream(stream, lambda: self._stats(n_rows))
+        self.pooling(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
+        offsets = (cu_seqlens, cu_seqlens_comp, n_rows, kv.shape[0], num_segments, search_iters(num_segments))
+        self.epilogue.launch(cdiv(n_rows, self.block_r), stream, stats, out, *offsets, *tail)
 
 
 class BackwardPlan(_Plan):
