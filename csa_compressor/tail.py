@@ -215,8 +215,8 @@ def rope_angles(tail: Tail, positions) -> tuple[torch.Tensor, torch.Tensor]:
     limit = tail.rope_cos.shape[0]
     inside = ((positions >= 0) & (positions < limit))[:, None]
     rows = torch.where(inside[:, 0], positions, torch.zeros_like(positions))
-    one, zero = (torch.tensor(v, dtype=tail.rope_cos.dtype, device=tail.rope_cos.device) for v in (1.0, 0.0))
-    return torch.where(inside, tail.rope_cos[rows], one), torch.where(inside, tail.rope_sin[rows], zero)
+    # Python scalars, not new tensors: no host-to-device copy (CUDA graphs capture this).
+    return torch.where(inside, tail.rope_cos[rows], 1.0), torch.where(inside, tail.rope_sin[rows], 0.0)
 
 
 def _rotate(y, tail: Tail, positions, *, inverse: bool = False, out_dtype=None) -> torch.Tensor:

@@ -59,7 +59,7 @@ def _short_tile_dx(
 ):  # fmt: skip
     """A loaded tile's softmax (values ``v``, weights ``p``) and the pooling's upstream gradient ``g``
     (``[1, BLOCK_R, BLOCK_D]``: ``grad_out``, or with a tail the ``dx`` of ``_tail_dx``), and the rows' terms of the
-    norm weight's gradient (None without a norm)."""
+    norm weight's gradient (an unused tensor without a norm)."""
     TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
     g = g_cur.to(tl.float32)[None, :, :]
@@ -73,8 +73,9 @@ def _short_tile_dx(
     if HAS_NORM:
         return v, p, g, gw_rows
     else:
-        # A literal None: Triton returns a None constant, not a name bound to None.
-        return v, p, g, None
+        # No norm, no weight terms: a tensor in their place (the caller reads them only with a norm), since
+        # Triton 3.6 cannot return None from a JIT function.
+        return v, p, g, g
 
 
 @triton.jit

@@ -43,7 +43,7 @@ def _tail_dx(
             r = _row_rstd(x, norm_eps, HEAD_DIM)
         return _norm_backward(x, dy, r, w, HEAD_DIM)
     else:
-        return dy, None
+        return dy, dy  # no norm: an unused tensor for the weight's terms (Triton 3.6 returns no None)
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def _stats_tail_dx(
         wdy = w[None, :] * dy
         return rc * wdy - o * (rc * rc * rc) * mean[:, None], dy * o * rc
     else:
-        return dy, None
+        return dy, dy  # no norm: an unused tensor for the weight's terms (Triton 3.6 returns no None)
 
 
 @triton.jit(

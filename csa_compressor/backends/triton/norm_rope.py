@@ -101,11 +101,12 @@ def _tail_forward(
 
 @triton.jit
 def _load_norm_weight(w_ptr, cols, col_ok, HAS_NORM: tl.constexpr):
-    """The norm weight of columns ``cols`` in fp32 (0 past ``head_dim``; None without a norm)."""
+    """The norm weight of columns ``cols`` in fp32 (0 past ``head_dim``; without a norm an unused placeholder, as
+    Triton 3.6 returns no None from a JIT function)."""
     if HAS_NORM:
         return tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     else:
-        return None
+        return cols.to(tl.float32)
 
 
 @triton.jit
