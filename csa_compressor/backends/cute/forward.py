@@ -125,11 +125,6 @@ class ForwardShortWindow:
     def pooled(self, kv, score, ape, g, c, col_ok, active, t0, first):
         """Loads, softmax and weighted sum of the thread's columns (fp32 registers), in the reference's order:
         p = expf(x - max) / sum, out = sum(p * v) in torch's reduction order (four strided accumulators)."""
-        return self.pool(self.load_window(kv, score, ape, g, c, col_ok, active, t0, first), first)
-
-    @cute.jit
-    def load_window(self, kv, score, ape, g, c, col_ok, active, t0, first):
-        """Every load of the thread's window (issued, not waited for) and the result's registers."""
         cfg = self.config
         width, slots = cfg.vector_width, cfg.window
         kvb = [bf16_registers(slots, width) for _ in range(2)]
@@ -138,14 +133,7 @@ class ForwardShortWindow:
         res = registers(width)
         self.slots.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
         self.slots.load_ape(ape, apf, 0, g, c, col_ok)
-        return kvb[0], scb[0], apf, res
-
-    @cute.jit
-    def pool(self, window, first):
-        """The softmax and the weighted sum of a loaded window (``load_window``)."""
-        cfg = self.config
-        width, slots = cfg.vector_width, cfg.window
-        kvf, scf, apf, res = window
+        kvf, scf = kvb[0], scb[0]
         pq = registers(width * slots)
         exact_probabilities(scf, apf, pq, first, width, slots, cfg.ratio, cfg.coff)
         kvw = [widen(kvf[k], width) for k in range(slots)]
@@ -201,15 +189,14 @@ class ForwardShortWindow:
         smem = cutlass.memory.SmemAllocator()
         sums = smem.allocate_tensor(Float32, cute.make_layout(max(1, tail.sum_floats(1))), byte_alignment=16)
         xbuf = smem.allocate_tensor(Float32, cute.make_layout(max(1, self.exchange_floats())), byte_alignment=16)
-        window = self.load_window(kv, score, ape, th.g, th.c, col_ok, active, t0, first)
-        # The tail's loads (L1/L2 hits) are in flight with the window's, before the pooling's math waits on them.
+        # The tail's loads (L1/L2 hits) are issued before the pooling's math waits on the window.
         wf, cs, sn = registers(cfg.vector_width), registers(cfg.vector_width), registers(cfg.vector_width)
         if cutlass.const_expr(tail.spec.has_norm):
             tail.load_weight(norm_weight, wf, th.c, col_ok)
         if cutlass.const_expr(tail.has_rope):
             pos = tail.row_position(seg, th.r, real_rows(seg, N), cfg.ratio, position_start)
             tail.load_angles(rope_cos, rope_sin, pos, max_position, th.c, cs, sn)
-        y = self.pool(window, first)
+        y = self.pooled(kv, score, ape, th.g, th.c, col_ok, active, t0, first)
         row_rstd = self.normalise(y, wf, col_ok, eps, sums, th)
         if cutlass.const_expr(tail.has_rope):
             tail.rotate(y, cs, sn, th.c, xbuf, th.rl * cfg.columns_per_cta)
