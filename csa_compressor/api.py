@@ -8,7 +8,7 @@ import torch
 from . import dispatch, support
 from .kernel_api import CSACompressorBackward, CSACompressorForward, TupleDict, _Op
 from .tail import Tail
-from .tail_args import TAIL_ARGS, tail_config
+from .tail_args import TAIL_ARGS, is_default_tail, tail_config
 from .windows import uses_softmax_stats
 
 __all__ = [
@@ -250,15 +250,7 @@ def csa_compressor_forward_wrapper(
     host synchronisation; refused under CUDA-graph capture), see ``validate_pack``.
     ``norm_weight`` .. ``position_start``: the fused tail, RMSNorm then RoPE on each row (docs/tail.md).
     """
-    if not (
-        norm_weight is None
-        and rope_cos is None
-        and rope_sin is None
-        and position_start is None
-        and rope_dim == 0
-        and rope_interleaved is True
-        and norm_eps == 1e-6
-    ):
+    if not is_default_tail(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start):
         tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
         inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
         out, _, stats = _pool_forward_tail(
@@ -319,15 +311,7 @@ def csa_compressor_backward_wrapper(
     """
     if total_comp is not None:
         support.check_total_comp_rows(total_comp, grad_out)
-    if not (
-        norm_weight is None
-        and rope_cos is None
-        and rope_sin is None
-        and position_start is None
-        and rope_dim == 0
-        and rope_interleaved is True
-        and norm_eps == 1e-6
-    ):
+    if not is_default_tail(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start):
         tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
         inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
         *grads, grad_weight = _pool_backward_tail(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import api, support
+from .tail_args import is_default_tail
 from .thd import compute_cu_seqlens_comp
 
 __all__ = ["CompressorPool", "CompressorPoolFunction", "compressor_pool"]
@@ -291,20 +292,6 @@ def _direct_tail(norm_weight, rope_cos, rope_sin, position_start) -> bool:
 _TAIL_REST_DEFAULTS = (1e-6, None, None, 0, True, None)
 
 
-def _default_tail(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start) -> bool:
-    """Whether the seven tail arguments are all at their defaults (the pooling's own path; any other identity tail
-    takes the tail's checked path)."""
-    return (
-        norm_weight is None
-        and rope_cos is None
-        and rope_sin is None
-        and position_start is None
-        and rope_dim == 0
-        and rope_interleaved is True
-        and norm_eps == 1e-6
-    )
-
-
 class CompressorPoolFunction(torch.autograd.Function):
     """autograd over the custom ops; gradients flow to ``kv``, ``score``, ``ape`` and ``norm_weight``.
 
@@ -328,7 +315,7 @@ class CompressorPoolFunction(torch.autograd.Function):
             tail_args = (norm_weight, *tail_rest, *_TAIL_REST_DEFAULTS[len(tail_rest) :])
             if len(tail_args) != len(_TAIL_REST_DEFAULTS) + 1:
                 raise TypeError(f"CompressorPoolFunction takes at most 17 arguments, got {11 + len(tail_rest)}")
-            if not _default_tail(*tail_args):
+            if not is_default_tail(*tail_args):
                 return _forward_tail(ctx, (kv, score, ape, cu_seqlens, cu_seqlens_comp), total_comp, tail_args)
         ctx.tail_scalars = None
         direct = _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp)
@@ -459,15 +446,7 @@ def compressor_pool(
         ratio, coff, _ = support.check_config(ratio, coff)
     if type(total_comp) is not int and not isinstance(total_comp, torch.SymInt):
         total_comp = support.check_total_comp(total_comp)
-    if (
-        norm_weight is None
-        and rope_cos is None
-        and rope_sin is None
-        and position_start is None
-        and rope_dim == 0
-        and rope_interleaved is True
-        and norm_eps == 1e-6
-    ):
+    if is_default_tail(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start):
         return CompressorPoolFunction.apply(
             kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate
         )

@@ -12,7 +12,7 @@ import torch
 from . import dispatch, support, thd
 from . import tail as tails
 from .support import Config
-from .tail_args import TailCheck, tail_backend, tail_config
+from .tail_args import TailCheck, is_default_tail, tail_backend, tail_config
 from .windows import uses_softmax_stats
 
 __all__ = ["CSACompressorBackward", "CSACompressorForward", "TupleDict"]
@@ -220,13 +220,7 @@ class CSACompressorForward(_Op):
             launch = self._launch
         rows = self._recheck(kv, score, ape, cu_seqlens, cu_seqlens_comp, out)
         if not (
-            norm_weight is None
-            and rope_cos is None
-            and rope_sin is None
-            and position_start is None
-            and rope_dim == 0
-            and rope_interleaved is True
-            and norm_eps == 1e-6
+            is_default_tail(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
             and rstd is None
             and self.tail_config is None
         ):
@@ -385,13 +379,7 @@ class CSACompressorBackward(_Op):
         rows = self._recheck(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
         grads = grad_kv, grad_score, grad_ape
         if not (
-            norm_weight is None
-            and rope_cos is None
-            and rope_sin is None
-            and position_start is None
-            and rope_dim == 0
-            and rope_interleaved is True
-            and norm_eps == 1e-6
+            is_default_tail(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
             and grad_norm_weight is None
             and rstd is None
             and self.tail_config is None

@@ -6,8 +6,8 @@ failure reruns ``check_tail`` (the error names the bound), and arguments that pa
 configuration get an error that says so. An identity tail (neither norm nor rope) is None throughout: the
 backends then see exactly the pooling.
 
-The entry points test for the defaults (no tail) inline on their hot path, before any of this: ``norm_weight``,
-``rope_cos``, ``rope_sin`` and ``position_start`` None, ``rope_dim == 0``, ``rope_interleaved is True`` and
+The entry points test for the defaults (no tail) first, with ``is_default_tail``: ``norm_weight``, ``rope_cos``,
+``rope_sin`` and ``position_start`` None, ``rope_dim == 0``, ``rope_interleaved is True`` and
 ``norm_eps == 1e-6``. Other identity tails (an ``eps`` of their own, half-split pairs) take the checked path.
 """
 
@@ -20,11 +20,25 @@ import torch
 from . import dispatch
 from .tail import INT32_LIMIT, Tail, TailConfig, check_tail
 
-__all__ = ["TAIL_ARGS", "TailCheck", "tail_backend", "tail_config"]
+__all__ = ["TAIL_ARGS", "TailCheck", "is_default_tail", "tail_backend", "tail_config"]
 
 TAIL_ARGS = ("norm_weight", "norm_eps", "rope_cos", "rope_sin", "rope_dim", "rope_interleaved", "position_start")
 _F32, _I32 = torch.float32, torch.int32
 _PER_CALL_ERRORS = (AttributeError, TypeError, ValueError)  # not tensors, wrong ranks (shape unpacking)
+
+
+def is_default_tail(norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start) -> bool:
+    """Whether the seven tail arguments are all at their defaults: the pooling's own path, bitwise (the entry points'
+    first test, so it reads no tensor)."""
+    return (
+        norm_weight is None
+        and rope_cos is None
+        and rope_sin is None
+        and position_start is None
+        and rope_dim == 0
+        and rope_interleaved is True
+        and norm_eps == 1e-6
+    )
 
 
 def tail_config(tail: Tail, *, head_dim: int, batch: int, device: torch.device) -> TailConfig | None:
