@@ -9,8 +9,9 @@ Layout:
 - ``configs``: the configurations (frozen dataclasses) and their per-architecture factories, ``tail_configs``
   those of the fused tail's kernels and routes; ``device``: the figures of a GPU they are sized by;
 - kernels: ``forward`` (``ForwardShortWindow``, ``ForwardLongWindow``; the short one fuses the tail),
-  ``backward_short`` (``BackwardShortWindow``, which fuses it too), ``backward_long`` (``BackwardLongWindow``), ``backward_stats``
-  (``BackwardWithStats``), ``reduce`` (``ApeReduce``, the grad_ape reduction inside the backwards),
+  ``backward_short`` (``BackwardShortWindow``, which fuses it too), ``backward_long``
+  (``BackwardLongWindow``), ``backward_stats`` (``BackwardWithStats``), ``reduce`` (``ApeReduce``, the grad_ape
+  reduction inside the backwards), ``persistent`` (the host function of the two persistent backwards),
   ``tail_kernels`` (``TailForward``, ``TailGradient``: the composed tail's kernels over whole rows);
 - device helpers: ``ptx`` (inline PTX), ``window`` (window loads, widening, segment lookup), ``softmax`` (the
   exact and the online softmax), ``zeros`` (exact-zero stores), ``norm_rope`` (the fused tail's row sums,

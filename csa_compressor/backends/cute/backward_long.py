@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
-from .configs import BackwardLongConfig, launch_bound
+from .configs import BackwardLongConfig
+from .persistent import PersistentBackward
 from .ptx import ex2, prefetch_l2
 from .reduce import ApeReduce
 from .softmax import LOG2E, online_fold
@@ -44,10 +44,8 @@ from .window import (
 from .zeros import ZeroStores
 
 
-class BackwardLongWindow:
+class BackwardLongWindow(PersistentBackward):
     """Long windows: two passes per row, grad_ape per CTA in shared memory."""
-
-    kind = "backward"
 
     def __init__(self, config: BackwardLongConfig):
         self.config = config
@@ -56,26 +54,6 @@ class BackwardLongWindow:
                                  c.slots_per_batch * c.batches, False)  # fmt: skip
         self.zeros = ZeroStores(c.ratio, c.coff, c.head_dim, c.vector_width)
         self.reduce = ApeReduce(c.reduce)
-
-    @cute.jit
-    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
-                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
-                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
-                 segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
-                 stream: cuda.CUstream):  # fmt: skip
-        """Host function: the main kernel over ``[num_ctas, column_chunks]`` CTAs, then the grad_ape reduction;
-        ``stats`` is not read."""
-        cfg = self.config
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
-        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
-            grid=[num_ctas, cfg.tiles, 1],
-            block=[cfg.threads, 1, 1],
-            smem=cfg.smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=launch_bound(cfg.threads),
-            preferred_smem_carveout=cfg.carveout,
-        )
-        self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,

@@ -30,6 +30,7 @@ from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .configs import BackwardShortConfig, launch_bound
 from .norm_rope import RowTail, div_rn, ordered_sum, select
+from .persistent import PersistentBackward
 from .ptx import add_rn, ex2, mul_rn, sub_rn
 from .reduce import ApeReduce
 from .softmax import LOG2E, exact_probabilities, torch_order_sum
@@ -86,10 +87,8 @@ class _Registers:
         self.rsb = register_slots(2, 1)
 
 
-class BackwardShortWindow:
+class BackwardShortWindow(PersistentBackward):
     """Short windows: the persistent double-buffered backward with a grad_ape slab per CTA."""
-
-    kind = "backward"
 
     def __init__(self, config: BackwardShortConfig):
         self.config = config
@@ -102,26 +101,6 @@ class BackwardShortWindow:
             self.tail = RowTail(c.tail, c.head_dim, c.vector_width, c.column_threads, c.row_lanes)
             # cute.compile traces the instance's __call__: with a tail, the host function that takes its arguments.
             self.__call__ = self.fused_host
-
-    @cute.jit
-    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
-                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
-                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
-                 segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
-                 stream: cuda.CUstream):  # fmt: skip
-        """Host function: the main kernel over ``[num_ctas, column_chunks]`` CTAs, then the grad_ape reduction;
-        ``stats`` is not read."""
-        cfg = self.config
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
-        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
-            grid=[num_ctas, cfg.tiles, 1],
-            block=[cfg.threads, 1, 1],
-            smem=cfg.smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=launch_bound(cfg.threads),
-            preferred_smem_carveout=cfg.carveout,
-        )
-        self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.jit
     def fused_host(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,

@@ -23,23 +23,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
-from cutlass.cutlass_dsl import dsl_user_op
 
 from .configs import TailSpec
-from .ptx import add_rn, mul_rn, ptx_f32, rcp_rn, sub_rn
+from .ptx import add_rn, div_rn, mul_rn, rcp_rn, sqrt_rn, sub_rn
 from .window import find_segment, registers, vec_view
-
-
-@dsl_user_op
-def div_rn(a, b, *, loc=None, ip=None) -> Float32:
-    """a / b correctly rounded (``div.rn.f32``)."""
-    return ptx_f32("div.rn.f32 $0, $1, $2;", (a, b), loc=loc, ip=ip)
-
-
-@dsl_user_op
-def sqrt_rn(a, *, loc=None, ip=None) -> Float32:
-    """Correctly rounded square root (``sqrt.rn.f32``)."""
-    return ptx_f32("sqrt.rn.f32 $0, $1;", (a,), loc=loc, ip=ip)
 
 
 def select(cond, a, b) -> Float32:

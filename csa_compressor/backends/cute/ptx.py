@@ -81,6 +81,18 @@ def rcp_rn(a, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def div_rn(a, b, *, loc=None, ip=None) -> Float32:
+    """a / b correctly rounded (``div.rn.f32``)."""
+    return ptx_f32("div.rn.f32 $0, $1, $2;", (a, b), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def sqrt_rn(a, *, loc=None, ip=None) -> Float32:
+    """Correctly rounded square root (``sqrt.rn.f32``)."""
+    return ptx_f32("sqrt.rn.f32 $0, $1;", (a,), loc=loc, ip=ip)
+
+
+@dsl_user_op
 def div_markstein(a, b, y, *, loc=None, ip=None) -> Float32:
     """a / b correctly rounded, given y = RN(1/b): q = RN(a*y), r = a - b*q (exact by fma),
     RN(q + r*y) (Markstein's theorem; needs no underflow, i.e. a not tiny)."""

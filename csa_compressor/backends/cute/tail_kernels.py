@@ -27,24 +27,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
-from cutlass.cutlass_dsl import dsl_user_op
 
-from .ptx import add_rn, mul_rn, ptx_f32, sub_rn
+from .ptx import add_rn, div_rn, mul_rn, sqrt_rn, sub_rn
 from .reduce import ApeReduce
 from .tail_configs import TailForwardConfig, TailGradientConfig
 from .window import Segments, locate_row, real_rows, register_slots, registers, vec_view, widen_plain
-
-
-@dsl_user_op
-def div_rn(a, b, *, loc=None, ip=None) -> Float32:
-    """Correctly rounded a / b (``div.rn.f32``)."""
-    return ptx_f32("div.rn.f32 $0, $1, $2;", (a, b), loc=loc, ip=ip)
-
-
-@dsl_user_op
-def sqrt_rn(a, *, loc=None, ip=None) -> Float32:
-    """Correctly rounded sqrt(a) (``sqrt.rn.f32``)."""
-    return ptx_f32("sqrt.rn.f32 $0, $1;", (a,), loc=loc, ip=ip)
 
 
 class _TailRows:

@@ -1,0 +1,38 @@
+"""The host function the persistent backwards share (``BackwardShortWindow``, ``BackwardLongWindow``): the main
+kernel over ``[num_ctas, tiles]`` CTAs, each with its fp32 slab of grad_ape partials, then the fixed-order
+reduction of the slabs (``ApeReduce``)."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+from cutlass import Int32
+
+from .configs import launch_bound
+
+
+class PersistentBackward:
+    """A backward kernel class whose ``kernel`` takes the pooling's pointers, the slabs and the four scalars, with
+    ``config`` and ``reduce`` set by the subclass."""
+
+    kind = "backward"
+
+    @cute.jit
+    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
+                 segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):  # fmt: skip
+        """Host function (arguments: ``build.py``): the main kernel over ``[num_ctas, column_chunks]`` CTAs, then the
+        grad_ape reduction; ``stats`` is not read."""
+        cfg = self.config
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
+        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
+            grid=[num_ctas, cfg.tiles, 1],
+            block=[cfg.threads, 1, 1],
+            smem=cfg.smem_bytes,
+            stream=stream,
+            min_blocks_per_mp=launch_bound(cfg.threads),
+            preferred_smem_carveout=cfg.carveout,
+        )
+        self.reduce.launch(slabs, grad_ape, num_ctas, stream)
