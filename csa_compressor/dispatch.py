@@ -10,6 +10,7 @@ from types import ModuleType
 import torch
 
 from .backends import BACKENDS
+from .support import raw_env_reader
 
 __all__ = [
     "ENV_VAR",
@@ -70,18 +71,7 @@ def _config_reason(module: ModuleType, ratio: int, coff: int, head_dim: int) -> 
     return check(ratio, coff, head_dim) if check is not None else None
 
 
-def _env_token_getter():
-    # os.environ.get(ENV_VAR) encodes the key and decodes the value on every call, a cost on the per-call path;
-    # CPython's os.environ keeps the encoded pairs in ``_data``, which every write through os.environ
-    # (monkeypatch.setenv included) updates. Writes that bypass os.environ (os.putenv) are not
-    # seen by os.environ.get either.
-    data, encodekey = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
-    if isinstance(data, dict) and encodekey is not None:
-        return functools.partial(data.get, encodekey(ENV_VAR))
-    return functools.partial(os.environ.get, ENV_VAR)
-
-
-env_token = _env_token_getter()
+env_token = raw_env_reader(ENV_VAR)
 env_token.__doc__ = (
     f"The raw value of ${ENV_VAR} (None when unset), read cheaply on every call: per-call caches key on it "
     "so that a change of the variable is seen; ``requested_backend`` interprets it."

@@ -514,16 +514,19 @@ def check_softmax_stats(cfg: Config, stats, rows: int) -> None:
 VALIDATE_ENV_VAR = "CSA_COMPRESSOR_VALIDATE"
 
 
-def _raw_env_reader(name: str):
-    # os.environ.get encodes the key and decodes the value on every call; CPython's os.environ keeps the
-    # encoded pairs in ``_data``, which every write through os.environ updates (as dispatch.env_token reads).
+def raw_env_reader(name: str):
+    """A function returning ``$name``'s raw value (None when unset), cheap enough for every call."""
+    # os.environ.get encodes the key and decodes the value on every call, a cost on the per-call path;
+    # CPython's os.environ keeps the encoded pairs in ``_data``, which every write through os.environ
+    # (monkeypatch.setenv included) updates. Writes that bypass os.environ (os.putenv) are not seen by
+    # os.environ.get either.
     data, encodekey = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
     if isinstance(data, dict) and encodekey is not None:
         return functools.partial(data.get, encodekey(name))
     return functools.partial(os.environ.get, name)
 
 
-validation_env = _raw_env_reader(VALIDATE_ENV_VAR)
+validation_env = raw_env_reader(VALIDATE_ENV_VAR)
 validation_env.__doc__ = f"The raw value of ${VALIDATE_ENV_VAR} (None when unset), cheap enough for every call."
 
 
