@@ -10,8 +10,9 @@
 # Run from the repository root: bash benchmarks/gpu_session.sh. Variables (defaults in brackets):
 #   STAGES       stages to run ["install tests sanitize bench"]
 #   BUDGET_S     the whole session's budget in seconds [560]
-#   TESTS_TIMEOUT  the test suite's limit [300]; PYTEST_ARGS extra pytest arguments [""]
-#   SANITIZE_TIMEOUT  each of the four sanitizer runs' limit [70]; SANITIZE_BACKENDS ["cute triton"]
+#   TESTS_TIMEOUT  the test suite's limit [300]; TEST_PATHS what pytest collects ["tests"]; PYTEST_ARGS extra
+#                pytest arguments, e.g. "-m gpu" [""]
+#   SANITIZE_TIMEOUT  each sanitizer run's limit (three per backend) [70]; SANITIZE_BACKENDS ["cute triton"]
 #   BENCH_ARGS   extra arguments of the bench, e.g. "--tail off", "--timing-probe", "--cases 0 3" [""]
 #   RUN_COMMIT   the commit the bench records (the device copy's .git may be stale or missing) [git rev-parse]
 # Comes back under $OUT (at most 8 files): summary.md, session.log, pytest.log, sanitize.log, bench.log and the
@@ -41,11 +42,13 @@ fi
 
 sanitize() {  # every backend x tool in turn, one log
     for backend in ${SANITIZE_BACKENDS:-cute triton}; do
-        for tool in memcheck racecheck; do
-            echo "==== $tool $backend"
-            timeout "${SANITIZE_TIMEOUT:-70}" compute-sanitizer --tool "$tool" --report-api-errors no \
-                --error-exitcode 9 python3 tests/sanitize_cases.py --backend "$backend" 2>&1
-            echo "==== $tool $backend rc=$?"
+        # memcheck also on the malformed-offset cases: no access outside the operands whatever the offsets hold.
+        for run in "memcheck" "memcheck --malformed" "racecheck"; do
+            set -- $run
+            echo "==== $1${2:+-malformed} $backend"
+            timeout "${SANITIZE_TIMEOUT:-70}" compute-sanitizer --tool "$1" --report-api-errors no \
+                --error-exitcode 9 python3 tests/sanitize_cases.py --backend "$backend" ${2:-} 2>&1
+            echo "==== $1${2:+-malformed} $backend rc=$?"
         done
     done
 }
@@ -53,7 +56,7 @@ sanitize() {  # every backend x tool in turn, one log
 pids=()
 if has tests; then
     # SIGINT first, so that pytest prints its counts when the limit is reached.
-    timeout -s INT -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest tests -q -ra -p no:cacheprovider --durations=10 \
+    timeout -s INT -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider --durations=10 \
         ${PYTEST_ARGS:-} >"$RESULT_DIR/pytest.log" 2>&1 &
     pids+=($!)
 fi

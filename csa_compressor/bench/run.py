@@ -317,12 +317,29 @@ def default_name(device_name: str, date_iso: str) -> str:
     return f"bench_{slug}_{stamp}Z"
 
 
+def _rounded(value):
+    """Floats to six significant digits: more than any timing in a record resolves."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}")
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_rounded(item) for item in value]
+    return value
+
+
+def records_json(records: list[dict]) -> str:
+    """A JSON list with one compact record per line: small in git, and a diff names the records that moved."""
+    lines = (json.dumps(_rounded(record), separators=(",", ":")) for record in records)
+    return "[\n" + ",\n".join(lines) + "\n]\n"
+
+
 def write_outputs(result: BenchResult, out_dir: Path, stem: str, records_too: bool = True) -> dict[str, Path]:
     """``stem``.json (the records, unless not ``records_too``), .md (the report) and .png (the chart)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / f"{stem}.json", "markdown": out_dir / f"{stem}.md", "chart": out_dir / f"{stem}.png"}
     if records_too:
-        paths["json"].write_text(json.dumps(result.records, indent=1) + "\n")
+        paths["json"].write_text(records_json(result.records))
     else:
         del paths["json"]
     paths["markdown"].write_text(result.markdown + "\n")
