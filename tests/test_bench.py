@@ -544,7 +544,11 @@ def test_write_outputs_and_a_small_chart(tmp_path):
     recs = _full_records()
     result = BenchResult(records=recs, markdown=format_markdown(recs, META), meta=META)
     paths = bench.write_outputs(result, tmp_path / "out", "run1")
-    assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(recs))
+    text = paths["json"].read_text()
+    assert json.loads(text) == bench.run._rounded(json.loads(json.dumps(recs)))
+    assert len(text.splitlines()) == len(recs) + 2  # one record per line between the brackets
+    kernel = [r["kernel_us_cold"] for r in json.loads(text)]
+    assert kernel == pytest.approx([r["kernel_us_cold"] for r in recs], rel=1e-5)
     assert paths["markdown"].read_text().startswith("Device:")
     png = paths["chart"].read_bytes()
     assert png[:4] == b"\x89PNG" and 5_000 < len(png) < 40_000  # the tree takes no binary over 40 KB
