@@ -64,9 +64,9 @@ def _long_chunk_at(
     shift = tl.where(own, (COFF - 1) * HEAD_DIM, 0)
     tok0 = t0 + s0 - tl.where(own, 0, RATIO)
     # (Thresholds rather than scalar-bool broadcasts: the interpreter turns bool tensor & 0-d bool into int32.)
-    smask = slot < tl.where(ok & (own | has_prev), RATIO - s0, 0)
-    if not EVEN_D:
-        smask = smask & col_ok
+    # With the columns in it (also where every column is valid): the mask a later step folds with is then in the
+    # loads' layout, not converted through shared memory by threads that hold the same slots.
+    smask = (slot < tl.where(ok & (own | has_prev), RATIO - s0, 0)) & col_ok
     aoffs, amask = _long_ape_at(c, slot, base, col_ok, RATIO, COFF, HEAD_DIM, CS, NCH_HALF, EVEN_D)
     return base + (tok0 * W + shift), aoffs, smask, amask
 
