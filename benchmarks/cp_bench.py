@@ -9,7 +9,8 @@ CP call is the plain op behind the layout's checks) and ``pieces2`` / ``pieces8`
 pieces at offsets that split groups, held in reverse order: the boundary pack, the self halo and the row
 placement all run, with no collective). Per case, split and direction it reports the plain op's and the
 CP call's wall (CUDA events around one call on an idle device, median) and warm kernel time (profiler),
-and their differences: the host and the device cost that the halo assembly adds per call.
+and their differences: the host and the device cost that the halo assembly adds per call; the JSON records
+also carry ``extra_kernels``, the device activities the CP call adds by name ([count, us] per call).
 
 Two GPUs (issue 28, on nvidia-h200-x2)::
 
@@ -128,6 +129,25 @@ def _kernel_count(timer, fn) -> int:
     return sum(1 for a in activities if not a.is_user_annotation)
 
 
+def _kernels_by_name(timer, fn, calls: int = 10) -> dict[str, list[float]]:
+    """Per device activity name: [count, us] per call (warm)."""
+    activities, _ = timer.device_activity(fn, calls, cold=False)
+    table: dict[str, list[float]] = {}
+    for a in activities:
+        if not a.is_user_annotation:
+            entry = table.setdefault(a.name[:120], [0.0, 0.0])
+            entry[0] += 1 / calls
+            entry[1] += a.duration_us / calls
+    return table
+
+
+def _extra_kernels(plain: dict, cp: dict) -> dict[str, list[float]]:
+    """What the CP call's device activity adds to the plain op's, by name: [count, us] per call."""
+    names = sorted({*plain, *cp})
+    diff = {n: [round(cp.get(n, [0, 0])[i] - plain.get(n, [0, 0])[i], 2) for i in (0, 1)] for n in names}
+    return {n: d for n, d in diff.items() if d != [0, 0]}
+
+
 def one_gpu(backends) -> list[dict]:
     """Every wall first, then every profiler session (after one, CUPTI's callbacks add host time to every
     later CUDA call: csa_compressor/bench.py)."""
@@ -157,6 +177,7 @@ def one_gpu(backends) -> list[dict]:
         meta["cp_kernel_us"] = timer.kernel_us(cp, 20, cold=False)
         meta["device_overhead_us"] = meta["cp_kernel_us"] - meta["plain_kernel_us"]
         meta["plain_kernels"], meta["cp_kernels"] = _kernel_count(timer, plain), _kernel_count(timer, cp)
+        meta["extra_kernels"] = _extra_kernels(_kernels_by_name(timer, plain), _kernels_by_name(timer, cp))
         print(_row(meta), flush=True)
     return [meta for meta, _, _ in runs]
 
