@@ -9,7 +9,8 @@ CP call is the plain op behind the layout's checks) and ``pieces2`` / ``pieces8`
 pieces at offsets that split groups, held in reverse order: the boundary pack, the self halo and the row
 placement all run, with no collective). Per case, split and direction it reports the plain op's and the
 CP call's wall (CUDA events around one call on an idle device, median) and warm kernel time (profiler),
-and their differences: the host and the device cost that the halo assembly adds per call.
+and their differences: the host and the device cost that the halo assembly adds per call; the JSON records
+also carry ``extra_kernels``, the device activities the CP call adds by name ([count, us] per call).
 
 Two GPUs (issue 28, on nvidia-h200-x2)::
 
@@ -22,11 +23,21 @@ sequence of half the tokens), the NCCL kernels' own time in the halo exchange an
 (profiler), and the bytes the exchange moved against the formula of docs/distributed.md.
 
 Both write ``<out>/cp_bench.json`` (records) and ``<out>/cp_bench.md`` (tables) and print the tables.
+
+Host only (CPU, no GPU needed)::
+
+    python3 benchmarks/cp_bench.py --host-only --out /tmp/cp_host
+
+the one-GPU cases' configurations on small CPU packs with the reference backend, every op's kernel launch
+stubbed out: per split and direction, the op launches and the other launches (top-level aten ops that would
+launch a kernel on a GPU) of the plain op and of the CP call, the host-synchronising ops among them, and the
+host time per call of both (``<out>/cp_host.json`` / ``.md``). tests/test_distributed.py holds the counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -118,6 +129,25 @@ def _kernel_count(timer, fn) -> int:
     return sum(1 for a in activities if not a.is_user_annotation)
 
 
+def _kernels_by_name(timer, fn, calls: int = 10) -> dict[str, list[float]]:
+    """Per device activity name: [count, us] per call (warm)."""
+    activities, _ = timer.device_activity(fn, calls, cold=False)
+    table: dict[str, list[float]] = {}
+    for a in activities:
+        if not a.is_user_annotation:
+            entry = table.setdefault(a.name[:120], [0.0, 0.0])
+            entry[0] += 1 / calls
+            entry[1] += a.duration_us / calls
+    return table
+
+
+def _extra_kernels(plain: dict, cp: dict) -> dict[str, list[float]]:
+    """What the CP call's device activity adds to the plain op's, by name: [count, us] per call."""
+    names = sorted({*plain, *cp})
+    diff = {n: [round(cp.get(n, [0, 0])[i] - plain.get(n, [0, 0])[i], 2) for i in (0, 1)] for n in names}
+    return {n: d for n, d in diff.items() if d != [0, 0]}
+
+
 def one_gpu(backends) -> list[dict]:
     """Every wall first, then every profiler session (after one, CUPTI's callbacks add host time to every
     later CUDA call: csa_compressor/bench.py)."""
@@ -147,6 +177,7 @@ def one_gpu(backends) -> list[dict]:
         meta["cp_kernel_us"] = timer.kernel_us(cp, 20, cold=False)
         meta["device_overhead_us"] = meta["cp_kernel_us"] - meta["plain_kernel_us"]
         meta["plain_kernels"], meta["cp_kernels"] = _kernel_count(timer, plain), _kernel_count(timer, cp)
+        meta["extra_kernels"] = _extra_kernels(_kernels_by_name(timer, plain), _kernels_by_name(timer, cp))
         print(_row(meta), flush=True)
     return [meta for meta, _, _ in runs]
 
@@ -164,6 +195,135 @@ ONE_GPU_HEADER = (
     "| case | split | backend | direction | plain wall | CP wall | host + | plain kernel | CP kernel | device + "
     "| kernels plain / CP | out bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+# ---------------------------------------------------------------- host only (CPU)
+
+# The one-GPU cases' ratios and coffs on small packs: on the CPU the aten ops compute too, and small tensors keep
+# that below their dispatch cost (the count of launches does not depend on the sizes).
+HOST_CASES = (
+    ("1x1024-d16-r4-c2", (1024,), 16, 4, 2),
+    ("3x1024-d16-r4-c2", (1024, 1024, 1024), 16, 4, 2),
+    ("1x2048-d16-r128-c1", (2048,), 16, 128, 1),
+    ("1x4096-d16-r128-c2", (4096,), 16, 128, 2),
+)
+# Top-level aten ops that launch no kernel on a GPU: allocations and views.
+NO_LAUNCH = frozenset(
+    "aten::" + name
+    for name in ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "slice", "view",
+                 "as_strided", "alias", "detach", "select", "reshape", "_reshape_alias", "_unsafe_view", "expand",
+                 "unsqueeze", "squeeze", "narrow", "t", "transpose", "contiguous", "lift_fresh", "resize_")
+)  # fmt: skip
+# Top-level aten ops that wait for the device (a host synchronisation on a GPU).
+SYNCING = frozenset(f"aten::{n}" for n in ("item", "_local_scalar_dense", "nonzero", "tolist", "equal", "unique"))
+
+
+@contextlib.contextmanager
+def kernels_stubbed():
+    """Every compiled op's kernel launch replaced by a counter (nothing computes): what is left of a call is its
+    host work and the aten ops around the kernels. Yields ``[launches so far]``; ops compile outside it."""
+    from csa_compressor import api
+
+    launches = [0]
+
+    def stub(*args, **kwargs):
+        launches[0] += 1
+
+    saved = {op: op._launch for op in api._OPS.values()}
+    for op in saved:
+        op._launch = stub
+    try:
+        yield launches
+    finally:
+        for op, launch in saved.items():
+            op._launch = launch
+
+
+def launch_count(fn) -> tuple[int, dict[str, int]]:
+    """(op kernel launches, {aten op: count}) of one call of ``fn`` inside ``kernels_stubbed``: the aten ops
+    are the top-level ones a GPU would launch a kernel for (``NO_LAUNCH`` aside)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with kernels_stubbed() as launches, profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and parent is None and event.name not in NO_LAUNCH:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return launches[0], counts
+
+
+def _host_us(fns, calls: int, repeats: int = 40) -> list[float]:
+    """Host time of one call of each of ``fns`` with the kernels stubbed: the best of ``repeats`` means over
+    ``calls`` calls, the callables taking turns (a shared machine's load then hits them alike)."""
+    import time
+
+    best = [float("inf")] * len(fns)
+    with kernels_stubbed():
+        for fn in fns:
+            for _ in range(max(1, calls // 10)):
+                fn()
+        for _ in range(repeats):
+            for i, fn in enumerate(fns):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                best[i] = min(best[i], (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def host_record(pack, layout, calls: int) -> list[dict]:
+    """Per direction, the plain op's and the CP call's launches and host time (reference backend, CPU)."""
+    plain, plain_bwd, cp, cp_bwd = _callables(pack, layout, "reference")
+    records = []
+    for direction, a, b in (("fwd", plain, cp), ("fwd+bwd", plain_bwd, cp_bwd)):
+        a(), b()  # compile the ops (outside the stubs)
+        (plain_ops, plain_aten), (cp_ops, cp_aten) = launch_count(a), launch_count(b)
+        extra = {k: cp_aten.get(k, 0) - plain_aten.get(k, 0) for k in sorted({*plain_aten, *cp_aten})}
+        record = {"direction": direction, "plain_op_launches": plain_ops, "cp_op_launches": cp_ops}
+        record |= {"plain_launches": sum(plain_aten.values()), "cp_launches": sum(cp_aten.values())}
+        record["extra_aten_ops"] = {k: v for k, v in extra.items() if v}
+        record["syncing_ops"] = sorted(k for k in cp_aten if k in SYNCING)
+        if calls:
+            record["plain_host_us"], record["cp_host_us"] = _host_us((a, b), calls)
+            record["host_overhead_us"] = record["cp_host_us"] - record["plain_host_us"]
+        records.append(record)
+    return records
+
+
+def host_only(calls: int) -> list[dict]:
+    """CPU, reference backend, a world of one: the one-GPU cases' launches and host time around the kernels."""
+    from csa_compressor.distributed import CPLayout
+    from csa_compressor.testing import make_pack
+
+    torch.set_num_threads(1)
+    records = []
+    for name, seqlens, head_dim, ratio, coff in HOST_CASES:
+        pack = make_pack(seqlens, head_dim, ratio, coff, seed=1)
+        for split, count in (("whole", 1), ("pieces2", 2), ("pieces8", 8)):
+            layout = CPLayout.from_pieces(pack.cu_seqlens, _split_pieces(sum(seqlens), count))
+            for record in host_record(pack, layout, calls):
+                records.append({"case": name, "split": split} | record)
+                print(_host_row(records[-1]), flush=True)
+    return records
+
+
+HOST_HEADER = (
+    "| case | split | direction | op launches plain / CP | other launches plain / CP | extra aten ops | "
+    "host plain us | host CP us | host + us |\n|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _host_row(r: dict) -> str:
+    extra = ", ".join(f"{k.removeprefix('aten::')} {v:+d}" for k, v in r["extra_aten_ops"].items()) or "-"
+    times = " | ".join(f"{r[k]:.1f}" for k in ("plain_host_us", "cp_host_us", "host_overhead_us"))
+    return (
+        f"| {r['case']} | {r['split']} | {r['direction']} | {r['plain_op_launches']} / {r['cp_op_launches']} | "
+        f"{r['plain_launches']} / {r['cp_launches']} | {extra} | {times} |"
+    )
 
 
 # ---------------------------------------------------------------- two GPUs
@@ -329,7 +489,16 @@ def main(argv=None) -> int:
     parser.add_argument("--world", type=int, default=1, help="1: one GPU, no process group; 2+: one process per GPU")
     parser.add_argument("--backends", nargs="+", default=["cute", "triton"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cp"))
+    parser.add_argument("--host-only", action="store_true", help="CPU: launches and host time around the kernels")
+    parser.add_argument("--calls", type=int, default=30, help="--host-only: calls per timing (best of 40)")
     args = parser.parse_args(argv)
+    if args.host_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(HOST_HEADER)
+        records = host_only(args.calls)
+        (args.out / "cp_host.json").write_text(json.dumps(records, indent=1))
+        (args.out / "cp_host.md").write_text(HOST_HEADER + "\n" + "\n".join(_host_row(r) for r in records) + "\n")
+        return 0
     if not torch.cuda.is_available():
         print("cp_bench needs a CUDA GPU; nothing measured")
         return 0

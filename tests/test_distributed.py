@@ -166,6 +166,35 @@ def test_halo_formula_of_the_docs(ratio, coff, kind):
             assert formula(cu, layout.pieces, ratio, coff) == sum(plan.recv_splits) - plan.recv_splits[rank]
 
 
+# Per call of a world of one in pieces, the launches the CP path adds to the plain op's (docs/distributed.md):
+# forward the halo gather (kv, score) and the row placement (one per op call); the backward adds the gather of
+# both calls' grad_out, with coff 2 the zeroing of the extras, the grad_ape sum and the halo's gradients.
+_PIECES_EXTRA_LAUNCHES = {("fwd", 1): 4, ("fwd", 2): 4, ("fwd+bwd", 1): 8, ("fwd+bwd", 2): 9}
+
+
+@pytest.mark.parametrize(("seqlens", "ratio", "coff"), [((37, 3, 20, 1, 50), 4, 2), ((300, 200, 600), 128, 1)])
+def test_cp_call_launches(seqlens, ratio, coff):
+    """Issue 27: a world of one in one piece is the plain op (no launch added); in pieces the CP path adds one op
+    call per direction and at most a fixed few other launches, however many pieces, none of them a host
+    synchronisation (counted as ``benchmarks/cp_bench.py --host-only`` does, the kernels stubbed)."""
+    bench = _cp_bench()
+    p = make_pack(seqlens, 6, ratio, coff, seed=5)
+    counts = {}
+    for pieces in (1, 2, 8):
+        layout = CPLayout.from_pieces(p.cu_seqlens, bench._split_pieces(sum(seqlens), pieces))
+        for r in bench.host_record(p, layout, calls=0):
+            assert r["syncing_ops"] == [], (pieces, r)
+            extra_ops = r["cp_op_launches"] - r["plain_op_launches"]
+            extra = r["cp_launches"] - r["plain_launches"]
+            if pieces == 1:
+                assert (extra_ops, extra, r["extra_aten_ops"]) == (0, 0, {}), r
+            else:
+                assert extra_ops == (1 if r["direction"] == "fwd" else 2), r
+                assert extra <= _PIECES_EXTRA_LAUNCHES[r["direction"], coff], r
+                counts.setdefault(r["direction"], set()).add(extra)
+    assert all(len(c) == 1 for c in counts.values()), counts  # no launch per piece
+
+
 def test_layouts():
     cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
     assert CPLayout.contiguous(cu, 1, 3).pieces == ((8, 8),)

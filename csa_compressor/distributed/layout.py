@@ -11,11 +11,12 @@ the first call of each further (ratio, coff) gathers and checks the call's argum
 from __future__ import annotations
 
 import hashlib
-import os
 from array import array
 
 import torch
 import torch.distributed as dist
+
+from ..support import validation_env
 
 __all__ = ["CPLayout"]
 
@@ -318,4 +319,9 @@ def validation_requested(validate: bool | None) -> bool:
     """``validate`` if given, else ``$CSA_COMPRESSOR_VALIDATE`` (set and not ``0``)."""
     if validate is not None:
         return bool(validate)
-    return os.environ.get("CSA_COMPRESSOR_VALIDATE", "0").strip() not in ("", "0")
+    raw = validation_env()  # unset on the hot path: one dict lookup
+    if raw is None:
+        return False
+    if isinstance(raw, bytes):
+        raw = raw.decode(errors="replace")
+    return raw.strip() not in ("", "0")

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from .. import api
-from ..api import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
 from ..autograd import compressor_pool
 from .layout import CPLayout, _error, validation_requested
 from .plan import OpPlan, RankPlan, build_plan
@@ -53,15 +52,14 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 class _OpPack:
     """One local call of the single-GPU op: offsets, row count, and where its rows go in ``out_local``.
 
-    ``dst``: output position of every op row, extras sent to a dump row ``n_local``; ``src``: the same with
-    extras clamped to 0 (the backward's gather); ``extra``: the op rows that are extras, or None.
+    ``dst``: output position of every op row, extras sent to a dump row ``n_local``; ``extra``: the op rows
+    that are extras, or None.
     """
 
     cu: torch.Tensor
     cc: torch.Tensor
     rows: int
     dst: torch.Tensor
-    src: torch.Tensor
     extra: torch.Tensor | None
 
 
@@ -77,17 +75,27 @@ class DevicePlan:
     rows: torch.Tensor  # global indices of out_local's rows, ascending
     plain: bool  # out_local is the interior call's output as it is (no boundary rows, no extras)
     dump: bool  # some op row is an extra: the forward needs the dump row
+    # The backward's grad_out of both op calls as one gather: the interior's op rows, the boundary's from
+    # row grad_boundary, each row's out_local position (extras: 0), then the extras (grad_extra) zeroed.
+    grad_src: torch.Tensor | None
+    grad_extra: torch.Tensor | None
+    grad_boundary: int
     # The halo exchange (exchange) or, without it, the boundary pack's local gather (pack_local).
     exchange: bool
     pack_local: torch.Tensor | None
     send_idx: torch.Tensor | None
     send_splits: list[int]
     recv_splits: list[int]
+    sent: int  # sum(send_splits)
+    received: int  # sum(recv_splits)
     perm: torch.Tensor | None  # pack position -> receive-buffer row
     # gather_rows: every rank's rows padded to max_rows; gather_src maps global rows to gathered rows.
     max_rows: int
     gather_src: torch.Tensor | None  # None: the gathered rows are already in global order
-    no_rows: torch.Tensor  # int32 [0, 0]: the offsets of a call with no row
+    # The call is the single-GPU op on the local tensors (no halo on any rank, no row to place): its offsets
+    # and row count (a rank with no row: the op with no rows, so that the gradients are zeros, not None).
+    direct: tuple | None
+    single: bool  # a world of one rank (no process group, or a group of one)
     signature: tuple = ()  # shapes, dtypes and devices of the arguments last checked with this plan
 
 
@@ -124,15 +132,39 @@ def _op_host(op: OpPlan | None, prefix: str) -> dict:
 
 
 def _op_pack(dev: dict, prefix: str, op: OpPlan | None, n_local: int) -> _OpPack | None:
-    """The device tensors of one op call; ``dst`` / ``src`` are expanded from the runs on the device."""
+    """The device tensors of one op call; ``dst`` is expanded from the runs on the device."""
     if op is None:
         return None
     total = int(op.count.sum())
     ops = _expand_on_device(dev[f"{prefix}_op_first"], dev[f"{prefix}_count"], total)
     dst = torch.full((op.rows,), n_local, dtype=torch.int64, device=ops.device)
     dst[ops] = _expand_on_device(dev[f"{prefix}_position"], dev[f"{prefix}_count"], total)
+    return _OpPack(dev[f"{prefix}_cu"], dev[f"{prefix}_cc"], op.rows, dst, dev[f"{prefix}_extra"])
+
+
+# The boundary call's rows start at a multiple of this many rows of the backward's gather: 16 rows of any
+# width and dtype are a multiple of the 16 bytes the op's grad_out alignment needs.
+_ROW_ALIGN = 16
+
+
+def _grad_gather(interior: _OpPack | None, boundary: _OpPack | None, n_local: int):
+    """``(grad_src, grad_extra, grad_boundary)`` of the two op calls: the interior's rows, then (from the
+    aligned row ``grad_boundary``) the boundary's; the padding between them reads row 0 and goes unused."""
+    rows = interior.rows if interior is not None else 0
+    start = -(-rows // _ROW_ALIGN) * _ROW_ALIGN if boundary is not None else rows
+    dst = [p.dst for p in (interior, boundary) if p is not None]
+    if not dst:
+        return None, None, 0
+    if start > rows:
+        dst.insert(1, torch.zeros(start - rows, dtype=torch.int64, device=dst[0].device))
+    dst = torch.cat(dst)
     src = torch.where(dst == n_local, torch.zeros_like(dst), dst)
-    return _OpPack(dev[f"{prefix}_cu"], dev[f"{prefix}_cc"], op.rows, dst, src, dev[f"{prefix}_extra"])
+    extras = []
+    if interior is not None and interior.extra is not None:
+        extras.append(interior.extra)
+    if boundary is not None and boundary.extra is not None:
+        extras.append(boundary.extra + start)
+    return src, torch.cat(extras) if extras else None, start
 
 
 def device_plan(plan: RankPlan, device: torch.device, group_id: int) -> DevicePlan:
@@ -146,9 +178,14 @@ def device_plan(plan: RankPlan, device: torch.device, group_id: int) -> DevicePl
         host["send_idx"], host["perm"] = plan.send_idx, plan.perm
     dev = _to_device(host, device)
     interior, boundary = _op_pack(dev, "int", plan.interior, n_local), _op_pack(dev, "b", plan.boundary, n_local)
+    grad_src, grad_extra, grad_boundary = _grad_gather(interior, boundary, n_local)
     gather_src = None
     if plan.gather_dest is not None:
         gather_src = _expand_on_device(dev["gather_dest"], dev["gather_count"], plan.total_rows)
+    plain = boundary is None and (interior is None or plan.interior.in_order)
+    direct = None
+    if plain and not plan.exchange:
+        direct = (interior.cu, interior.cc, interior.rows) if interior else (dev["no_rows"], dev["no_rows"], 0)
     return DevicePlan(
         plan=plan,
         group_id=group_id,
@@ -156,17 +193,23 @@ def device_plan(plan: RankPlan, device: torch.device, group_id: int) -> DevicePl
         boundary=boundary,
         n_local=n_local,
         rows=_expand_on_device(dev["row_first"], dev["row_count"], n_local),
-        plain=boundary is None and (interior is None or plan.interior.in_order),
+        plain=plain,
         dump=any(p is not None and p.extra is not None for p in (interior, boundary)),
+        grad_src=grad_src,
+        grad_extra=grad_extra,
+        grad_boundary=grad_boundary,
         exchange=plan.exchange,
         pack_local=dev.get("pack_local"),
         send_idx=dev.get("send_idx"),
         send_splits=plan.send_splits,
         recv_splits=plan.recv_splits,
+        sent=sum(plan.send_splits),
+        received=sum(plan.recv_splits),
         perm=dev.get("perm"),
         max_rows=max(plan.rows_per_rank),
         gather_src=gather_src,
-        no_rows=dev["no_rows"],
+        direct=direct,
+        single=plan.world_size == 1,
     )
 
 
@@ -178,8 +221,10 @@ def _halo_forward(dp: DevicePlan, kv, score, group):
     if not dp.exchange:
         return kv.index_select(0, dp.pack_local), score.index_select(0, dp.pack_local)
     width = kv.shape[1]
-    send = torch.cat((kv.index_select(0, dp.send_idx), score.index_select(0, dp.send_idx)), dim=1)
-    recv = send.new_empty((sum(dp.recv_splits), 2 * width))
+    send = kv.new_empty((dp.sent, 2 * width))  # kv and score side by side: one collective
+    torch.index_select(kv, 0, dp.send_idx, out=send[:, :width])
+    torch.index_select(score, 0, dp.send_idx, out=send[:, width:])
+    recv = send.new_empty((dp.received, 2 * width))
     dist.all_to_all_single(recv, send, dp.recv_splits, dp.send_splits, group=group)
     if dp.boundary is None:
         return None, None
@@ -193,12 +238,12 @@ def _halo_backward(dp: DevicePlan, grad_kv, grad_score, grad_kv_b, grad_score_b,
         grad_score.index_add_(0, dp.pack_local, grad_score_b)
         return
     width = grad_kv.shape[1]
-    grad_recv = grad_kv.new_empty((sum(dp.recv_splits), 2 * width))
+    grad_recv = grad_kv.new_empty((dp.received, 2 * width))
     if dp.boundary is not None:
         # perm is a bijection onto the receive buffer: every row is written.
         grad_recv[:, :width].index_copy_(0, dp.perm, grad_kv_b)
         grad_recv[:, width:].index_copy_(0, dp.perm, grad_score_b)
-    grad_send = grad_kv.new_empty((sum(dp.send_splits), 2 * width))
+    grad_send = grad_kv.new_empty((dp.sent, 2 * width))
     dist.all_to_all_single(grad_send, grad_recv, dp.send_splits, dp.recv_splits, group=group)
     # A token sent twice gets two rows; at most one of them is non-zero per column, so the sum is exact.
     grad_kv.index_add_(0, dp.send_idx, grad_send[:, :width])
@@ -209,28 +254,35 @@ def _halo_backward(dp: DevicePlan, grad_kv, grad_score, grad_kv_b, grad_score_b,
 
 
 def _forward_call(kv, score, ape, op: _OpPack, ratio, coff, backend, stats: bool):
-    res = csa_compressor_forward_wrapper(
-        kv, score, ape, op.cu, op.cc, ratio=ratio, coff=coff, total_comp=op.rows, backend=backend,
-        return_softmax_stats=stats,
-    )  # fmt: skip
-    return res["out"], res.get("softmax_stats")
+    """``(out, softmax_stats or None)`` of one op call (the forward wrapper's code, as the autograd op's)."""
+    if stats:
+        return api._pool_forward(kv, score, ape, op.cu, op.cc, ratio, coff, op.rows, backend, return_stats=True)
+    return api._pool_forward(kv, score, ape, op.cu, op.cc, ratio, coff, op.rows, backend), None
 
 
-def _backward_call(kv, score, ape, op: _OpPack, grad, ratio, coff, backend, stats):
-    res = csa_compressor_backward_wrapper(
-        kv, score, ape, op.cu, op.cc, grad, ratio=ratio, coff=coff, backend=backend, softmax_stats=stats
-    )
-    return res["grad_kv"], res["grad_score"], res["grad_ape"]
+def _place_rows(dp: DevicePlan, new_empty, out_int, out_b, d: int):
+    """``out_local`` from the op calls' rows: one ``index_copy_`` per call, extras onto a dump row past the end."""
+    if dp.plain:
+        return out_int if out_int is not None else new_empty((0, d))
+    buf = new_empty((dp.n_local + dp.dump, d))
+    if out_int is not None:
+        buf.index_copy_(0, dp.interior.dst, out_int)
+    if out_b is not None:
+        buf.index_copy_(0, dp.boundary.dst, out_b)
+    return buf[: dp.n_local] if dp.dump else buf
 
 
-def _rows_grad(grad_out, op: _OpPack, n_local: int):
-    """The op's grad_out: ``out_local``'s gradient at its rows, zero at the extras."""
-    if n_local == 0:
-        return grad_out.new_zeros((op.rows, grad_out.shape[1]))
-    grad = grad_out.index_select(0, op.src)
-    if op.extra is not None:
-        grad.index_fill_(0, op.extra, 0)
-    return grad
+def _rows_grads(grad_out, dp: DevicePlan):
+    """The two op calls' grad_out: ``out_local``'s gradient at their rows, zero at the extras (one gather
+    for both, each call's part a contiguous row range of it)."""
+    rows = dp.grad_src.numel()
+    if dp.n_local == 0:
+        grad = grad_out.new_zeros((rows, grad_out.shape[1]))
+    else:
+        grad = grad_out.index_select(0, dp.grad_src)
+        if dp.grad_extra is not None:
+            grad.index_fill_(0, dp.grad_extra, 0)
+    return grad[: dp.interior.rows] if dp.interior is not None else None, grad[dp.grad_boundary :]
 
 
 class _PoolCP(torch.autograd.Function):
@@ -240,51 +292,41 @@ class _PoolCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, score, ape, dp: DevicePlan, ratio, coff, backend, group, reduce_ape):
         stats = api.autograd_uses_stats(kv, ratio, coff, backend)
-        kv_b = score_b = None
+        kv_b = score_b = out_int = out_b = stats_int = stats_b = None
         if dp.boundary is not None or dp.exchange:
             kv_b, score_b = _halo_forward(dp, kv, score, group)
-        outs, saved_stats = [], []
-        for op, k, s in ((dp.interior, kv, score), (dp.boundary, kv_b, score_b)):
-            out, st = _forward_call(k, s, ape, op, ratio, coff, backend, stats) if op is not None else (None, None)
-            outs.append(out)
-            saved_stats.append(st)
-        d = kv.shape[1] // coff
-        if dp.plain:
-            result = outs[0] if outs[0] is not None else kv.new_empty((0, d))
-        else:
-            buf = kv.new_empty((dp.n_local + int(dp.dump), d))
-            for op, out in zip((dp.interior, dp.boundary), outs, strict=True):
-                if op is not None:
-                    buf.index_copy_(0, op.dst, out)  # extras land on the dump row
-            result = buf[: dp.n_local] if dp.dump else buf
-        ctx.save_for_backward(kv, score, ape, kv_b, score_b, *saved_stats)
-        ctx.dp, ctx.group, ctx.reduce_ape = dp, group, reduce_ape
-        ctx.ratio, ctx.coff, ctx.backend = ratio, coff, backend
-        return result
+        if dp.interior is not None:
+            out_int, stats_int = _forward_call(kv, score, ape, dp.interior, ratio, coff, backend, stats)
+        if dp.boundary is not None:
+            out_b, stats_b = _forward_call(kv_b, score_b, ape, dp.boundary, ratio, coff, backend, stats)
+        ctx.save_for_backward(kv, score, ape, kv_b, score_b, stats_int, stats_b)
+        ctx.dp, ctx.call = dp, (ratio, coff, backend, group, reduce_ape)
+        return _place_rows(dp, kv.new_empty, out_int, out_b, kv.shape[1] // coff)
 
     @staticmethod
     def backward(ctx, grad_out):
         kv, score, ape, kv_b, score_b, stats_int, stats_b = ctx.saved_tensors
-        dp, ratio, coff, backend = ctx.dp, ctx.ratio, ctx.coff, ctx.backend
+        dp, (ratio, coff, backend, group, reduce_ape) = ctx.dp, ctx.call
         grad_out = grad_out.contiguous()
+        grad_int, grad_b = (grad_out, None) if dp.plain else _rows_grads(grad_out, dp)
         if dp.interior is not None:
-            grad = grad_out if dp.plain else _rows_grad(grad_out, dp.interior, dp.n_local)
-            grad_kv, grad_score, grad_ape = _backward_call(
-                kv, score, ape, dp.interior, grad, ratio, coff, backend, stats_int
+            op = dp.interior
+            grad_kv, grad_score, grad_ape = api._pool_backward(
+                kv, score, ape, op.cu, op.cc, grad_int, ratio, coff, backend, stats=stats_int
             )
         else:
             grad_kv, grad_score, grad_ape = torch.zeros_like(kv), torch.zeros_like(score), torch.zeros_like(ape)
         grad_kv_b = grad_score_b = None
         if dp.boundary is not None:
-            grad = _rows_grad(grad_out, dp.boundary, dp.n_local)
-            grad_kv_b, grad_score_b, grad_ape_b = _backward_call(
-                kv_b, score_b, ape, dp.boundary, grad, ratio, coff, backend, stats_b
+            op = dp.boundary
+            grad_kv_b, grad_score_b, grad_ape_b = api._pool_backward(
+                kv_b, score_b, ape, op.cu, op.cc, grad_b, ratio, coff, backend, stats=stats_b
             )
-            grad_ape = grad_ape + grad_ape_b
+            grad_ape.add_(grad_ape_b)  # the interior's is a fresh tensor of this backward
         if dp.boundary is not None or dp.exchange:
-            _halo_backward(dp, grad_kv, grad_score, grad_kv_b, grad_score_b, ctx.group)
-        if ctx.reduce_ape:
-            dist.all_reduce(grad_ape, group=ctx.group)
+            _halo_backward(dp, grad_kv, grad_score, grad_kv_b, grad_score_b, group)
+        if reduce_ape:
+            dist.all_reduce(grad_ape, group=group)
         return grad_kv, grad_score, grad_ape, None, None, None, None, None, None
 
 
@@ -370,16 +412,13 @@ def compressor_pool_cp(
     only on the first one. A collective: every rank of ``group`` must call it, with the same ratio and coff.
     """
     group = _resolve_group(group)
-    validate = validation_requested(validate)
-    dp = _device_plan(layout, kv_local, score_local, ape, ratio, coff, group, validate)
-    single = group is None or dp.plan.world_size == 1
-    if dp.plain and not dp.exchange and (single or not reduce_ape_grad):
-        # No halo on any rank and no row to place: the single-GPU op on the rank's tokens as they are.
-        # No row here: the op with no rows, so that the gradients are zeros rather than None.
-        cu, cc, n = (dp.interior.cu, dp.interior.cc, dp.interior.rows) if dp.interior else (dp.no_rows, dp.no_rows, 0)
+    dp = _device_plan(layout, kv_local, score_local, ape, ratio, coff, group, validation_requested(validate))
+    direct = dp.direct
+    if direct is not None and (dp.single or not reduce_ape_grad):
+        cu, cc, n = direct
         return compressor_pool(kv_local, score_local, ape, cu, cc, ratio, coff, n, backend), dp.rows
-    out = _PoolCP.apply(kv_local, score_local, ape, dp, ratio, coff, backend, group, reduce_ape_grad and not single)
-    return out, dp.rows
+    reduce_ape = reduce_ape_grad and not dp.single
+    return _PoolCP.apply(kv_local, score_local, ape, dp, ratio, coff, backend, group, reduce_ape), dp.rows
 
 
 def _plan_of(layout: CPLayout, rows) -> DevicePlan:
