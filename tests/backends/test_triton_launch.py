@@ -106,20 +106,24 @@ def test_direct_launch_passes_what_triton_passes(fake_cuda, monkeypatch, hooked)
     hooks and launch metadata are passed as Triton would; without, neither."""
     if hooked:
         monkeypatch.setattr(triton.knobs.runtime.launch_enter_hook, "calls", [lambda meta: None])
-    jit = _FakeJIT(["BLOCK", "FLAG"])
-    bound = binding.BoundKernel(jit, {"BLOCK": 64, "FLAG": True}, index=0)
-    x, y = object(), object()
-    bound.launch(5, None, x, 3, y)
+    jit = _FakeJIT(["BLOCK", "FLAG", "PTR"])
+    bound = binding.BoundKernel(jit, {"BLOCK": 64, "FLAG": True, "PTR": None}, index=0)
+    x, y = torch.zeros(3), torch.ones(2)
+    bound.launch(5, None, x, 3, y, None)
     assert bound.direct and jit.binds == 2 and len(jit.compiled.calls) == 1
     first = jit.compiled.calls[0]
-    bound.launch(7, None, y, 4, x)
+    bound.launch(7, None, y, 4, x, None)
     assert jit.binds == 2, "a later launch went through Triton's binder"
     later = jit.compiled.calls[1]
-    assert later[:6] == (7, 1, 1, 77, 0xF00, (1, 1, 0)) and later[9:] == (y, 4, x, 64, True)
-    assert first[9:] == (x, 3, y, 64, True)
+    assert later[:6] == (7, 1, 1, 77, 0xF00, (1, 1, 0))
+    assert first[9:] == (x, 3, y, None, 64, True, None)
     if hooked:
+        # Triton's own arguments, tensors included, beside its launch metadata and hooks.
+        assert later[9:] == (y, 4, x, None, 64, True, None)
         assert later[6] == {"grid": (7, 1, 1), "stream": 77} and later[7] is triton.knobs.runtime.launch_enter_hook
     else:
+        # The tensors as their addresses (the launcher then skips its pointer query); None stays None.
+        assert later[9:] == (y.data_ptr(), 4, x.data_ptr(), None, 64, True, None)
         assert later[6:9] == (None, None, None)
 
 

@@ -140,6 +140,9 @@ def _direct(bound: BoundKernel, compiled, grid, stream, args):
     tail = call[_HEAD + n :]  # the constexpr values, in signature order
     run, function, packed, index, runtime = compiled.run, compiled.function, compiled.packed_metadata, bound.index, knobs.runtime  # fmt: skip
     raw_stream = torch._C._cuda_getCurrentRawStream
+    # The tensor arguments go to the launcher as addresses: for a tensor it calls data_ptr() and then asks the
+    # driver whether the address is a device pointer, once per pointer and call; the API has checked the devices.
+    tensors = tuple(i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor))
 
     def launch(grid, stream, *args):
         handle = raw_stream(index) if stream is None else stream.cuda_stream
@@ -148,7 +151,10 @@ def _direct(bound: BoundKernel, compiled, grid, stream, args):
             # A profiler listens: Triton's launch metadata and hooks, as its own launch would pass them.
             meta = compiled.launch_metadata((grid, 1, 1), handle, *args, *tail)
             run(grid, 1, 1, handle, function, packed, meta, enter, leave, *args, *tail)
-        else:
-            run(grid, 1, 1, handle, function, packed, None, None, None, *args, *tail)
+            return
+        values = list(args)
+        for i in tensors:
+            values[i] = values[i].data_ptr()
+        run(grid, 1, 1, handle, function, packed, None, None, None, *values, *tail)
 
     return launch
