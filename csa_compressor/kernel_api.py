@@ -390,12 +390,11 @@ class CSACompressorBackward(_Op):
             self._checked_rstd(rstd, rows, tail)
             inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
             return self._launch_rows(
-                *inputs, grad_out, grads, rows, stream, softmax_stats, validate, tail, grad_norm_weight, rstd
+                inputs, grad_out, grads, rows, stream, softmax_stats, validate, tail, grad_norm_weight, rstd
             )
         if rows == 0 or softmax_stats is not None or validate or stream is not None or _validation_env() is not None:
-            return self._launch_rows(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, softmax_stats, validate
-            )
+            inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+            return self._launch_rows(inputs, grad_out, grads, rows, stream, softmax_stats, validate)
         self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, self._ratio, self._coff, None, None)
         return grads
 
@@ -413,9 +412,8 @@ class CSACompressorBackward(_Op):
         # The kernel writes every element: uninitialised buffers, one allocation each.
         grads = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
         if rows == 0 or stats is not None or validate or stream is not None or _validation_env() is not None:
-            return self._launch_rows(
-                kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate
-            )
+            inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+            return self._launch_rows(inputs, grad_out, grads, rows, stream, stats, validate)
         self._launch(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, self._ratio, self._coff, None, None)
         return grads
 
@@ -429,15 +427,16 @@ class CSACompressorBackward(_Op):
         grad_weight = None
         if tail is not None and tail.has_norm:
             grad_weight = torch.empty((self._head_dim,), dtype=torch.float32, device=kv.device)
-        result = self._launch_rows(*inputs, grad_out, grads, rows, stream, stats, validate, tail, grad_weight, rstd)
+        result = self._launch_rows(inputs, grad_out, grads, rows, stream, stats, validate, tail, grad_weight, rstd)
         return (*result, None) if grad_weight is None else result
 
     def _launch_rows(
-        self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, rows, stream, stats, validate, tail=None,
-        grad_weight=None, rstd=None,
+        self, inputs, grad_out, grads, rows, stream, stats, validate, tail=None, grad_weight=None, rstd=None
     ):  # fmt: skip
         """The rarer part of every path (no rows, statistics, validation, an explicit stream, a tail), then the
-        kernel. Returns the gradients, ``grad_weight`` fourth where the tail has a norm."""
+        kernel. ``inputs``: (kv, score, ape, cu_seqlens, cu_seqlens_comp). Returns the gradients, ``grad_weight``
+        fourth where the tail has a norm."""
+        kv, _score, _ape, cu_seqlens, cu_seqlens_comp = inputs
         result = grads if grad_weight is None else (*grads, grad_weight)
         if stats is not None:
             self.config.recheck_stats(stats, rows)
@@ -449,7 +448,6 @@ class CSACompressorBackward(_Op):
                 for g in result:
                     g.zero_()
             return result
-        inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
         if stream is not None:
             _keep_alive(stream, (*inputs, grad_out, *result, stats, rstd, *_tail_tensors(tail)))
         if tail is None:
