@@ -16,7 +16,10 @@ grad_ape partials (summed by ``ApeReduce``):
 
 Exact zeros (``ZeroStores``): a segment's last produced row owns its tail; CTA ``p`` owns the segments
 ``b = p mod grid`` without produced rows and a grid-stride share of the token-capacity padding. Rows are located
-with the bounds guard of ``window.locate_row`` (a row that fails it has no gradient).
+with the bounds guard of ``window.locate_row`` (a row that fails it has no gradient) in the form of
+``window.inside``: a row carries its first token through the row loop (``UNLOCATED`` for a row not located) and
+the guard is recomputed from it where it is used, so that it keeps no predicate alive across the loop (at the
+kernel's register bound ptxas packs such predicates into a register, with instructions at every use).
 """
 
 from __future__ import annotations
@@ -36,14 +39,18 @@ from .reduce import ApeReduce
 from .softmax import LOG2E, exact_probabilities, torch_order_sum
 from .window import (
     NEG_INF,
+    UNLOCATED,
     Segments,
     WindowSlots,
     bf16_registers,
-    locate_row,
+    first_group,
+    first_tokens,
+    inside,
+    last_produced,
     real_rows,
     register_slots,
     registers,
-    segment_owner,
+    row_token,
     store_vector,
     vec_view,
     widen,
@@ -168,7 +175,8 @@ class BackwardShortWindow(PersistentBackward):
         regs = _Registers(cfg)
         self.slots.load_ape(ape, regs.apf, 0, g, c, col_ok)  # the same for every row of the thread
         regs.allocate_row(cfg)
-        th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok, T=T, N=N)
+        th = SimpleNamespace(tidx=tidx, bx=bx, g=g, tc=tc, rl=rl, c=c, col_ok=col_ok, T=T, N=N,
+                             bound=first_tokens(T, cfg.ratio))  # fmt: skip
         io = SimpleNamespace(kv=kv, score=score, gout=gout, gkv=gkv, gsc=gsc)
         if cutlass.const_expr(tail_io is not None):
             regs.allocate_tail(cfg)
@@ -216,16 +224,14 @@ class BackwardShortWindow(PersistentBackward):
         row_lim = cutlass.min(row_end, nreal)
         n_iter = rows_per_cta // R
         r0 = row_begin + rl
-        active, t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), th)
+        t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), th)
         for jp in cutlass.range((n_iter + 1) // 2):
             for ph in cutlass.range_constexpr(2):
                 rn = row_begin + (2 * jp + ph + 1) * R + rl
-                n_active, n_t0, n_first, n_last, n_seg_end = self.load_row(
-                    io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim), th
-                )
-                row = (active, t0, first, last, seg_end)
+                n_t0, n_first, n_last, n_seg_end = self.load_row(io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim),
+                                                                 th)  # fmt: skip
+                row = (t0, first, last, seg_end)
                 self.compute_row(io.gkv, io.gsc, regs, ph, smem, row, th)
-                active = n_active
                 t0 = n_t0
                 first = n_first
                 last = n_last
@@ -233,24 +239,28 @@ class BackwardShortWindow(PersistentBackward):
 
     @cute.jit
     def load_row(self, io, seg, regs, buf: cutlass.Constexpr, r, ok, th):
-        """Row layout of row r (a row that fails the bounds guard is inactive: no load, no gradient) and every
-        DRAM load of the thread's window slots into buffer set ``buf`` (issued, not waited for)."""
+        """(t0, first, last, seg_end) of row r (``seg_end`` not yet clamped to T: only a last row uses it) and every
+        DRAM load of the thread's window slots into buffer set ``buf`` (issued, not waited for). A row that is not
+        ``ok`` or fails the bounds guard is inactive: no load, no gradient."""
+        ratio = self.config.ratio
         kvf, scf, gb = regs.kvb[buf], regs.scb[buf], regs.gbb[buf]
-        active = Boolean(False)
-        t0 = Int32(0)
+        t0 = Int32(UNLOCATED)
         first = Boolean(True)
         last = Boolean(False)
         seg_end = Int32(0)
         if ok:
-            b, t0, first, active = locate_row(seg, r, th.T, self.config.ratio)
-            last, seg_end = segment_owner(seg, b, r, th.N, th.T)
+            b, j, t0 = row_token(seg, r, ratio)
+            first = first_group(j, t0, ratio)
+            last = last_produced(seg, b, r, th.N)
+            seg_end = seg.cu[b + 1]
+        active = inside(t0, th.bound)
         self.load_window(io.kv, io.score, kvf, scf, active, t0, first, th.g, th.c)
         gb.fill(0.0)
         if active:
             gb.store(vec_view(io.gout, r * self.config.head_dim + th.c, self.config.vector_width).load())
         if cutlass.const_expr(self.config.tail is not None):
             self.load_row_tail(io, seg, regs, buf, r, active, th)
-        return active, t0, first, last, seg_end
+        return t0, first, last, seg_end
 
     @cute.jit
     def load_row_tail(self, io, seg, regs, buf: cutlass.Constexpr, r, active, th):
@@ -289,7 +299,8 @@ class BackwardShortWindow(PersistentBackward):
     def compute_row(self, gkv, gsc, regs, ph: cutlass.Constexpr, smem, row, th):
         """Gradients of one row from the thread's registers; stores; exact zeros of a segment's last group."""
         cfg = self.config
-        active, t0, first, last, seg_end = row
+        t0, first, last, seg_end = row
+        active = inside(t0, th.bound)
         g, c = th.g, th.c
         valid = []
         for k in cutlass.range_constexpr(cfg.slots_per_group):
@@ -306,9 +317,9 @@ class BackwardShortWindow(PersistentBackward):
             self.exact_gradients(gkv, gsc, regs, regs.scb[ph], gf, kvw, valid, t0, first, g, c)
         else:
             self.grouped_gradients(gkv, gsc, regs, regs.scb[ph], gf, kvw, valid, t0, smem, th)
-        # Exact zeros owned by a segment's last group.
+        # Exact zeros owned by a segment's last group; its end clamped to T here, not in every row's layout.
         if active & last:
-            self.zeros.segment_tail(gkv, gsc, regs.zero, t0, seg_end, g * cfg.slots_per_group,
+            self.zeros.segment_tail(gkv, gsc, regs.zero, t0, cutlass.min(seg_end, th.T), g * cfg.slots_per_group,
                                     cfg.slots_per_group, c)  # fmt: skip
 
     @cute.jit

@@ -5,7 +5,8 @@ Slot ``s`` of a row whose own tokens start at ``t0`` reads token ``t0 - (coff - 
 ``(s // ratio) * head_dim + c`` (SPEC section 2); the previous half of a segment's first group (and of padding
 rows) is masked: value 0, logit -inf. Whatever cu_seqlens and cu_seqlens_comp hold, every token a row reads is
 inside ``[0, T)`` (docs/safety.md): rows are real below ``min(cu_seqlens_comp[B], total_comp)``, and a real row
-whose own tokens leave ``[0, T)`` is computed as a padding row (``locate_row``).
+whose own tokens leave ``[0, T)`` is computed as a padding row (``locate_row``; ``inside`` is the same guard as a
+compare of the row's first token alone).
 """
 
 from __future__ import annotations
@@ -97,31 +98,69 @@ def real_rows(seg, N: Int32) -> Int32:
 
 
 @cute.jit
+def row_token(seg, r, ratio: cutlass.Constexpr):
+    """(b, j, t) of a row ``r``: its segment (the binary search), its group in it and its first own token
+    ``cu_seqlens[b] + j * ratio`` (int32; not yet guarded)."""
+    b = find_segment(seg.cuc, seg.count, r)
+    j = r - seg.cuc[b]
+    return b, j, seg.cu[b] + j * ratio
+
+
+@cute.jit
+def first_group(j, t0, ratio: cutlass.Constexpr):
+    """Whether row group ``j`` with first own token ``t0`` reads no previous half: a segment's first group, and
+    any group whose previous half would start below token 0."""
+    return (j <= 0) | (t0 < ratio)
+
+
+@cute.jit
 def locate_row(seg, r, T: Int32, ratio: cutlass.Constexpr):
     """(b, t0, first, real) of a row ``r`` below ``real_rows``: its segment (the binary search), its first own token,
     whether its window is its segment's first group, and the bounds guard. A row whose own tokens
     ``[t0, t0 + ratio)`` leave ``[0, T)`` (malformed offsets; a wrapped int32 t0 too) is computed as a padding row:
     ``t0 = 0``, first group, ``real`` False (no gradient). The previous half is read only where ``j > 0`` and
     ``t0 >= ratio``, so inside ``[0, T)`` as well. A few compares per row, none per element."""
-    b = find_segment(seg.cuc, seg.count, r)
-    j = r - seg.cuc[b]
-    t = seg.cu[b] + j * ratio
+    b, j, t = row_token(seg, r, ratio)
     real = (t >= 0) & (t <= T - ratio)
     t0 = Int32(0)
     if real:
         t0 = t
     # A guarded row has t0 = 0 < ratio: first.
-    first = (j <= 0) | (t0 < ratio)
+    first = first_group(j, t0, ratio)
     return b, t0, first, real
+
+
+# The first token of a row that is not located: outside every ``first_tokens`` bound.
+UNLOCATED = -1
+
+
+def first_tokens(T: Int32, ratio: int) -> Int32:
+    """The bound of ``inside``: the ``T - ratio + 1`` first tokens whose rows stay in ``[0, T)``, none where
+    ``T < ratio`` (clamped at 0, so that it stays below ``UNLOCATED`` read as unsigned)."""
+    return cutlass.max(T - ratio + 1, Int32(0))
+
+
+@cute.jit
+def inside(t0, bound):
+    """``locate_row``'s bounds guard as one unsigned compare of the row's first token: ``0 <= t0 < bound``
+    (``first_tokens``); false for ``UNLOCATED`` and for every t0 outside, a wrapped int32 one too. A kernel can
+    recompute it from t0 wherever it needs it instead of keeping a predicate alive across its row loop."""
+    return cutlass.Uint32(t0) < cutlass.Uint32(bound)
+
+
+@cute.jit
+def last_produced(seg, b, r, N: Int32):
+    """Whether row ``r`` of segment ``b`` is the last row its segment produces: rows at or past total_comp ``N``
+    are not produced, so with total_comp below the real row count it is the last one below it. That row zeroes
+    the segment's tail (``zeros.ZeroStores``)."""
+    return r == cutlass.min(seg.cuc[b + 1], N) - 1
 
 
 @cute.jit
 def segment_owner(seg, b, r, N: Int32, T: Int32):
-    """(last, seg_end) of row ``r`` of segment ``b``: whether it is the last row its segment produces (rows at or
-    past total_comp ``N`` are not produced: with total_comp below the real row count the last one below it), which
-    zeroes the segment's tail (``zeros.ZeroStores``), and the segment's end clamped to ``T`` (the zeros stay inside
-    the operands)."""
-    last = r == cutlass.min(seg.cuc[b + 1], N) - 1
+    """(last, seg_end) of row ``r`` of segment ``b``: ``last_produced`` and the segment's end clamped to ``T`` (the
+    zeros stay inside the operands)."""
+    last = last_produced(seg, b, r, N)
     return last, cutlass.min(seg.cu[b + 1], T)
 
 
