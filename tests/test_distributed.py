@@ -321,3 +321,24 @@ def _single_rank_gpu(p, layout):
     grad_kv, grad_score = torch.zeros_like(p.kv), torch.zeros_like(p.score)
     grad_kv[idx], grad_score[idx] = kv.grad, score.grad
     return out_all.detach(), [grad_kv, grad_score, ape.grad]
+
+
+@pytest.mark.parametrize(
+    ("validate", "env", "expected"),
+    [(None, None, False), (None, "0", False), (None, "1", True), (False, "1", False), (True, None, True),
+     (None, "yes", ValueError)],
+)  # fmt: skip
+def test_validation_mode_reads_the_variable_as_the_single_gpu_op(monkeypatch, validate, env, expected):
+    """``validate`` overrides; otherwise $CSA_COMPRESSOR_VALIDATE means what it means to the single-GPU op (0 or 1,
+    anything else an error naming the variable)."""
+    from csa_compressor.distributed.layout import validation_requested
+
+    if env is None:
+        monkeypatch.delenv("CSA_COMPRESSOR_VALIDATE", raising=False)
+    else:
+        monkeypatch.setenv("CSA_COMPRESSOR_VALIDATE", env)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="CSA_COMPRESSOR_VALIDATE"):
+            validation_requested(validate)
+    else:
+        assert validation_requested(validate) is expected

@@ -16,6 +16,7 @@ from array import array
 import torch
 import torch.distributed as dist
 
+from .. import support
 from ..support import validation_env
 
 __all__ = ["CPLayout"]
@@ -316,12 +317,9 @@ def _coverage_error(summaries: list[dict]) -> str | None:
 
 
 def validation_requested(validate: bool | None) -> bool:
-    """``validate`` if given, else ``$CSA_COMPRESSOR_VALIDATE`` (set and not ``0``)."""
+    """``validate`` if given, else ``$CSA_COMPRESSOR_VALIDATE`` read as the single-GPU op reads it
+    (``support.validation_requested``: 0 or 1)."""
     if validate is not None:
         return bool(validate)
-    raw = validation_env()  # unset on the hot path: one dict lookup
-    if raw is None:
-        return False
-    if isinstance(raw, bytes):
-        raw = raw.decode(errors="replace")
-    return raw.strip() not in ("", "0")
+    # Unset on the hot path: one dict lookup.
+    return validation_env() is not None and support.validation_requested(False)

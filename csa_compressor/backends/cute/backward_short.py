@@ -31,9 +31,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
-from .configs import BackwardShortConfig, launch_bound
+from .configs import BackwardShortConfig
 from .norm_rope import RowTail, div_rn, ordered_sum, select
-from .persistent import PersistentBackward
+from .persistent import PersistentBackward, launch_tiles
 from .ptx import add_rn, ex2, mul_rn, sub_rn
 from .reduce import ApeReduce
 from .softmax import LOG2E, exact_probabilities, torch_order_sum
@@ -123,14 +123,8 @@ class BackwardShortWindow(PersistentBackward):
         cfg = self.config
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
         tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
-        self.fused_kernel(*args, segments, total_comp, tokens, rows_per_cta, *tail_args).launch(
-            grid=[num_ctas, cfg.tiles, 1],
-            block=[cfg.threads, 1, 1],
-            smem=cfg.smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=launch_bound(cfg.threads),
-            preferred_smem_carveout=cfg.carveout,
-        )
+        launch_tiles(cfg, self.fused_kernel(*args, segments, total_comp, tokens, rows_per_cta, *tail_args), num_ctas,
+                     stream)  # fmt: skip
         if cutlass.const_expr(cfg.tail.has_norm):
             self.reduce.launch_with_norm(slabs, grad_ape, grad_norm_weight, num_ctas, stream)
         else:

@@ -30,7 +30,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
-from .configs import BackwardStatsConfig, launch_bound
+from .configs import BackwardStatsConfig
+from .persistent import launch_tiles
 from .ptx import ex2
 from .reduce import ApeReduce
 from .softmax import LOG2E
@@ -79,14 +80,7 @@ class BackwardWithStats:
         if cutlass.const_expr(cfg.whole_tile):
             partials = grad_ape  # one row range: its slab is grad_ape itself
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, partials, stats)
-        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
-            grid=[num_ctas, cfg.tiles, 1],
-            block=[cfg.threads, 1, 1],
-            smem=cfg.smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=launch_bound(cfg.threads),
-            preferred_smem_carveout=cfg.carveout,
-        )
+        launch_tiles(cfg, self.kernel(*args, segments, total_comp, tokens, rows_per_cta), num_ctas, stream)
         if cutlass.const_expr(not cfg.whole_tile):
             self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 

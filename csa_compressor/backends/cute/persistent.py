@@ -1,6 +1,6 @@
 """The host function the persistent backwards share (``BackwardShortWindow``, ``BackwardLongWindow``): the main
 kernel over ``[num_ctas, tiles]`` CTAs, each with its fp32 slab of grad_ape partials, then the fixed-order
-reduction of the slabs (``ApeReduce``)."""
+reduction of the slabs (``ApeReduce``); ``launch_tiles``, the main-kernel launch of every backward."""
 
 from __future__ import annotations
 
@@ -25,14 +25,19 @@ class PersistentBackward:
                  stream: cuda.CUstream):  # fmt: skip
         """Host function (arguments: ``build.py``): the main kernel over ``[num_ctas, column_chunks]`` CTAs, then the
         grad_ape reduction; ``stats`` is not read."""
-        cfg = self.config
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
-        self.kernel(*args, segments, total_comp, tokens, rows_per_cta).launch(
-            grid=[num_ctas, cfg.tiles, 1],
-            block=[cfg.threads, 1, 1],
-            smem=cfg.smem_bytes,
-            stream=stream,
-            min_blocks_per_mp=launch_bound(cfg.threads),
-            preferred_smem_carveout=cfg.carveout,
-        )
+        launch_tiles(self.config, self.kernel(*args, segments, total_comp, tokens, rows_per_cta), num_ctas, stream)
         self.reduce.launch(slabs, grad_ape, num_ctas, stream)
+
+
+def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream) -> None:
+    """Launch a backward's main kernel (``kernel_call``: the kernel applied to its arguments) over ``[num_ctas,
+    config.tiles]`` CTAs of ``config.threads`` threads, with the config's shared memory and carveout."""
+    kernel_call.launch(
+        grid=[num_ctas, config.tiles, 1],
+        block=[config.threads, 1, 1],
+        smem=config.smem_bytes,
+        stream=stream,
+        min_blocks_per_mp=launch_bound(config.threads),
+        preferred_smem_carveout=config.carveout,
+    )
