@@ -5,7 +5,9 @@
 
 Each well-formed case is checked against the fp32 reference as well, so a clean sanitizer run is also a correct one.
 The cases reach every cute kernel class: the exact and the grouped forward, the short, long and statistics
-backwards (the whole-tile form at ratio 128 d512) and the grad_ape reduction.
+backwards (the whole-tile form at ratio 128 d512) and the grad_ape reduction; ``TAIL_CASES`` the fused tail's
+kernels (fused at ratio 4, composed at ratio 128: the statistics forward with ``TailForward`` behind it as a
+programmatic dependent launch, ``TailGradient``), each checked against the tail's contract.
 
 ``--malformed``: the malformed-offset cases of ``tests/backends/test_triton_safety.py`` (offsets beyond T,
 decreasing, negative, int32 wrap-around, counts that do not match, an undersized total_comp) through the backend's
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from csa_compressor import csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
+from csa_compressor import tail as tail_ops
 from csa_compressor.reference import uses_softmax_stats
 from csa_compressor.testing import contract_report, make_pack
 
@@ -33,6 +36,14 @@ CASES = [
     (8, 2, 64, (17, 8, 7), 0, 2),
     (3, 2, 36, (20, 7, 2), 1, 1),  # a short window of three slot groups (the grouped kernels)
     (2, 2, 24, (9, 1, 4), 2, 1),
+]
+
+# (ratio, coff, head_dim, seqlens, comp_padding, rope_dim): the fused route, the composed one, an odd head_dim.
+TAIL_CASES = [
+    (4, 2, 128, (37, 3, 0, 64), 2, 64),
+    (128, 1, 128, (300, 17, 256), 1, 64),
+    (128, 2, 512, (260, 128), 0, 64),
+    (4, 2, 72, (19, 4), 1, 2),
 ]
 
 _ALL = "all"
@@ -82,6 +93,22 @@ def run_malformed(backend: str) -> int:
     return 1 if bad else 0
 
 
+def run_tail_cases(backend: str) -> bool:
+    ok = True
+    for ratio, coff, head_dim, seqlens, comp_pad, rope_dim in TAIL_CASES:
+        p = make_pack(seqlens, head_dim, ratio, coff, comp_padding=comp_pad, device="cuda")
+        tail = tail_ops.random_tail(p, rope_dim=rope_dim, positions=True, seed=ratio)
+        kw = dict(ratio=ratio, coff=coff, backend=backend, norm_weight=tail.norm_weight, norm_eps=tail.norm_eps,
+                  rope_cos=tail.rope_cos, rope_sin=tail.rope_sin, rope_dim=rope_dim, position_start=tail.position_start)  # fmt: skip
+        out = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]
+        g = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
+        grads = (g["grad_kv"], g["grad_score"], g["grad_ape"], g["grad_norm_weight"])
+        good = tail_ops.contract_report(p, tail, out, grads)["ok"]
+        ok &= good
+        print(f"{backend} tail r{ratio} c{coff} d{head_dim} {seqlens}: {'ok' if good else 'NUMERICS FAIL'}")
+    return ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
@@ -106,6 +133,7 @@ def main() -> int:
             good &= contract_report(p, out, tuple(grads))["ok"]
         ok &= good
         print(f"{opts.backend} r{ratio} c{coff} d{head_dim} {seqlens}: {'ok' if good else 'NUMERICS FAIL'}")
+    ok &= run_tail_cases(opts.backend)
     torch.cuda.synchronize()
     return 0 if ok else 1
 

@@ -169,13 +169,13 @@ def test_copy_rate():
 
 def test_kernel_us_per_call_subtracts_the_timers_work_and_skips_annotations():
     acts = [
-        DeviceActivity("flush_fill", 30.0),
-        DeviceActivity("fused_fwd", 5.0),
-        DeviceActivity("memset", 1.0),
-        DeviceActivity("csa_bench.l2_flush", 31.0, is_user_annotation=True),
-        DeviceActivity("Torch-Compiled Region: 0/0", 7.0, is_user_annotation=True),
-        DeviceActivity("flush_fill", 30.0),
-        DeviceActivity("fused_fwd", 7.0),
+        DeviceActivity("flush_fill", 30.0, start_us=0.0),
+        DeviceActivity("fused_fwd", 5.0, start_us=31.0),
+        DeviceActivity("memset", 1.0, start_us=36.5),
+        DeviceActivity("csa_bench.l2_flush", 31.0, is_user_annotation=True, start_us=0.0),
+        DeviceActivity("Torch-Compiled Region: 0/0", 7.0, is_user_annotation=True, start_us=31.0),
+        DeviceActivity("flush_fill", 30.0, start_us=40.0),
+        DeviceActivity("fused_fwd", 7.0, start_us=71.0),
     ]
     assert kernel_us_per_call(acts, calls=2, excluded_us=60.0) == pytest.approx(6.5)
     assert kernel_us_per_call(acts[1:3], calls=1) == pytest.approx(6.0)
@@ -183,6 +183,16 @@ def test_kernel_us_per_call_subtracts_the_timers_work_and_skips_annotations():
         kernel_us_per_call(acts, calls=0)
     with pytest.raises(ValueError, match="own device time"):
         kernel_us_per_call(acts[1:2], calls=1, excluded_us=60.0)
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    act = lambda start, dur, ann=False: DeviceActivity("k", dur, ann, start)  # noqa: E731
+    assert bench.busy_us([]) == 0.0
+    # Serial kernels: the sum of durations; a dependent that starts under its predecessor: their common span once.
+    assert bench.busy_us([act(0, 4), act(5, 2)]) == pytest.approx(6.0)
+    assert bench.busy_us([act(0, 4), act(1, 5), act(10, 1), act(0, 20, ann=True)]) == pytest.approx(7.0)
+    assert bench.busy_us([act(2, 1), act(0, 5)]) == pytest.approx(5.0)  # order-free, nested
+    assert kernel_us_per_call([act(0, 4), act(3, 3)], calls=1) == pytest.approx(6.0)
 
 
 def test_device_idle_counts_gaps_between_busy_spans():

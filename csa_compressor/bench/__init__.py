@@ -35,7 +35,16 @@ from .cli import main
 from .env import git_commit, source_digest, versions
 from .report import RECORD_FIELDS, format_markdown, make_record
 from .run import FULL_REPS, QUICK_REPS, BenchResult, Method, NoGPUError, default_name, run_bench, write_outputs
-from .timer import DeviceActivity, KernelTime, Timer, copy_rate, device_idle, kernel_us_per_call, range_device_us
+from .timer import (
+    DeviceActivity,
+    KernelTime,
+    Timer,
+    busy_us,
+    copy_rate,
+    device_idle,
+    kernel_us_per_call,
+    range_device_us,
+)
 
 __all__ = [
     "BASELINES",
@@ -56,6 +65,7 @@ __all__ = [
     "NoGPUError",
     "TailCase",
     "Timer",
+    "busy_us",
     "copy_rate",
     "default_name",
     "device_idle",

@@ -1,7 +1,8 @@
 """The one timer of the project: the bench and every script in ``benchmarks/`` measure with it.
 
 - Kernel time: the device time one call causes (kernels, memsets, memcpys, from ``torch.profiler``, as nsys
-  reports it), the mean over the profiled calls. *Cold* writes a buffer of at least twice the L2 size before each
+  reports it; kernels that overlap, a programmatic dependent launch and its predecessor, count once over their
+  common span), the mean over the profiled calls. *Cold* writes a buffer of at least twice the L2 size before each
   call (the flush's own device time is not counted); *warm* runs the calls one after another. Both are timed
   *queued*: a spin kernel ahead of the calls holds the device while the host enqueues them, so every call's first
   kernel starts right behind other device work, as in a training step whose host runs ahead. Without the spin a
@@ -29,6 +30,7 @@ __all__ = [
     "DeviceActivity",
     "KernelTime",
     "Timer",
+    "busy_us",
     "copy_rate",
     "device_idle",
     "kernel_us_per_call",
@@ -91,15 +93,31 @@ def copy_rate(nbytes: int, seconds: Sequence[float]) -> float:
     return 2 * nbytes / statistics.median(seconds)
 
 
+def busy_us(activities: Iterable[DeviceActivity]) -> float:
+    """The time during which at least one of the activities (annotation spans aside) ran: the sum of their
+    durations, less what overlapping activities share (a programmatic dependent launch overlaps its predecessor)."""
+    spans = sorted((a.start_us, a.end_us) for a in activities if not a.is_user_annotation)
+    total = 0.0
+    start, end = spans[0] if spans else (0.0, 0.0)
+    for s, e in spans[1:]:
+        if s > end:
+            total += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    return total + (end - start)
+
+
 def kernel_us_per_call(activities: Iterable[DeviceActivity], calls: int, excluded_us: float = 0.0) -> float:
-    """Mean device time per call: every device activity except annotation spans, minus the timer's own work.
+    """Mean device time per call: the busy time of every device activity except annotation spans (``busy_us``),
+    minus the timer's own work (flushes and spins, which overlap nothing).
 
     Annotation spans (``record_function`` ranges mirrored on the GPU timeline, "Torch-Compiled Region", ...)
     overlap the kernels they contain, so counting them would count twice; the profiler's own table skips them too.
     """
     if calls <= 0:
         raise ValueError("calls must be positive")
-    total = sum(a.duration_us for a in activities if not a.is_user_annotation)
+    total = busy_us(activities)
     if excluded_us > total + 1e-6:
         raise ValueError(f"the timer's own device time {excluded_us:.3f} us exceeds the total {total:.3f} us")
     return max(total - excluded_us, 0.0) / calls

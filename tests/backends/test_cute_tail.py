@@ -114,9 +114,13 @@ def test_every_window_class_has_the_composed_route(ratio, coff):
 def test_stats_forward_of_short_windows_is_one_group():
     cfg = tail_configs.stats_forward_for_sm90(4, 2, 512, H200)
     assert (cfg.slot_groups, cfg.slots_per_batch, cfg.batches, cfg.write_stats) == (1, 8, 1, True)
-    assert tail_configs.stats_forward_for_sm90(32, 2, 64, H200) == configs.forward_for_sm90(32, 2, 64, H200, stats=True)
+    # The pooling's own statistics forward, which lets TailForward start behind it.
+    signals = dict(signals_dependents=True)
+    long = tail_configs.stats_forward_for_sm90(32, 2, 64, H200)
+    assert long == dataclasses.replace(configs.forward_for_sm90(32, 2, 64, H200, stats=True), **signals)
     grouped = tail_configs.stats_forward_for_sm90(3, 2, 36, H200)
-    assert grouped == dataclasses.replace(configs.forward_for_sm90(3, 2, 36, H200), write_stats=True)
+    assert grouped == dataclasses.replace(configs.forward_for_sm90(3, 2, 36, H200), write_stats=True, **signals)
+    assert not configs.forward_for_sm90(32, 2, 64, H200, stats=True).signals_dependents
 
 
 def test_slab_entries_of_every_backward_config():
@@ -221,6 +225,9 @@ def test_tail_kernels_compile(built, name):
     if isinstance(kernel, TailForward):
         # x, cu_seqlens, cu_seqlens_comp, out; B, N, T; weight, cos, sin, position_start, rstd; eps; max_position.
         assert _entries(ptx) == ["ppppiiipppppfi"]
+        # A programmatic dependent of the statistics forward: it waits once, before any of its stores.
+        assert ptx.count("griddepcontrol.wait;") == 1
+        assert ptx.index("griddepcontrol.wait;") < ptx.index("st.global")
     else:
         main = "ppppppiiiipppppfi"  # ... dx, slabs; B, N, T, rows_per_cta; the tail's pointers; eps, max_position
         assert _entries(ptx) == sorted([main, "ppi"] if cfg.tail.has_norm else [main])
@@ -241,6 +248,7 @@ def test_pool_kernels_of_the_tail_compile(built, name):
     assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
     if isinstance(kernel, ForwardLongWindow):
         assert _entries(ptx) == ["pppppppiii"]  # the kernel with statistics
+        assert ptx.count("griddepcontrol.launch_dependents;") == 1  # TailForward's prologue may start
     else:
         main = "ppppppppppiiii"
         assert _entries(ptx) == sorted([main] if cfg.whole_tile else [main, "ppi"])

@@ -142,6 +142,9 @@ class ForwardLongConfig(_Tile):
     rows_per_cta: int
     chunk_major: bool  # the column chunks of one row block are adjacent CTAs (a token row is read at once)
     write_stats: bool = False  # also write the softmax statistics for the backward
+    # Let the next kernel of the stream start its prologue while this one runs (programmatic dependent launch):
+    # the composed tail's forward, which reads the rows only after griddepcontrol.wait.
+    signals_dependents: bool = False
 
     @property
     def threads(self) -> int:

@@ -268,6 +268,8 @@ class ForwardLongWindow:
     @cute.jit
     def body(self, kv, score, ape, cu, cuc, out, stats, B: Int32, N: Int32, T: Int32):
         cfg = self.config
+        if cutlass.const_expr(cfg.signals_dependents):
+            cute.arch.griddepcontrol_launch_dependents()
         th = forward_coordinates(cfg, cfg.slot_groups, cfg.chunk_major)
         g, c = th.g, th.c
         seg = Segments(cu, cuc, B)

@@ -3,7 +3,7 @@ forward, and the fused short-window kernels' factories (``select.tail_route`` pi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...windows import is_short_window
 from .configs import (
@@ -121,10 +121,11 @@ def stats_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
     """The grouped forward with statistics for any window (the composed tail's x): long windows' own, and for
     short windows of one group the exact forward's tile as one group of one batch."""
     config = forward_for_sm90(ratio, coff, head_dim, device, stats=True)
-    if isinstance(config, ForwardLongConfig):
-        return config
-    width, tc, groups, sg, rows = tile_shape(ratio, coff, head_dim, vcap=4, threads=128, cols_cap=512)
-    return ForwardLongConfig(ratio, coff, head_dim, width, tc, groups, sg, 1, rows, False, True)
+    if not isinstance(config, ForwardLongConfig):
+        width, tc, groups, sg, rows = tile_shape(ratio, coff, head_dim, vcap=4, threads=128, cols_cap=512)
+        config = ForwardLongConfig(ratio, coff, head_dim, width, tc, groups, sg, 1, rows, False, True)
+    # TailForward, launched behind it, finds its rows' positions, angles and weights while this kernel runs.
+    return replace(config, signals_dependents=True)
 
 
 def stats_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec) -> ForwardLongConfig:

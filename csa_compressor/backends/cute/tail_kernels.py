@@ -143,7 +143,11 @@ class _TailRows:
 
 
 class TailForward(_TailRows):
-    """The composed forward's epilogue: whole pooled rows -> out (bf16) and rstd."""
+    """The composed forward's epilogue: whole pooled rows -> out (bf16) and rstd.
+
+    It is launched behind the statistics forward as a programmatic dependent launch: its prologue (the rows'
+    positions, angles and norm weights, which that kernel does not write) runs while the statistics forward does;
+    ``griddepcontrol.wait`` then holds every read of the pooled rows and every write until it has finished."""
 
     kind = "tail_forward"
 
@@ -164,6 +168,7 @@ class TailForward(_TailRows):
             block=[cfg.threads, 1, 1],
             smem=cfg.smem_bytes,
             stream=stream,
+            use_pdl=True,
         )
 
     @cute.kernel
@@ -178,52 +183,74 @@ class TailForward(_TailRows):
         staged = self.shared(smem, cfg.row_lanes * cfg.padded_columns if cfg.tail.rope_dim else 0)
         r = bx * cfg.row_lanes + rl
         row_ok = r < N
+        ws = register_slots(cfg.column_steps, cfg.vector_width)
+        if cutlass.const_expr(cfg.tail.has_norm):
+            self.load_weight(weight, ws, tc)
+        angles = None
+        if cutlass.const_expr(cfg.tail.rope_dim > 0):
+            _real, pos = self.row_position(seg, cute.make_tensor(position_start, cute.make_layout(B)), r, N, T)
+            angles = self.load_angles(rope_cos, rope_sin, pos, max_position, tc)
+        cute.arch.griddepcontrol_wait()
         xs = register_slots(cfg.column_steps, cfg.vector_width)
         self.load_rows(x, r, row_ok, xs, tc)
         rs = Float32(1.0)
         if cutlass.const_expr(cfg.tail.has_norm):
             rs = self.rstd_of(xs, red, eps, tc, rl)
-            self.normalize(xs, weight, rs, tc)
+            self.normalize(xs, ws, rs)
         if (rstd.toint() != 0) & row_ok & (tc == 0):
             cute.make_tensor(rstd, cute.make_layout(N))[r] = rs
         if cutlass.const_expr(cfg.tail.rope_dim > 0):
-            _real, pos = self.row_position(seg, cute.make_tensor(position_start, cute.make_layout(B)), r, N, T)
-            self.rotate(xs, staged, rope_cos, rope_sin, pos, max_position, tc, rl)
+            self.rotate(xs, staged, angles, tc, rl)
         self.store(out, xs, r, row_ok, tc)
 
     @cute.jit
-    def normalize(self, xs, weight, rs, tc):
+    def normalize(self, xs, ws, rs):
         """y = (x * rstd) * w, in the reference's order."""
         cfg = self.config
-        ws = register_slots(cfg.column_steps, cfg.vector_width)
-        self.load_weight(weight, ws, tc)
         for k in cutlass.range_constexpr(cfg.column_steps):
             for i in cutlass.range_constexpr(cfg.vector_width):
                 xs[k][i] = mul_rn(mul_rn(xs[k][i], rs), ws[k][i])
 
     @cute.jit
-    def rotate(self, xs, staged, rope_cos, rope_sin, pos, max_position, tc, rl):
+    def load_angles(self, rope_cos, rope_sin, pos, max_position, tc):
+        """(cos, sin) of each of the thread's columns at ``pos`` (1 and 0 outside the rotary block)."""
+        cfg = self.config
+        half = cfg.tail.rope_dim // 2
+        cos_t = cute.make_tensor(rope_cos, cute.make_layout(max_position * half))
+        sin_t = cute.make_tensor(rope_sin, cute.make_layout(max_position * half))
+        cs = register_slots(cfg.column_steps, cfg.vector_width)
+        sn = register_slots(cfg.column_steps, cfg.vector_width)
+        for k in cutlass.range_constexpr(cfg.column_steps):
+            cs[k].fill(1.0)
+            sn[k].fill(0.0)
+            for i in cutlass.range_constexpr(cfg.vector_width):
+                is_rope, _first, a, _partner = self.rotary((k * cfg.row_threads + tc) * cfg.vector_width + i)
+                if is_rope:
+                    c, s = self.angle(cos_t, sin_t, pos, a, max_position)
+                    cs[k][i] = c
+                    sn[k][i] = s
+        return cs, sn
+
+    @cute.jit
+    def rotate(self, xs, staged, angles, tc, rl):
         """The rotary pairs of the row rotated in place: the row staged in shared memory gives each column its
         partner, ``(a, b) -> (a cos - b sin, a sin + b cos)``."""
         cfg = self.config
-        width, half = cfg.vector_width, cfg.tail.rope_dim // 2
+        cs, sn = angles
+        width = cfg.vector_width
         base = rl * cfg.padded_columns
         for k in cutlass.range_constexpr(cfg.column_steps):
             vec_view(staged.iterator, base + (k * cfg.row_threads + tc) * width, width).store(xs[k].load())
         cute.arch.sync_threads()
-        cos_t = cute.make_tensor(rope_cos, cute.make_layout(max_position * half))
-        sin_t = cute.make_tensor(rope_sin, cute.make_layout(max_position * half))
         for k in cutlass.range_constexpr(cfg.column_steps):
             for i in cutlass.range_constexpr(width):
-                col = (k * cfg.row_threads + tc) * width + i
-                is_rope, first, a, partner = self.rotary(col)
+                is_rope, first, _a, partner = self.rotary((k * cfg.row_threads + tc) * width + i)
                 if is_rope:
-                    c, s = self.angle(cos_t, sin_t, pos, a, max_position)
                     other = staged[base + partner]
                     if first:
-                        xs[k][i] = sub_rn(mul_rn(xs[k][i], c), mul_rn(other, s))
+                        xs[k][i] = sub_rn(mul_rn(xs[k][i], cs[k][i]), mul_rn(other, sn[k][i]))
                     else:
-                        xs[k][i] = add_rn(mul_rn(other, s), mul_rn(xs[k][i], c))
+                        xs[k][i] = add_rn(mul_rn(other, sn[k][i]), mul_rn(xs[k][i], cs[k][i]))
 
     @cute.jit
     def store(self, out, xs, r, row_ok, tc):
