@@ -95,8 +95,8 @@ if has bench; then
             --commit "${RUN_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" ${BENCH_ARGS:-} \
             >/dev/null 2>"$RESULT_DIR/bench.log"
         rc=$?
-        count() { grep -c "$1" "$RESULT_DIR/bench_latest.json" 2>/dev/null || echo 0; }
-        result="rc=$rc, $(count '"kernel_us_cold": [0-9]') measured, $(count '"skipped"') skipped, $(count '"error"') failed"
+        count() { grep -c "$1" "$RESULT_DIR/bench_latest.json" 2>/dev/null; }  # grep -c prints 0 itself
+        result="rc=$rc, $(count '"kernel_us_cold": *[0-9]') measured, $(count '"skipped"') skipped, $(count '"error"') failed"
         [ -f "$RESULT_DIR/bench_latest.json" ] || result="rc=$rc: $(tail -n 1 "$RESULT_DIR/bench.log")"
         row bench "$result"
     fi
