@@ -231,9 +231,6 @@ def test_tail_kernels_compile(built, name):
     else:
         main = "ppppppiiiipppppfi"  # ... dx, slabs; B, N, T, rows_per_cta; the tail's pointers; eps, max_position
         assert _entries(ptx) == sorted([main, "ppi"] if cfg.tail.has_norm else [main])
-        # The weight's slab reduction is a programmatic dependent: signalled at the start, waiting before its reads.
-        assert ptx.count("griddepcontrol.launch_dependents;") == 1
-        assert ptx.count("griddepcontrol.wait;") == int(cfg.tail.has_norm)
     if cfg.tail.has_norm:
         # Correctly rounded rstd steps; the row's sums over its threads by butterfly shuffles.
         assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx

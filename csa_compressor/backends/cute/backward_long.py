@@ -60,8 +60,6 @@ class BackwardLongWindow(PersistentBackward):
                cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
                B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):  # fmt: skip
         cfg = self.config
-        # The grad_ape reduction behind it may take its place (it waits for this grid before reading the slabs).
-        cute.arch.griddepcontrol_launch_dependents()
         width, cw, spg = cfg.vector_width, cfg.columns_per_cta, cfg.slots_per_batch * cfg.batches
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()

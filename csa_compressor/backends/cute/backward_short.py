@@ -152,8 +152,6 @@ class BackwardShortWindow(PersistentBackward):
              tail_io):  # fmt: skip
         """The kernel; ``tail_io``: the fused tail's pointers and scalars, or None."""
         cfg = self.config
-        # The grad_ape reduction behind it may take its place (it waits for this grid before reading the slabs).
-        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()

@@ -89,8 +89,6 @@ class BackwardWithStats:
                cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
                stats: cute.Pointer, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):  # fmt: skip
         cfg = self.config
-        # The grad_ape reduction behind it may take its place (it waits for this grid before reading the slabs).
-        cute.arch.griddepcontrol_launch_dependents()
         width, sg, groups, lanes = cfg.vector_width, cfg.slots_per_group, cfg.slot_groups, cfg.row_lanes
         tidx, _, _ = cute.arch.thread_idx()
         bx, byz, _ = cute.arch.block_idx()

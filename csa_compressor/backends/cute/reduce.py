@@ -1,7 +1,4 @@
-"""The grad_ape reduction: the second kernel of the backwards' host functions, on the same stream, launched as a
-programmatic dependent of the kernel that writes the slabs: its CTAs may be resident before that kernel ends (the
-slab writers signal it at their start) and wait for it in ``griddepcontrol.wait``, so that the reduction starts
-the moment the slabs are complete.
+"""The grad_ape reduction: the second kernel of the backwards' host functions, on the same stream.
 
 Every CTA of a persistent backward grid writes one fp32 slab of grad_ape partials; this kernel sums the slabs in a
 fixed order and overwrites grad_ape (no atomics), so grad_ape is bitwise the same from run to run. A fused tail's
@@ -29,7 +26,7 @@ class ApeReduce:
     def launch(self, ws: cute.Pointer, gape: cute.Pointer, num_ctas: Int32, stream):
         cfg = self.config
         self.kernel(ws, gape, num_ctas).launch(
-            grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream, use_pdl=True
+            grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
         )
 
     @cute.jit
@@ -37,7 +34,7 @@ class ApeReduce:
         """The same sum of slabs that end with ``norm_entries`` grad_norm_weight partials, which go to ``gnorm``."""
         cfg = self.config
         self.kernel_with_norm(ws, gape, gnorm, num_ctas).launch(
-            grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream, use_pdl=True
+            grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
         )
 
     @cute.kernel
@@ -54,7 +51,6 @@ class ApeReduce:
         lane (warp w) sums slabs q, q + walkers, ... in order; then the walkers' partials are summed in order
         q = 0, 1, ...: a fixed order per entry, whatever the vector width."""
         cfg = self.config
-        cute.arch.griddepcontrol_wait()  # the slabs' kernel has finished and its writes are visible
         ve, nv, lanes = cfg.vector, cfg.entry_vectors, cfg.slab_lanes
         walkers = REDUCE_WARPS * lanes
         tidx, _, _ = cute.arch.thread_idx()

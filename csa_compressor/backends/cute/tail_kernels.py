@@ -295,8 +295,6 @@ class TailGradient(_TailRows):
                rope_cos: cute.Pointer, rope_sin: cute.Pointer, position_start: cute.Pointer, rstd: cute.Pointer,
                eps: Float32, max_position: Int32):  # fmt: skip
         cfg = self.config
-        # The weight's slab reduction behind it may take its place (it waits for this grid before reading them).
-        cute.arch.griddepcontrol_launch_dependents()
         tc, rl, bx = self.coordinates()
         seg = Segments(cu, cuc, B)
         smem = cutlass.memory.SmemAllocator()
