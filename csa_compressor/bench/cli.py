@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no GPU: Python microseconds, launches and aten operations per call of the\n"
         "wrappers (fwd, bwd) and compressor_pool (pool) for triton and cute on CPU\n"
-        "tensors, the device launches stubbed (csa_compressor.bench.host); prints a table",
+        "tensors, the device launches stubbed (csa_compressor.bench.host); prints a table\n"
+        "(--cases, --tail and --backends select)",
     )
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--source-digest", action="store_true", help="print the package's source digest and exit")
@@ -146,12 +147,12 @@ def _validate(args):
 
 
 def _host_only(args, parser) -> int:
-    """``--host-only``: the pooling cases chosen (tails left out), triton and cute unless ``--backends`` names
+    """``--host-only``: the cases chosen (``--tail`` as for the bench), triton and cute unless ``--backends`` names
     one of them."""
     from .host import format_host_table, host_costs
 
     try:
-        cases = [c for c in select_cases(args.cases, "off") if not c.tail]
+        cases = select_cases(args.cases, args.tail)
         wanted = [b for b in select_backends(args.backends, KERNEL_BACKENDS)[0] if b in ("triton", "cute")]
     except ValueError as exc:
         return parser.fail(exc)

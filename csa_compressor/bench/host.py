@@ -5,9 +5,10 @@ The public wrappers (``csa_compressor_forward_wrapper``, ``csa_compressor_backwa
 the cute backend, through every step of their GPU path (fast-path keys, rechecks, allocation, plan and launcher
 lookup, grid sizing, argument packing) up to the device launch, which is a stand-in that counts its calls:
 
-- Triton: the compiled kernel's launcher (``CompiledKernel.run``). Each kernel is bound once through a stand-in
-  for Triton's ``kernel[grid]`` that hands the launcher what Triton's own launch hands it, so ``binding.py``
-  takes its direct launch as on a GPU; the plans get the GPU's tiles (the CPU would get the interpreter's).
+- Triton: the C launch function of the compiled kernel's launcher object (``CompiledKernel.run``, Triton's own
+  ``CudaLauncher``, whose Python call runs). Each kernel is bound once through a stand-in for Triton's
+  ``kernel[grid]`` that hands the launcher what Triton's own launch hands it, so ``binding.py`` takes its direct
+  launch as on a GPU; the plans get the GPU's tiles (the CPU would get the interpreter's).
 - cute: the TVM-FFI host function (what ``launch.host_function`` returns), and its priming launch.
 
 Beside those, what only a GPU answers is stubbed: the CUDA runtime queries torch makes in C (current device,
@@ -68,9 +69,10 @@ class _Patches:
         setattr(obj, name, value)
 
     def fresh(self, module, *names: str) -> None:
-        """Empty caches in place of ``module``'s, for the run alone."""
+        """Empty caches in place of ``module``'s, for the run alone (those it has: an older revision may lack one)."""
         for name in names:
-            self.set(module, name, type(getattr(module, name))())
+            if hasattr(module, name):
+                self.set(module, name, type(getattr(module, name))())
 
     def restore(self) -> None:
         while self._undo:
@@ -92,13 +94,29 @@ class _Stubs:
         self.launches += 1
 
 
+def _launcher_stub(stubs: _Stubs):
+    """The launcher object a compiled kernel holds, Triton's own (``CudaLauncher``, whose Python call runs as on a
+    GPU) with the stand-in as its C launch function; the stand-in alone where the class cannot be imported."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError:
+        return stubs.launch
+    launcher = object.__new__(CudaLauncher)
+    vars(launcher).update(
+        launch=stubs.launch, num_ctas=1, global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0,
+        profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=False, gsan_enabled=False,
+        arg_annotations=(), kernel_signature=(),
+    )  # fmt: skip
+    return launcher
+
+
 class _StubCompiled:
-    """A compiled Triton kernel as ``binding`` reads one: ``run`` (the launcher) over ``_run``, the function
-    handle, the packed metadata, ``launch_metadata``."""
+    """A compiled Triton kernel as ``binding`` reads one: ``run`` (the launcher object) over ``_run``, the
+    function handle, the packed metadata, ``launch_metadata``."""
 
     def __init__(self, stubs: _Stubs):
-        self._run = stubs.launch
-        self.function, self.packed_metadata = 0, ()
+        self._run = _launcher_stub(stubs)
+        self.function, self.packed_metadata = 0, (1, 1, 0)
 
     @property
     def run(self):
@@ -144,13 +162,24 @@ def _cuda_runtime(p: _Patches) -> None:
 
 
 def _triton(p: _Patches, stubs: _Stubs) -> None:
+    import triton.runtime
+
     from ..backends.triton import binding, config, launch, plans
+
+    # Some launchers' call reads the active driver (which a machine without a GPU has none of) and nothing of it
+    # unless the kernel needs scratch memory.
+    p.set(triton.runtime.driver, "_active", SimpleNamespace())
 
     p.fresh(launch, "_PLANS", "_FORWARD", "_BACKWARD")
     p.set(launch, "device_unsupported_reason", lambda device: None)
     p.set(launch, "choose_config", lambda d, r, c, h, interpret: config.choose_config(d, r, c, h, False))
     p.set(launch, "stats_tile", lambda r, c, h, interpret: config.stats_tile(r, c, h, False))
     p.set(plans, "BoundKernel", lambda kernel, consts, index: binding.BoundKernel(_StubJIT(kernel, stubs), consts, 0))
+    p.fresh(plans, "_PARTIALS")
+    # Bound at import to what a CPU build has (as cute's, below).
+    p.set(plans, "_GET_DEVICE", torch._C._cuda_getDevice)
+    p.set(plans, "_RAW_STREAM", torch._C._cuda_getCurrentRawStream)
+    p.set(plans, "_IS_CAPTURING", torch._C._cuda_isCurrentStreamCapturing)
     if binding.direct_launch_reason() is not None:
         raise RuntimeError(f"the direct launch is off, so the GPU path is not: {binding.direct_launch_reason()}")
 
@@ -171,6 +200,7 @@ def _cute(p: _Patches, stubs: _Stubs) -> bool:
 
     if launch.unavailable_reason() is not None:
         return False
+    from ..backends.cute import tail_launch
     from ..backends.cute.device import offline_spec
 
     p.fresh(launch, "_FUNCTIONS", "_LAUNCHERS", "_SCRATCH")
@@ -183,6 +213,9 @@ def _cute(p: _Patches, stubs: _Stubs) -> bool:
     p.set(launch, "_GET_DEVICE", lambda: None)
     p.set(launch, "_RAW_STREAM", torch._C._cuda_getCurrentRawStream)
     p.set(launch, "_IS_CAPTURING", torch._C._cuda_isCurrentStreamCapturing)
+    p.fresh(tail_launch, "_ROUTES", "_SPECS")
+    p.set(tail_launch, "device_spec", lambda index: offline_spec("sm_90a"))
+    p.set(tail_launch, "_prime", lambda *args: None)
     return True
 
 
@@ -206,7 +239,8 @@ def launch_stubs():
 
 
 def _pack(case: Case) -> SimpleNamespace:
-    """The case's tensors on the CPU, uninitialised (nothing reads them: the launches are stand-ins)."""
+    """The case's tensors on the CPU, uninitialised (nothing reads them: the launches are stand-ins), and what
+    ``tail.random_tail`` reads of a pack."""
     width, n = case.coff * case.head_dim, len(case.seqlens)
     kv = torch.empty(case.total_tokens, width, dtype=torch.bfloat16)
     lens = torch.tensor(case.seqlens, dtype=torch.int32)
@@ -217,29 +251,33 @@ def _pack(case: Case) -> SimpleNamespace:
     return SimpleNamespace(
         kv=kv, score=torch.empty_like(kv), ape=torch.empty(case.ratio, width), cu_seqlens=cu, cu_seqlens_comp=cu_comp,
         grad_out=torch.empty(case.total_comp, case.head_dim, dtype=torch.bfloat16), total_comp=case.total_comp,
+        head_dim=case.head_dim, ratio=case.ratio, seqlens=case.seqlens,
     )  # fmt: skip
 
 
-def _pool_call(backend: str, pack, case: Case):
-    """compressor_pool's forward on leaves, then its autograd backward."""
+def _pool_call(backend: str, pack, case: Case, tail):
+    """compressor_pool's forward on leaves (with the tail case's tail), then its autograd backward."""
     from ..autograd import compressor_pool
 
     leaves = [t.detach().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape)]
     offsets = (pack.cu_seqlens, pack.cu_seqlens_comp)
+    kw = tail.kwargs() if tail is not None else {}
 
     def pool():
-        out = compressor_pool(*leaves, *offsets, case.ratio, case.coff, pack.total_comp, backend)
+        out = compressor_pool(*leaves, *offsets, case.ratio, case.coff, pack.total_comp, backend, **kw)
         return torch.autograd.grad(out, leaves, pack.grad_out)
 
     return pool
 
 
-def _calls(backend: str, case: Case) -> dict:
-    from .calls import _kernel_callables
+def _calls(backend: str, case: Case, pack) -> dict:
+    """The bench's two wrapper calls of the case (``bench.calls``: long windows hand the forward's statistics to
+    the backward, as autograd does; tail cases run the bench's tail) and compressor_pool's forward and backward."""
+    from .calls import _kernel_callables, make_tail
 
-    pack = _pack(case)
-    calls = _kernel_callables(backend, pack, case, None)
-    calls["pool"] = _pool_call(backend, pack, case)
+    tail = make_tail(case, pack) if case.tail else None
+    calls = _kernel_callables(backend, pack, case, tail)
+    calls["pool"] = _pool_call(backend, pack, case, tail)
     return calls
 
 
@@ -278,38 +316,40 @@ def _keep_freed_blocks() -> None:
         mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD (an int): keep the heap's top
 
 
-def _measure(fn, stubs: _Stubs, number: int, repeat: int) -> tuple[float, int]:
-    """(microseconds per call, launches per call) of ``fn``; ``number=0``: the launches alone (us NaN)."""
-    fn()  # builds the configuration's kernels (stand-ins) and binds their launches
+def _launches(fn, stubs: _Stubs) -> int:
+    """Launches per call of ``fn``, after the calls that build its configuration (stand-in kernels) and bind
+    their launches."""
+    fn()
     _on_device_zero()
     fn()
     before = stubs.launches
     fn()
-    launches = stubs.launches - before
-    if number == 0:
-        return float("nan"), launches
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6, launches
+    return stubs.launches - before
 
 
 def host_costs(
     cases: Iterable[Case] = CASES, backends: Sequence[str] = ("triton", "cute"),
-    directions: Sequence[str] = HOST_DIRECTIONS, number: int = 200, repeat: int = 7,
+    directions: Sequence[str] = HOST_DIRECTIONS, number: int = 200, repeat: int = 15,
 ) -> list[HostCost]:  # fmt: skip
-    """One ``HostCost`` per case, backend (cute left out where CuTe-DSL is not importable) and direction;
-    ``number=0`` counts without timing. Timing changes the process's allocator settings (``_keep_freed_blocks``):
-    a run for a process of its own."""
+    """One ``HostCost`` per case, backend (cute left out where CuTe-DSL is not importable) and direction: the
+    best of ``repeat`` rounds of ``number`` calls, every call timed once per round (a busy host slows them
+    alike); ``number=0`` counts without timing. Timing changes the process's allocator settings
+    (``_keep_freed_blocks``): a run for a process of its own."""
     if number:
         _keep_freed_blocks()
-    rows = []
     with launch_stubs() as stubs:
         names = [b for b in backends if b != "cute" or stubs.cute]
+        jobs = []
         for case in cases:
+            pack = _pack(case)
             for backend in names:
-                calls = _calls(backend, case)
-                for direction in directions:
-                    us, launches = _measure(calls[direction], stubs, number, repeat)
-                    rows.append(HostCost(case.name, backend, direction, us, launches, _ops(calls[direction])))
-    return rows
+                calls = _calls(backend, case, pack)
+                jobs += [((case.name, backend, d), calls[d], _launches(calls[d], stubs)) for d in directions]
+        best = [float("inf") if number else float("nan")] * len(jobs)
+        for _ in range(repeat if number else 0):
+            for k, (_key, fn, _n) in enumerate(jobs):
+                best[k] = min(best[k], timeit.timeit(fn, number=number) / number * 1e6)
+        return [HostCost(*key, us, n, _ops(fn)) for (key, fn, n), us in zip(jobs, best, strict=True)]
 
 
 def _ops_text(ops) -> str:
