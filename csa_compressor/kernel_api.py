@@ -101,6 +101,7 @@ class _Op:
         self.check_support()
         cfg, tail_cfg = self.config, self.tail_config
         key = (self.backend, self.direction, cfg, tail_cfg)
+        scalars = (self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
         if key not in _COMPILED:
             if _capturing(cfg.device):
                 raise RuntimeError(
@@ -109,7 +110,6 @@ class _Op:
                     "call compile() (or run the op once) before capturing"
                 )
             if cfg.device.type != "meta":
-                scalars = (self.direction, cfg.ratio, cfg.coff, cfg.head_dim, cfg.dtype, cfg.device)
                 if tail_cfg is None:
                     self._module.compile(*scalars)
                 else:
@@ -120,7 +120,9 @@ class _Op:
         self._recheck = getattr(cfg, f"recheck_{self.direction}")
         self._recheck_fresh = getattr(cfg, f"recheck_{self.direction}_fresh")
         self._tail_check = TailCheck(tail_cfg, cfg.head_dim, cfg.device)
-        self._launch = getattr(self._module, self.direction)
+        # A backend may bind its function to the configuration (the backends' optional ``bind``).
+        bind = getattr(self._module, "bind", None)
+        self._launch = getattr(self._module, self.direction) if bind is None else bind(*scalars, tail_cfg)
 
     def _release_samples(self) -> None:
         self._samples = self._tail_sample = None

@@ -45,6 +45,10 @@ An identity tail (neither norm nor rope) is passed as None, so a backend sees ex
 Optional: ``config_unsupported_reason(ratio, coff, head_dim) -> str | None`` for
 backends that cover only part of the configuration space.
 
+Optional: ``bind(direction, ratio, coff, head_dim, dtype, device, tail_config) -> callable``, called by a
+compiled op once its configuration is built: ``forward`` or ``backward`` (as ``direction`` says) for that
+configuration alone, same signature and results, which the op then calls instead of the module function.
+
 ``stream`` is a ``torch.cuda.Stream`` or None (the current stream of the tensors'
 device). Inputs have been validated by ``csa_compressor.support`` before a call.
 """

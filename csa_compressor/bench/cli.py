@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="render the report and chart of a recorded run again (next to FILE; no GPU)",
     )
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="no GPU: Python microseconds, launches and aten operations per call of the\n"
+        "wrappers (fwd, bwd) and compressor_pool (pool) for triton and cute on CPU\n"
+        "tensors, the device launches stubbed (csa_compressor.bench.host); prints a table\n"
+        "(--cases, --tail and --backends select)",
+    )
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--source-digest", action="store_true", help="print the package's source digest and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
@@ -138,6 +146,20 @@ def _validate(args):
     return device, backends, out
 
 
+def _host_only(args, parser) -> int:
+    """``--host-only``: the cases chosen (``--tail`` as for the bench), triton and cute unless ``--backends`` names
+    one of them."""
+    from .host import format_host_table, host_costs
+
+    try:
+        cases = select_cases(args.cases, args.tail)
+        wanted = [b for b in select_backends(args.backends, KERNEL_BACKENDS)[0] if b in ("triton", "cute")]
+    except ValueError as exc:
+        return parser.fail(exc)
+    print(format_host_table(host_costs(cases, wanted or ("triton", "cute"))))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -152,6 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _render(Path(args.from_json))
         except (OSError, ValueError, KeyError) as exc:
             return parser.fail(UsageError(f"cannot render {args.from_json!r}: {exc}"))
+    if args.host_only:
+        return _host_only(args, parser)
     try:
         device, backends, out = _validate(args)
     except (ValueError, UsageError) as exc:

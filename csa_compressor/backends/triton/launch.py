@@ -27,7 +27,7 @@ from .config import (
     stats_tile,
     whole_rows,
 )
-from .plans import NO_TAIL, BackwardPlan, ForwardPlan, TailForwardPlan
+from .plans import NO_TAIL, BackwardPlan, ForwardPlan, TailForwardPlan, release_partials
 
 __all__ = [
     "AUTOGRAD_STATS",
@@ -35,6 +35,7 @@ __all__ = [
     "KernelConfig",
     "StatsTile",
     "backward",
+    "bind",
     "choose_config",
     "compile",
     "config_unsupported_reason",
@@ -42,6 +43,7 @@ __all__ = [
     "forward",
     "launch_backward",
     "launch_forward",
+    "release_partials",
     "stats_tile",
     "supports_stats",
     "supports_tail",
@@ -320,6 +322,53 @@ def backward(
     grads = (grad_kv, grad_score, grad_ape)
     tail_args = _tail_args(tail, rstd)
     plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, stream, stats, tail_args, grad_norm_weight)
+
+
+def bind(
+    direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, device: torch.device, tail_config=None
+):  # fmt: skip
+    """``forward`` or ``backward`` (as ``direction`` says) for this one configuration, which ``compile`` has built:
+    the same function, whose calls without a tail go to their plan without looking it up. Calls with a tail (or
+    rstd) take the module's function; so does every call where the plans are not there (a configuration never
+    compiled, the meta device)."""
+    device = _device(device)
+    table = _FORWARD if direction == "forward" else _BACKWARD
+    plain = table.get((ratio, coff, head_dim, dtype, device, False))
+    if plain is None or tail_config is not None:
+        return forward if direction == "forward" else backward
+    with_stats = table.get((ratio, coff, head_dim, dtype, device, True))
+    return (_bound_forward if direction == "forward" else _bound_backward)(plain, with_stats)
+
+
+def _bound_forward(plain: ForwardPlan, with_stats: ForwardPlan | None):
+    def forward_plan(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None, stats=None, tail=None, rstd=None
+    ) -> None:  # fmt: skip
+        if tail is None and rstd is None:
+            plan = plain if stats is None else with_stats
+            if plan is not None:
+                return plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
+        return forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats, tail, rstd)
+
+    return forward_plan
+
+
+def _bound_backward(plain: BackwardPlan, with_stats: BackwardPlan | None):
+    def backward_plan(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream=None,
+        stats=None, tail=None, grad_norm_weight=None, rstd=None,
+    ) -> None:  # fmt: skip
+        if tail is None and grad_norm_weight is None and rstd is None:
+            plan = plain if stats is None else with_stats
+            if plan is not None:
+                return plan(
+                    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
+                    stats,
+                )  # fmt: skip
+        inputs = kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape
+        return backward(*inputs, ratio, coff, stream, stats, tail, grad_norm_weight, rstd)
+
+    return backward_plan
 
 
 def _check_grad_norm_weight(tail, grad_norm_weight) -> None:

@@ -2,10 +2,14 @@
 
 A plan holds the bound kernels of one direction (``binding.BoundKernel``: constexprs and launch options fixed)
 and, per problem size seen, the grid and runtime integers. A call then reads three sizes from the tensors,
-finds (or computes once) their launch sizes, and enqueues. Nothing here reads device memory on the host.
+finds (or computes once) their launch sizes, and enqueues; the backward's dAPE partials come from a buffer per
+(device, stream) (``_Partials``), fresh under CUDA-graph capture. Nothing here reads device memory on the host.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
@@ -29,7 +33,7 @@ from .config import (
     torch_order,
 )
 
-__all__ = ["NO_TAIL", "BackwardPlan", "ForwardPlan", "TailForwardPlan", "tail_consts"]
+__all__ = ["NO_TAIL", "BackwardPlan", "ForwardPlan", "TailForwardPlan", "release_partials", "tail_consts"]
 
 _MAX_SIZES = 4096  # problem sizes remembered per plan (a training loop sees few; a sweep is bounded by this)
 
@@ -63,6 +67,59 @@ def _on_stream(stream, make):
         return make()
 
 
+# The CUDA runtime's queries in C, without torch.cuda's Python wrappers (a plan with a device index exists only once
+# CUDA is initialised; a CPU build has none of them and no such plan).
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_IS_CAPTURING = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
+_NO_LOCK = contextlib.nullcontext()
+
+
+class _Partials:
+    """The backward's dAPE partials for one (device, stream), reused by every eager backward on that stream.
+
+    Launches on one stream run in order, and the partials are dead once the reduction (a call's last launch) has
+    read them, so the next call may overwrite them: a call then allocates nothing of its own. ``lock`` is held
+    across a call's launches, so that another thread's launches on the stream never land between them.
+    """
+
+    __slots__ = ("lock", "numel", "tensor")
+
+    def __init__(self, tensor, lock):
+        self.tensor, self.numel, self.lock = tensor, tensor.numel(), lock
+
+
+_PARTIALS: dict[tuple[int, int], _Partials] = {}  # (device index, stream handle) -> _Partials
+_PARTIALS_LOCK = threading.Lock()
+
+
+def _grown(key: tuple[int, int], stream, numel: int, device) -> _Partials:
+    """The entry of ``key`` with at least ``numel`` floats, allocated on ``stream`` (the caching allocator then
+    hands the block to no other stream before the stream's queued work has run)."""
+    with _PARTIALS_LOCK:
+        old = _PARTIALS.get(key)
+        if old is not None and old.numel >= numel:
+            return old
+        numel = max(numel, old.numel if old is not None else 0)
+        # A launch still holding the old entry's lock orders against this one.
+        lock = old.lock if old is not None else threading.Lock()
+        entry = _PARTIALS[key] = _Partials(_on_stream(stream, lambda: _workspace((numel,), device)), lock)
+        return entry
+
+
+def release_partials() -> None:
+    """Drop the backward's per-stream partials (their memory goes back to the caching allocator)."""
+    with _PARTIALS_LOCK:
+        _PARTIALS.clear()
+
+
+def _capturing(stream) -> bool:
+    if stream is None:
+        return _IS_CAPTURING()
+    with torch.cuda.stream(stream):
+        return _IS_CAPTURING()
+
+
 class _Plan:
     """Shared by both directions: the device, and the per-problem sizes cache."""
 
@@ -80,7 +137,7 @@ class _Plan:
 
     def _elsewhere(self) -> bool:
         """Whether the plan's device is not the current one (its kernels must launch with it current)."""
-        return self.index is not None and torch.cuda.current_device() != self.index
+        return self.index is not None and _GET_DEVICE() != self.index
 
 
 class ForwardPlan(_Plan):
@@ -129,17 +186,21 @@ class ForwardPlan(_Plan):
 
     def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail=NO_TAIL) -> None:
         """``tail``: the tail's runtime arguments (``NO_TAIL``'s order), or ``NO_TAIL``."""
-        if self._elsewhere():
+        if self.index is not None and _GET_DEVICE() != self.index:
             with torch.cuda.device(self.index):
                 return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail)
         n_rows, num_segments = out.shape[0], cu_seqlens.shape[0] - 1
-        sizes = self._sizes.get((n_rows, num_segments)) or self._size(n_rows, num_segments)
-        grid, n_iter, per_prog = sizes
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments, n_iter, per_prog)
+        grid, n_iter, per_prog = self._sizes.get((n_rows, num_segments)) or self._size(n_rows, num_segments)
         if self.long:
-            self.kernel.launch(grid, stream, *args, stats)
+            self.kernel.launch(
+                grid, stream, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments,
+                n_iter, per_prog, stats,
+            )  # fmt: skip
         else:
-            self.kernel.launch(grid, stream, *args, *tail)
+            self.kernel.launch(
+                grid, stream, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments,
+                n_iter, per_prog, *tail,
+            )  # fmt: skip
 
 
 class TailForwardPlan:
@@ -277,8 +338,9 @@ class BackwardPlan(_Plan):
         return stats, torch.empty((n_rows, self.head_dim), dtype=dtype, device=self.device)
 
     def _size(self, n_rows: int, tokens: int, num_segments: int) -> tuple:
-        """(programs, search halvings, rows or row tiles per program, dAPE partials, compute programs, dx programs:
-        0 unless the statistics backward with a tail takes the dx route)."""
+        """(programs, the window kernel's arguments after its tensors without a tail, dAPE partials, the partials'
+        floats, the window kernel's runtime integers, dx programs: 0 unless the statistics backward with a tail takes
+        the dx route)."""
         cfg = self.cfg
         if self.family == "stats":
             per_prog = stats_rows(self.tile, self.ratio, self.coff, self.head_dim, n_rows)
@@ -296,9 +358,24 @@ class BackwardPlan(_Plan):
         # Compute programs first, then the zero-sweep programs.
         grid = compute + cdiv(tokens, cfg.sweep_t)
         dx_programs = cdiv(n_rows, self.dx_rows) if self.dx_kernel and compute > self.in_program_programs else 0
-        return self._remember(
-            (n_rows, tokens, num_segments), (grid, search_iters(num_segments), per_prog, parts, compute, dx_programs)
-        )
+        ints = (n_rows, tokens, num_segments, search_iters(num_segments), per_prog, compute)
+        # The window kernel's arguments after its tensors on the path without a tail, composed once.
+        rest = ints if self.family == "long" else (*ints, *NO_TAIL, None)
+        sizes = (grid, rest, parts, parts * self.ratio * self.width, ints, dx_programs)
+        return self._remember((n_rows, tokens, num_segments), sizes)
+
+    def _partials(self, stream, numel: int) -> tuple:
+        """The call's dAPE partials and the lock its launches hold: on a GPU the stream's reusable ``_Partials``;
+        under CUDA-graph capture (from the graph's pool) and on the CPU (the interpreter's tests fill them with NaN)
+        partials of the call's own."""
+        index = self.index
+        if index is not None and not _capturing(stream):
+            key = (index, _RAW_STREAM(index) if stream is None else stream.cuda_stream)
+            entry = _PARTIALS.get(key)
+            if entry is None or entry.numel < numel:
+                entry = _grown(key, stream, numel, self.device)
+            return entry.tensor, entry.lock
+        return _on_stream(stream, lambda: _workspace((numel,), self.device)), _NO_LOCK
 
     def __call__(
         self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats,
@@ -306,40 +383,60 @@ class BackwardPlan(_Plan):
     ):  # fmt: skip
         """``tail``: the tail's runtime arguments (``NO_TAIL``'s order); ``grad_norm_weight`` (with a norm) the
         ``(head_dim,)`` fp32 buffer its gradient is written to."""
-        if self._elsewhere():
-            with torch.cuda.device(self.index):
+        index = self.index
+        if index is not None and _GET_DEVICE() != index:
+            with torch.cuda.device(index):
                 return self(
                     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
                     stats, tail, grad_norm_weight,
                 )  # fmt: skip
-        n_rows, tokens, num_segments = grad_out.shape[0], kv.shape[0], cu_seqlens.shape[0] - 1
-        key = (n_rows, tokens, num_segments)
-        grid, n_iter, per_prog, parts, compute, dx_programs = self._sizes.get(key) or self._size(*key)
-        if self.stats_forward is not None:
-            stats, out = _on_stream(stream, lambda: self._recomputed(n_rows, grad_out.dtype))
-            self.stats_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
-        if stream is None:
-            workspace = _workspace((parts, self.ratio, self.width), self.device)
+        key = (grad_out.shape[0], kv.shape[0], cu_seqlens.shape[0] - 1)
+        sizes = self._sizes.get(key) or self._size(*key)
+        grid, rest, parts, numel = sizes[:4]
+        entry = None
+        if stream is None and index is not None and not _IS_CAPTURING():  # the common case, inline
+            entry = _PARTIALS.get((index, _RAW_STREAM(index)))
+        if entry is not None and entry.numel >= numel:
+            workspace, lock = entry.tensor, entry.lock
         else:
-            with torch.cuda.stream(stream):
-                workspace = _workspace((parts, self.ratio, self.width), self.device)
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
-        sizes = (n_rows, tokens, num_segments, n_iter, per_prog, compute)
+            workspace, lock = self._partials(stream, numel)
+        with lock:
+            if self.tail is not None:
+                args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
+                return self._launch_tail(args, grad_ape, sizes, stream, stats, tail, grad_norm_weight)
+            if self.family == "stats":
+                self.kernel.launch(
+                    grid, stream, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                    workspace, stats, *rest,
+                )  # fmt: skip
+            else:
+                self.kernel.launch(
+                    grid, stream, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
+                    workspace, *rest,
+                )  # fmt: skip
+            self.dape.launch(self.dape_grid, stream, workspace, grad_ape, parts)
+
+    def _launch_tail(self, args, grad_ape, sizes, stream, stats, tail, grad_norm_weight) -> None:
+        """The launches with the tail: the statistics recomputed first where the call has none, the norm's
+        partials, the dx route, the window kernel and the reduction (``args``: the window kernel's tensors)."""
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace = args
+        grid, _rest, parts, _numel, ints, dx_programs = sizes
+        if self.stats_forward is not None:
+            stats, out = _on_stream(stream, lambda: self._recomputed(ints[0], grad_out.dtype))
+            self.stats_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
         norm_parts, norm_count = None, dx_programs or parts
         if self.has_norm:
             norm_parts = _on_stream(stream, lambda: _workspace((norm_count, self.head_dim), self.device))
         if dx_programs:
             dx = _on_stream(stream, lambda: torch.empty(grad_out.shape, dtype=torch.float32, device=self.device))
-            offsets = (cu_seqlens, cu_seqlens_comp, n_rows, tokens, num_segments, n_iter)
+            offsets = (cu_seqlens, cu_seqlens_comp, *ints[:4])
             self.dx_kernel.launch(dx_programs, stream, stats, grad_out, dx, norm_parts, *offsets, *tail)
-            args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, dx, grad_kv, grad_score, workspace)
-            self.from_dx.launch(grid, stream, *args, stats, *sizes, *NO_TAIL, None)
+            dx_args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, dx, grad_kv, grad_score, workspace)
+            self.from_dx.launch(grid, stream, *dx_args, stats, *ints, *NO_TAIL, None)
         elif self.family == "stats":
-            self.kernel.launch(grid, stream, *args, stats, *sizes, *tail, norm_parts)
-        elif self.family == "short":
-            self.kernel.launch(grid, stream, *args, *sizes, *tail, norm_parts)
-        else:
-            self.kernel.launch(grid, stream, *args, *sizes)
+            self.kernel.launch(grid, stream, *args, stats, *ints, *tail, norm_parts)
+        else:  # short windows (a long window's tail runs from statistics)
+            self.kernel.launch(grid, stream, *args, *ints, *tail, norm_parts)
         if self.has_norm:
             reduce_args = (workspace, grad_ape, norm_parts, grad_norm_weight, parts, norm_count)
             self.dape.launch(self.dape_grid, stream, *reduce_args)
