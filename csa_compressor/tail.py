@@ -97,6 +97,10 @@ class Tail:
     def is_identity(self) -> bool:
         return not (self.has_norm or self.has_rope)
 
+    def arguments(self) -> dict:
+        """The tail as the API's keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     @property
     def config(self) -> TailConfig:
         norm_dtype = self.norm_weight.dtype if self.has_norm else None

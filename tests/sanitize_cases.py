@@ -98,8 +98,7 @@ def run_tail_cases(backend: str) -> bool:
     for ratio, coff, head_dim, seqlens, comp_pad, rope_dim in TAIL_CASES:
         p = make_pack(seqlens, head_dim, ratio, coff, comp_padding=comp_pad, device="cuda")
         tail = tail_ops.random_tail(p, rope_dim=rope_dim, positions=True, seed=ratio)
-        kw = dict(ratio=ratio, coff=coff, backend=backend, norm_weight=tail.norm_weight, norm_eps=tail.norm_eps,
-                  rope_cos=tail.rope_cos, rope_sin=tail.rope_sin, rope_dim=rope_dim, position_start=tail.position_start)  # fmt: skip
+        kw = dict(ratio=ratio, coff=coff, backend=backend, **tail.arguments())
         out = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]
         g = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
         grads = (g["grad_kv"], g["grad_score"], g["grad_ape"], g["grad_norm_weight"])

@@ -735,9 +735,7 @@ def test_run_bench_smoke_on_gpu(tmp_path):
         assert rec["kernel_us_cold"] > 0 and rec["kernel_us_warm"] > 0 and rec["wall_us"] > 0 and rec["host_us"] > 0
         assert rec["kernel_us_cold_unqueued"] > 0 and rec["kernel_us_warm_after_idle"] > 0
         assert rec["kernel_us_warm_after_spin"] > 0
-    # Far below the H200's clocks only where other processes time-slice the GPU with the spin (the GPU session
-    # runs the sanitizers beside the tests).
-    assert all(200 < mhz < 3000 for mhz in result.meta["sm_clock_mhz"])
+    assert all(1000 < mhz < 3000 for mhz in result.meta["sm_clock_mhz"])
     assert all(v > 0 for v in result.meta["spin_wakeup_us"].values())
     assert (tmp_path / "smoke.json").exists() and (tmp_path / "smoke.md").exists() and (tmp_path / "smoke.png").exists()
 

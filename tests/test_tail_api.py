@@ -598,3 +598,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def test_tail_arguments_are_the_api_names():
+    from csa_compressor.bench.calls import TAIL_ARGS
+
+    weight, table = torch.ones(8), torch.zeros(4, 1)
+    tail = T.Tail(weight, 1e-5, table, table, 2, False, None)
+    args = tail.arguments()
+    assert tuple(args) == tuple(TAIL_ARGS)
+    assert args["norm_weight"] is weight and args["rope_cos"] is table and args["norm_eps"] == 1e-5
+    assert (args["rope_dim"], args["rope_interleaved"], args["position_start"]) == (2, False, None)

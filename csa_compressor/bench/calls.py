@@ -48,7 +48,7 @@ class TailCase:
     positions: object
 
     def kwargs(self) -> dict:
-        return {f.name: getattr(self.tail, f.name) for f in dataclasses.fields(self.tail)}
+        return self.tail.arguments()
 
     def with_weight(self, norm_weight) -> TailCase:
         return dataclasses.replace(self, tail=dataclasses.replace(self.tail, norm_weight=norm_weight))

@@ -19,6 +19,7 @@ Everything here but ``Timer`` is pure arithmetic on profiler events, tested on t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -93,19 +94,21 @@ def copy_rate(nbytes: int, seconds: Sequence[float]) -> float:
     return 2 * nbytes / statistics.median(seconds)
 
 
+def _busy_spans(activities: Iterable[DeviceActivity]) -> list[tuple[float, float]]:
+    """The disjoint (start, end) spans, in order, during which at least one activity (annotation spans aside) ran."""
+    merged: list[list[float]] = []
+    for start, end in sorted((a.start_us, a.end_us) for a in activities if not a.is_user_annotation):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
 def busy_us(activities: Iterable[DeviceActivity]) -> float:
     """The time during which at least one of the activities (annotation spans aside) ran: the sum of their
     durations, less what overlapping activities share (a programmatic dependent launch overlaps its predecessor)."""
-    spans = sorted((a.start_us, a.end_us) for a in activities if not a.is_user_annotation)
-    total = 0.0
-    start, end = spans[0] if spans else (0.0, 0.0)
-    for s, e in spans[1:]:
-        if s > end:
-            total += end - start
-            start, end = s, e
-        else:
-            end = max(end, e)
-    return total + (end - start)
+    return sum(e - s for s, e in _busy_spans(activities))
 
 
 def kernel_us_per_call(activities: Iterable[DeviceActivity], calls: int, excluded_us: float = 0.0) -> float:
@@ -126,18 +129,9 @@ def kernel_us_per_call(activities: Iterable[DeviceActivity], calls: int, exclude
 def device_idle(activities: Iterable[DeviceActivity]) -> tuple[float, float]:
     """``(idle, longest gap)`` in us: the time between the first start and the last end of the activities
     (annotation spans aside) during which none of them ran."""
-    spans = sorted((a.start_us, a.end_us) for a in activities if not a.is_user_annotation)
-    idle = longest = 0.0
-    if not spans:
-        return idle, longest
-    busy_until = spans[0][1]
-    for start, end in spans[1:]:
-        if start > busy_until:
-            gap = start - busy_until
-            idle += gap
-            longest = max(longest, gap)
-        busy_until = max(busy_until, end)
-    return idle, longest
+    spans = _busy_spans(activities)
+    gaps = [start - end for (_, end), (start, _) in itertools.pairwise(spans)]
+    return sum(gaps), max(gaps, default=0.0)
 
 
 def range_device_us(range_event, skip_names: Iterable[str] = (FLUSH_RANGE,)) -> float:

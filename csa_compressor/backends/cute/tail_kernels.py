@@ -95,6 +95,11 @@ class _TailRows:
                     pos = pos + positions[b]
         return real, pos
 
+    def column(self, k: int, i: int, tc):
+        """The row column of element ``i`` of the thread's column step ``k``."""
+        cfg = self.config
+        return (k * cfg.row_threads + tc) * cfg.vector_width + i
+
     def rotary(self, col):
         """(in the rotary block, first of its pair, angle index, partner column) of column ``col``."""
         cfg = self.config
@@ -183,10 +188,10 @@ class TailForward(_TailRows):
         staged = self.shared(smem, cfg.row_lanes * cfg.padded_columns if cfg.tail.rope_dim else 0)
         r = bx * cfg.row_lanes + rl
         row_ok = r < N
-        ws = register_slots(cfg.column_steps, cfg.vector_width)
+        ws = angles = None
         if cutlass.const_expr(cfg.tail.has_norm):
+            ws = register_slots(cfg.column_steps, cfg.vector_width)
             self.load_weight(weight, ws, tc)
-        angles = None
         if cutlass.const_expr(cfg.tail.rope_dim > 0):
             _real, pos = self.row_position(seg, cute.make_tensor(position_start, cute.make_layout(B)), r, N, T)
             angles = self.load_angles(rope_cos, rope_sin, pos, max_position, tc)
@@ -224,7 +229,7 @@ class TailForward(_TailRows):
             cs[k].fill(1.0)
             sn[k].fill(0.0)
             for i in cutlass.range_constexpr(cfg.vector_width):
-                is_rope, _first, a, _partner = self.rotary((k * cfg.row_threads + tc) * cfg.vector_width + i)
+                is_rope, _first, a, _partner = self.rotary(self.column(k, i, tc))
                 if is_rope:
                     c, s = self.angle(cos_t, sin_t, pos, a, max_position)
                     cs[k][i] = c
@@ -244,7 +249,7 @@ class TailForward(_TailRows):
         cute.arch.sync_threads()
         for k in cutlass.range_constexpr(cfg.column_steps):
             for i in cutlass.range_constexpr(width):
-                is_rope, first, _a, partner = self.rotary((k * cfg.row_threads + tc) * width + i)
+                is_rope, first, _a, partner = self.rotary(self.column(k, i, tc))
                 if is_rope:
                     other = staged[base + partner]
                     if first:
@@ -368,8 +373,7 @@ class TailGradient(_TailRows):
         g_t = cute.make_tensor(gout, cute.make_layout((r + 1) * cfg.head_dim))
         for k in cutlass.range_constexpr(cfg.column_steps):
             for i in cutlass.range_constexpr(cfg.vector_width):
-                col = (k * cfg.row_threads + tc) * cfg.vector_width + i
-                is_rope, first, a, partner = self.rotary(col)
+                is_rope, first, a, partner = self.rotary(self.column(k, i, tc))
                 if real & is_rope:
                     c, s = self.angle(cos_t, sin_t, pos, a, max_position)
                     neg = -s

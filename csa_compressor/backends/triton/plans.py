@@ -186,21 +186,16 @@ class ForwardPlan(_Plan):
 
     def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail=NO_TAIL) -> None:
         """``tail``: the tail's runtime arguments (``NO_TAIL``'s order), or ``NO_TAIL``."""
-        if self.index is not None and _GET_DEVICE() != self.index:
+        if self._elsewhere():
             with torch.cuda.device(self.index):
                 return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail)
         n_rows, num_segments = out.shape[0], cu_seqlens.shape[0] - 1
         grid, n_iter, per_prog = self._sizes.get((n_rows, num_segments)) or self._size(n_rows, num_segments)
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments, n_iter, per_prog)
         if self.long:
-            self.kernel.launch(
-                grid, stream, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments,
-                n_iter, per_prog, stats,
-            )  # fmt: skip
+            self.kernel.launch(grid, stream, *args, stats)
         else:
-            self.kernel.launch(
-                grid, stream, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, n_rows, kv.shape[0], num_segments,
-                n_iter, per_prog, *tail,
-            )  # fmt: skip
+            self.kernel.launch(grid, stream, *args, *tail)
 
 
 class TailForwardPlan:
@@ -383,9 +378,8 @@ class BackwardPlan(_Plan):
     ):  # fmt: skip
         """``tail``: the tail's runtime arguments (``NO_TAIL``'s order); ``grad_norm_weight`` (with a norm) the
         ``(head_dim,)`` fp32 buffer its gradient is written to."""
-        index = self.index
-        if index is not None and _GET_DEVICE() != index:
-            with torch.cuda.device(index):
+        if self._elsewhere():
+            with torch.cuda.device(self.index):
                 return self(
                     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream,
                     stats, tail, grad_norm_weight,
@@ -393,13 +387,7 @@ class BackwardPlan(_Plan):
         key = (grad_out.shape[0], kv.shape[0], cu_seqlens.shape[0] - 1)
         sizes = self._sizes.get(key) or self._size(*key)
         grid, rest, parts, numel = sizes[:4]
-        entry = None
-        if stream is None and index is not None and not _IS_CAPTURING():  # the common case, inline
-            entry = _PARTIALS.get((index, _RAW_STREAM(index)))
-        if entry is not None and entry.numel >= numel:
-            workspace, lock = entry.tensor, entry.lock
-        else:
-            workspace, lock = self._partials(stream, numel)
+        workspace, lock = self._partials(stream, numel)
         with lock:
             if self.tail is not None:
                 args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
