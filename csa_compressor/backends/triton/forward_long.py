@@ -123,6 +123,21 @@ def _online_step(kv, sc, ape, lmask, m, den, acc, LOG2_DOMAIN: tl.constexpr):
 
 
 @triton.jit
+def _lane_product(a, b, MANUAL_RTNE: tl.constexpr):
+    """``a * b`` rounded on its own, for a sum across lanes: fused into the first butterfly step, each thread would
+    round its own product but not its partner's, and the lane groups that hold a column would end with different
+    copies of the sum (which Triton's store layout conversion then has every copy write). ``mul.rn`` is never
+    contracted, and unlike libdevice's it keeps subnormals. The interpreter (``MANUAL_RTNE``) runs no PTX, and
+    numpy's product is never fused."""
+    if MANUAL_RTNE:
+        return a * b
+    else:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
 def _long_row_finish(
     m, den, acc, ok, cols, row, row_base, out_ptr, stats_ptr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     MANUAL_RTNE: tl.constexpr, WRITE_STATS: tl.constexpr,
@@ -133,8 +148,8 @@ def _long_row_finish(
         scale = tl.exp2(m - tl.where(mx == float("-inf"), 0.0, mx)[None, :])
     else:
         scale = tl.exp2(m * LOG2E - (tl.where(mx == float("-inf"), 0.0, mx) * LOG2E)[None, :])
-    num = tl.sum(acc * scale, axis=0)
-    total = tl.sum(den * scale, axis=0)
+    num = tl.sum(_lane_product(acc, scale, MANUAL_RTNE), axis=0)
+    total = tl.sum(_lane_product(den, scale, MANUAL_RTNE), axis=0)
     res = tl.math.div_rn(num, total)
     omask = cols < tl.where(ok, HEAD_DIM, 0)
     tl.store(out_ptr + row * HEAD_DIM + cols, _round(res, out_ptr.dtype.element_ty, MANUAL_RTNE), mask=omask)
