@@ -134,7 +134,7 @@ def _extra_pack_and_tail(name, seed):
 
 @pytest.mark.parametrize("name", SHORT)
 def test_short_windows_meet_the_contract(name):
-    pack, tail = case_pack_and_tail(name, seed=11)
+    pack, tail = case_pack_and_tail(name, seed=11, device=DEVICE)
     T.check_backend(*_adapters(Route()), pack, tail)
 
 
@@ -151,7 +151,7 @@ def test_more_windows_meet_the_contract(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["r4c2d72-rope64-bf16w-pos", "r2c1d66-rope64-half-pos"])
 def test_short_windows_with_rstd(name):
-    pack, tail = case_pack_and_tail(name, seed=12)
+    pack, tail = case_pack_and_tail(name, seed=12, device=DEVICE)
     T.check_backend(*_adapters(Route(rstd=True)), pack, tail)
 
 
@@ -159,7 +159,7 @@ def test_short_windows_with_rstd(name):
 def test_long_windows_meet_the_contract(name, route, monkeypatch):
     if LONG_ROUTES[route].dx:
         _force_dx_route(monkeypatch)
-    pack, tail = case_pack_and_tail(name, seed=13)
+    pack, tail = case_pack_and_tail(name, seed=13, device=DEVICE)
     T.check_backend(*_adapters(LONG_ROUTES[route]), pack, tail)
     (plan,) = launch._BACKWARD.values()
     assert plan.family == "stats" and (plan.stats_forward is None) == LONG_ROUTES[route].stats
@@ -196,7 +196,7 @@ def test_long_forward_composes_the_pooling_and_the_epilogue():
 
 def test_statistics_keep_the_pooled_row_and_rstd_is_filled():
     """``stats[:, 2]`` is the unnormalised pooled row; rstd is every row's (padding rows too), 1 without a norm."""
-    pack, tail = case_pack_and_tail("r128c2d6-rope6-pos", seed=14)
+    pack, tail = case_pack_and_tail("r128c2d6-rope6-pos", seed=14, device=DEVICE)
     kw = dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp)
     x = T.pooled_rows(*pack.inputs, dtype=torch.float32, **kw)
     _out, stats, rstd = _forward(pack.inputs, tail, pack.ratio, pack.coff, pack.total_comp, Route(True, True))
@@ -213,7 +213,7 @@ def test_statistics_keep_the_pooled_row_and_rstd_is_filled():
 @pytest.mark.parametrize("name", ["r4c2d5-rope2-pos", "r128c1d3-rope2-half"])
 def test_identity_tail_is_the_pooling_bitwise(name):
     """A tail with neither norm nor rope runs today's plans (no tail key) and gives their bits."""
-    pack, _ = case_pack_and_tail(name)
+    pack, _ = case_pack_and_tail(name, device=DEVICE)
     args = (pack.ratio, pack.coff, pack.total_comp)
     plain = _forward(pack.inputs, None, *args, Route())[0]
     keys = set(launch._FORWARD)
@@ -275,12 +275,12 @@ def test_supports_tail():
 
 
 def test_bounds_of_the_tail_launch():
-    pack, tail = case_pack_and_tail("r4c1d7-norm")
+    pack, tail = case_pack_and_tail("r4c1d7-norm", device=DEVICE)
     grads = torch.empty_like(pack.kv), torch.empty_like(pack.kv), torch.empty_like(pack.ape)
     with pytest.raises(ValueError, match="needs grad_norm_weight"):
         launch.backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, None, None, tail)
     narrow = config.KernelConfig(1, 4, 1)
-    out = torch.empty((pack.total_comp, pack.head_dim), dtype=pack.kv.dtype)
+    out = torch.empty((pack.total_comp, pack.head_dim), dtype=pack.kv.dtype, device=DEVICE)
     with pytest.raises(ValueError, match="whole rows"):
         launch.launch_forward(*pack.inputs, out, pack.ratio, pack.coff, narrow, None, tail)
 
