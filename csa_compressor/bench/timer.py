@@ -222,6 +222,9 @@ class Timer:
     def sm_clock_mhz(self, cycles: int = 2_000_000) -> float:
         """The SM clock while a spin kernel runs (its cycles over its CUDA-event time), in MHz."""
         torch = self.torch
+        # An untimed spin first: the first launch loads the kernel's module (lazy loading), and an idle GPU needs
+        # load to raise its clock; either inside the events reads as a low clock.
+        torch.cuda._sleep(cycles)
         torch.cuda.synchronize(self.device)
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
