@@ -77,7 +77,7 @@ class DevicePlan:
     b_grad_src: torch.Tensor | None
     b_grad_extra: torch.Tensor | None
     pack_rows: int  # tokens of the boundary pack
-    pack_stride: int  # pack_rows rounded up to ROW_ALIGN: kv / score (and their gradients) in one buffer
+    pack_stride: int  # pack_rows rounded up to ROW_ALIGN: kv then score (and their gradients) in one buffer
     # The halo exchange (exchange) or, without it, the boundary pack's local gather (pack_local).
     exchange: bool
     pack_local: torch.Tensor | None
@@ -86,7 +86,15 @@ class DevicePlan:
     recv_splits: list[int]
     sent: int  # sum(send_splits)
     received: int  # sum(recv_splits)
-    perm: torch.Tensor | None  # pack position -> receive-buffer row, padded to pack_stride (pads read row 0)
+    # kv's and score's rows side by side as one index, each a dim-0 op on a 2-D view (one launch for both):
+    # pack_in, the pack's rows (2 * pack_stride, kv then score) in the receive buffer's (2 per token: kv,
+    # score), padding read from row 0; pack_out, the other way, padding written to the dump row past the
+    # buffer (2 * received); halo_add, the rows of the gradients' buffer (2 * grad_stride: kv then score)
+    # that the halo's gradients add to (the pack's, or the send buffer's), padding onto its dump rows.
+    pack_in: torch.Tensor | None
+    pack_out: torch.Tensor | None
+    halo_add: torch.Tensor | None
+    grad_stride: int  # tokens, and a dump row where the pack has padding, rounded up to ROW_ALIGN
     # gather_rows: every rank's rows padded to max_rows; gather_src maps global rows to gathered rows.
     max_rows: int
     gather_src: torch.Tensor | None  # None: the gathered rows are already in global order
@@ -193,13 +201,32 @@ def _gathers(interior: OpPack | None, boundary: OpPack | None, n_local: int, b_s
     return {"fwd_src": fwd_src[:n_local], "grad_src": _zero_dump(dst, n_local), "grad_extra": grad_extra}
 
 
-def _padded_perm(perm: torch.Tensor | None, stride: int) -> torch.Tensor | None:
-    if perm is None or perm.numel() == stride:
-        return perm
-    return torch.cat([perm, torch.zeros(stride - perm.numel(), dtype=perm.dtype, device=perm.device)])
+def _pad(index: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    return torch.cat([index, torch.full((length - index.numel(),), value, dtype=index.dtype, device=index.device)])
 
 
-def device_plan(plan: RankPlan, device: torch.device, group_id: int) -> DevicePlan:
+def _halo_indices(dev: dict, plan: RankPlan, tokens: int, pack_rows: int) -> dict:
+    """``pack_in``, ``pack_out``, ``halo_add`` and ``grad_stride`` (``DevicePlan``)."""
+    stride = aligned_rows(pack_rows)
+    grad_stride = aligned_rows(tokens + (stride > pack_rows))
+    out = {"pack_in": None, "pack_out": None, "halo_add": None, "grad_stride": grad_stride}
+    if plan.exchange:
+        send = dev["send_idx"]
+        out["halo_add"] = torch.stack([send, send + grad_stride], 1).reshape(-1)
+        if plan.boundary is not None:
+            perm, received = 2 * dev["perm"], sum(plan.recv_splits)
+            out["pack_in"] = torch.cat([_pad(perm, stride, 0), _pad(perm + 1, stride, 0)])
+            out["pack_out"] = torch.cat([_pad(perm, stride, 2 * received), _pad(perm + 1, stride, 2 * received)])
+    elif plan.boundary is not None:
+        local = dev["pack_local"]
+        out["halo_add"] = torch.cat(
+            [_pad(local, stride, tokens), _pad(local + grad_stride, stride, grad_stride + tokens)]
+        )
+    return out
+
+
+def device_plan(plan: RankPlan, device: torch.device, group_id: int, tokens: int) -> DevicePlan:
+    """The plan on ``device``; ``tokens``: the rank's local tokens."""
     n_local = plan.n_local
     host = {"row_first": plan.row_first, "row_count": plan.row_count, "no_rows": torch.zeros(2, dtype=torch.int32)}
     host |= {"gather_dest": plan.gather_dest, "gather_count": plan.gather_count}
@@ -248,7 +275,7 @@ def device_plan(plan: RankPlan, device: torch.device, group_id: int) -> DevicePl
         recv_splits=plan.recv_splits,
         sent=sum(plan.send_splits),
         received=sum(plan.recv_splits),
-        perm=_padded_perm(dev.get("perm") if boundary is not None else None, aligned_rows(pack_rows)),
+        **_halo_indices(dev, plan, tokens, pack_rows),
         max_rows=max(plan.rows_per_rank),
         gather_src=gather_src,
         direct=direct,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .. import api
 from ..autograd import compressor_pool
 from . import streams
-from .device_plan import DevicePlan, OpPack, aligned_rows, device_plan
+from .device_plan import DevicePlan, OpPack, device_plan
 from .layout import CPLayout, _error, validation_requested
 from .plan import build_plan
 
@@ -52,43 +52,44 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 # ---------------------------------------------------------------- the halo exchange
 
 
-def _halo_forward(dp: DevicePlan, kv, score, pack, group) -> None:
-    """Fill the boundary pack ``pack`` (``(2, pack_stride, width)``: kv then score, the caller's): the halo
-    from its owners and the rank's own boundary tokens."""
+def _halves(buf, stride: int, rows: int):
+    """The kv and score parts of a ``(2 * stride, width)`` buffer: its rows ``[0, rows)`` and ``stride`` on."""
+    return buf[:rows], buf[stride : stride + rows]  # slices: the cheapest views on the host
+
+
+def _halo_forward(dp: DevicePlan, kv, score, group):
+    """The boundary pack's kv and score (None, None without a boundary call): the halo from its owners and
+    the rank's own boundary tokens."""
     if not dp.exchange:
-        torch.index_select(kv, 0, dp.pack_local, out=pack[0, : dp.pack_rows])
-        torch.index_select(score, 0, dp.pack_local, out=pack[1, : dp.pack_rows])
-        return
+        return kv.index_select(0, dp.pack_local), score.index_select(0, dp.pack_local)
     width = kv.shape[1]
     send = kv.new_empty((dp.sent, 2 * width))  # kv and score side by side: one collective
     torch.index_select(kv, 0, dp.send_idx, out=send[:, :width])
     torch.index_select(score, 0, dp.send_idx, out=send[:, width:])
     recv = send.new_empty((dp.received, 2 * width))
     dist.all_to_all_single(recv, send, dp.recv_splits, dp.send_splits, group=group)
-    if pack is not None:  # both halves in one gather (perm's padding reads row 0 into the unused rows)
-        torch.index_select(recv.view(dp.received, 2, width).transpose(0, 1), 1, dp.perm, out=pack)
+    if dp.boundary is None:
+        return None, None
+    pack = recv.view(-1, width).index_select(0, dp.pack_in)  # kv then score: one gather for both
+    return _halves(pack, dp.pack_stride, dp.pack_rows)
 
 
 def _halo_send_grads(dp: DevicePlan, grad_pack, grad_send, group) -> None:
     """Send the boundary pack's gradients (``grad_pack``, as ``pack``) to their owners, into ``grad_send``."""
     width = grad_send.shape[1] // 2
-    grad_recv = grad_send.new_empty((dp.received, 2 * width))
+    grad_recv = grad_send.new_empty((dp.received + 1, 2 * width))  # the last row: pack_out's dump
     if grad_pack is not None:
         # perm is a bijection onto the receive buffer: every row is written.
-        pack = grad_pack[:, : dp.pack_rows].transpose(0, 1)
-        grad_recv.view(dp.received, 2, width).index_copy_(0, dp.perm[: dp.pack_rows], pack)
-    dist.all_to_all_single(grad_send, grad_recv, dp.send_splits, dp.recv_splits, group=group)
+        grad_recv.view(-1, width).index_copy_(0, dp.pack_out, grad_pack)
+    dist.all_to_all_single(grad_send, grad_recv[: dp.received], dp.send_splits, dp.recv_splits, group=group)
 
 
 def _halo_add_grads(dp: DevicePlan, grads, grad_pack, grad_send) -> None:
-    """Add the halo's gradients into the owner's ``grads`` (``(2, tokens, width)``: kv then score), one
-    ``index_add_`` for both. A token of two packs gets two terms; at most one of them is non-zero per
-    element, so the sum is exact."""
-    if not dp.exchange:
-        grads.index_add_(1, dp.pack_local, grad_pack[:, : dp.pack_rows])
-        return
-    width = grads.shape[2]
-    grads.index_add_(1, dp.send_idx, grad_send.view(dp.sent, 2, width).transpose(0, 1))
+    """Add the halo's gradients into the owner's ``grads`` (``(2 * grad_stride, width)``: kv then score) with
+    one ``index_add_``. A token of two packs gets two terms; at most one of them is non-zero per element, so
+    the sum is exact."""
+    source = grad_send.view(-1, grads.shape[1]) if dp.exchange else grad_pack
+    grads.index_add_(0, dp.halo_add, source)
 
 
 # ---------------------------------------------------------------- the op calls and the rows
@@ -170,50 +171,48 @@ class _PoolCP(torch.autograd.Function):
         d = kv.shape[1] // coff
         kind = dp.forward_placement(d, kv.element_size())
         buf, out_int, out_b = _out_buffers(dp, kind, kv.new_empty, d)
-        pack = kv.new_empty((2, dp.pack_stride, kv.shape[1])) if dp.boundary is not None else None
         side = streams.side_stream(kv.device) if dp.boundary is not None or dp.exchange else None
         main = streams.fork(side)
-        stats_int = stats_b = None
+        stats_int = stats_b = kv_b = score_b = None
         if dp.interior is not None:
             stats_int = _forward_call(kv, score, ape, dp.interior, out_int, ratio, coff, backend, stats)
         with streams.on(side):
             if dp.boundary is not None or dp.exchange:
-                _halo_forward(dp, kv, score, pack, group)
+                kv_b, score_b = _halo_forward(dp, kv, score, group)
             if dp.boundary is not None:
-                kv_b, score_b = pack[0, : dp.pack_rows], pack[1, : dp.pack_rows]
                 stats_b = _forward_call(kv_b, score_b, ape, dp.boundary, out_b, ratio, coff, backend, stats)
         streams.join(main, side)
-        ctx.save_for_backward(kv, score, ape, pack, stats_int, stats_b)
+        ctx.save_for_backward(kv, score, ape, kv_b, score_b, stats_int, stats_b)
         ctx.dp, ctx.call = dp, (ratio, coff, backend, group, reduce_ape)
         return _place_rows(dp, kind, buf, out_b)
 
     @staticmethod
     def backward(ctx, grad_out):
-        kv, score, ape, pack, stats_int, stats_b = ctx.saved_tensors
+        kv, score, ape, kv_b, score_b, stats_int, stats_b = ctx.saved_tensors
         dp, (ratio, coff, backend, group, reduce_ape) = ctx.dp, ctx.call
         grad_out = grad_out.contiguous()
         grad_int, grad_b = _rows_grads(grad_out, dp)
         tokens, width = kv.shape
         # kv's and score's gradients in one buffer, so that the halo's are added with one index_add_.
         new = kv.new_empty if dp.interior is not None else kv.new_zeros
-        grads = new((2, aligned_rows(tokens), width))
+        grads = new((2 * dp.grad_stride, width))
         grad_ape = torch.empty_like(ape) if dp.interior is not None else torch.zeros_like(ape)
         grad_pack = grad_ape_b = grad_send = None
         if dp.boundary is not None:
-            grad_pack, grad_ape_b = kv.new_empty((2, dp.pack_stride, width)), torch.empty_like(ape)
+            grad_pack, grad_ape_b = kv.new_empty((2 * dp.pack_stride, width)), torch.empty_like(ape)
         if dp.exchange:
             grad_send = kv.new_empty((dp.sent, 2 * width))
         side = streams.side_stream(kv.device) if dp.boundary is not None or dp.exchange else None
         main = streams.fork(side)
-        grad_kv, grad_score = grads[0, :tokens], grads[1, :tokens]
+        grad_kv, grad_score = _halves(grads, dp.grad_stride, tokens)
         if dp.interior is not None:
             op = dp.interior
             api._pool_backward_into(kv, score, ape, op.cu, op.cc, grad_int, (grad_kv, grad_score, grad_ape),
                                     ratio, coff, backend, stats_int)  # fmt: skip
         with streams.on(side):
             if dp.boundary is not None:
-                _boundary_backward(dp, grad_out, grad_b, pack, ape, grad_pack, grad_ape_b, ratio, coff, backend,
-                                   stats_b)  # fmt: skip
+                _boundary_backward(dp, grad_out, grad_b, (kv_b, score_b, ape), grad_pack, grad_ape_b, ratio, coff,
+                                   backend, stats_b)  # fmt: skip
             if dp.exchange:
                 _halo_send_grads(dp, grad_pack, grad_send, group)
         streams.join(main, side)
@@ -226,17 +225,16 @@ class _PoolCP(torch.autograd.Function):
         return grad_kv, grad_score, grad_ape, None, None, None, None, None, None
 
 
-def _boundary_backward(dp: DevicePlan, grad_out, grad_b, pack, ape, grad_pack, grad_ape_b, ratio, coff, backend,
+def _boundary_backward(dp: DevicePlan, grad_out, grad_b, inputs, grad_pack, grad_ape_b, ratio, coff, backend,
                        stats_b) -> None:  # fmt: skip
     """The boundary call's backward into ``grad_pack`` / ``grad_ape_b``; its grad_out gathered here when the
     interior's was a slice (``grad_b`` None)."""
     op = dp.boundary
     if grad_b is None:
         grad_b = _gather_grads(grad_out, dp.b_grad_src, dp.b_grad_extra, op.rows)
-    rows = dp.pack_rows
-    grads = (grad_pack[0, :rows], grad_pack[1, :rows], grad_ape_b)
-    api._pool_backward_into(pack[0, :rows], pack[1, :rows], ape, op.cu, op.cc, grad_b, grads, ratio, coff, backend,
-                            stats_b)  # fmt: skip
+    grads = (*_halves(grad_pack, dp.pack_stride, dp.pack_rows), grad_ape_b)
+    kv_b, score_b, ape = inputs
+    api._pool_backward_into(kv_b, score_b, ape, op.cu, op.cc, grad_b, grads, ratio, coff, backend, stats_b)
 
 
 # ---------------------------------------------------------------- entry points
@@ -292,7 +290,8 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate)
     all_pieces = layout.checked_pieces(group, device if error is None else torch.device("cpu"), call, validate)
     if dp is None:
         rank = dist.get_rank(group) if group is not None else 0
-        dp = device_plan(build_plan(layout._cu, all_pieces, rank, ratio, coff), device, id(group))
+        plan = build_plan(layout._cu, all_pieces, rank, ratio, coff)
+        dp = device_plan(plan, device, id(group), layout.local_tokens)
         layout._plans[key] = dp
     dp.signature = _signature(kv, score, ape)
     return dp

@@ -2,10 +2,10 @@
 
 ``fork`` makes the side stream wait for the current stream's work so far, ``join`` makes the current stream
 wait for the side stream's; both are ``wait_stream`` (an event each), which is also how a side stream joins
-a CUDA-graph capture. The caching allocator stays safe by one rule the callers keep: every tensor the side
-stream writes and the current stream later reads is allocated on the current stream before the fork, and
-is freed only after the join; tensors allocated inside the side block are read there only. The current
-stream's reuse of a freed block is then ordered after the join, and the side stream's after its next fork.
+a CUDA-graph capture. The caching allocator stays safe without ``record_stream``: a block of the side
+stream's pool is reused only by later side work, which starts with a fork and so runs after every use the
+current stream queued; a block of the current stream's pool that side work uses belongs to a tensor the
+call holds until after the join (the callers' rule), so its reuse is ordered after the join.
 
 On the CPU, or with ``$CSA_COMPRESSOR_CP_SIDE_STREAM=0``, there is no side stream: every function here is
 a no-op and the calls run in program order on the current stream.
