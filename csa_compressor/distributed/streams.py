@@ -7,28 +7,26 @@ stream's pool is reused only by later side work, which starts with a fork and so
 current stream queued; a block of the current stream's pool that side work uses belongs to a tensor the
 call holds until after the join (the callers' rule), so its reuse is ordered after the join.
 
-On the CPU, or with ``$CSA_COMPRESSOR_CP_SIDE_STREAM=0``, there is no side stream: every function here is
-a no-op and the calls run in program order on the current stream.
+On the CPU there is no side stream: every function here is a no-op and the calls run in program order on the
+current stream.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 __all__ = ["fork", "join", "on", "side_stream"]
 
-ENABLED = os.environ.get("CSA_COMPRESSOR_CP_SIDE_STREAM", "1") != "0"
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 # High priority: the boundary call's small kernels take SMs as the interior's blocks retire, not after them.
 _PRIORITY = -1
 
 
 def side_stream(device: torch.device):
-    """The side stream of ``device`` (made on first use), or None (CPU, or side streams switched off)."""
-    if device.type != "cuda" or not ENABLED:
+    """The side stream of ``device`` (made on first use), or None on the CPU."""
+    if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _STREAMS.get(index)
