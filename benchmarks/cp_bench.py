@@ -212,7 +212,8 @@ NO_LAUNCH = frozenset(
     "aten::" + name
     for name in ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "slice", "view",
                  "as_strided", "alias", "detach", "select", "reshape", "_reshape_alias", "_unsafe_view", "expand",
-                 "unsqueeze", "squeeze", "narrow", "t", "transpose", "contiguous", "lift_fresh", "resize_")
+                 "unsqueeze", "squeeze", "narrow", "t", "transpose", "contiguous", "lift_fresh", "resize_", "split",
+                 "split_with_sizes", "unbind")
 )  # fmt: skip
 # Top-level aten ops that wait for the device (a host synchronisation on a GPU).
 SYNCING = frozenset(f"aten::{n}" for n in ("item", "_local_scalar_dense", "nonzero", "tolist", "equal", "unique"))

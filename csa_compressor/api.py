@@ -189,6 +189,26 @@ def _pool_backward(
     return op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, stats, validate)
 
 
+def _pool_forward_into(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, backend, stats=None):
+    """The forward wrapper's op writing ``out`` (its rows: ``out.shape[0]``) and, given (long windows), the
+    softmax statistics ``stats``, buffers of the caller's; returns ``out``."""
+    key = _fast_key(kv, ratio, coff, None, backend)
+    op = _FWD_FAST.get(key) if key is not None else None
+    if op is None:
+        op = _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, None, backend, key)
+    return op.execute(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats=stats)
+
+
+def _pool_backward_into(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, ratio, coff, backend,
+                        stats=None):  # fmt: skip
+    """The backward wrapper's op overwriting ``grads`` (grad_kv, grad_score, grad_ape: the caller's buffers)."""
+    key = _fast_key(kv, ratio, coff, None, backend)
+    op = _BWD_FAST.get(key) if key is not None else None
+    if op is None:
+        op = _backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, None, backend, key)
+    return op.execute(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, softmax_stats=stats)
+
+
 def _pool_forward_tail(
     inputs, ratio, coff, total_comp, backend, tail_args, head_dim=None, stream=None, return_stats=False,
     return_rstd=False, validate=False,

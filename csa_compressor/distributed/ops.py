@@ -10,15 +10,16 @@ layout and configuration, so a call makes no host synchronisation.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import api
 from ..autograd import compressor_pool
+from . import streams
+from .device_plan import DevicePlan, OpPack, device_plan
 from .layout import CPLayout, _error, validation_requested
-from .plan import OpPlan, RankPlan, build_plan
+from .plan import build_plan
 
 __all__ = ["compressor_pool_cp", "gather_rows"]
 
@@ -48,176 +49,17 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass
-class _OpPack:
-    """One local call of the single-GPU op: offsets, row count, and where its rows go in ``out_local``.
-
-    ``dst``: output position of every op row, extras sent to a dump row ``n_local``; ``extra``: the op rows
-    that are extras, or None.
-    """
-
-    cu: torch.Tensor
-    cc: torch.Tensor
-    rows: int
-    dst: torch.Tensor
-    extra: torch.Tensor | None
-
-
-@dataclass
-class DevicePlan:
-    """A ``RankPlan`` as device tensors and the host ints the collectives take."""
-
-    plan: RankPlan
-    group_id: int  # id() of the process group the plan was checked on
-    interior: _OpPack | None  # None: no real row comes from the rank's own tokens
-    boundary: _OpPack | None
-    n_local: int
-    rows: torch.Tensor  # global indices of out_local's rows, ascending
-    plain: bool  # out_local is the interior call's output as it is (no boundary rows, no extras)
-    dump: bool  # some op row is an extra: the forward needs the dump row
-    # The backward's grad_out of both op calls as one gather: the interior's op rows, the boundary's from
-    # row grad_boundary, each row's out_local position (extras: 0), then the extras (grad_extra) zeroed.
-    grad_src: torch.Tensor | None
-    grad_extra: torch.Tensor | None
-    grad_boundary: int
-    # The halo exchange (exchange) or, without it, the boundary pack's local gather (pack_local).
-    exchange: bool
-    pack_local: torch.Tensor | None
-    send_idx: torch.Tensor | None
-    send_splits: list[int]
-    recv_splits: list[int]
-    sent: int  # sum(send_splits)
-    received: int  # sum(recv_splits)
-    perm: torch.Tensor | None  # pack position -> receive-buffer row
-    # gather_rows: every rank's rows padded to max_rows; gather_src maps global rows to gathered rows.
-    max_rows: int
-    gather_src: torch.Tensor | None  # None: the gathered rows are already in global order
-    # The call is the single-GPU op on the local tensors (no halo on any rank, no row to place): its offsets
-    # and row count (a rank with no row: the op with no rows, so that the gradients are zeros, not None).
-    direct: tuple | None
-    single: bool  # a world of one rank (no process group, or a group of one)
-    signature: tuple = ()  # shapes, dtypes and devices of the arguments last checked with this plan
-
-
-def _to_device(tensors: dict, device: torch.device) -> dict:
-    """The host tensors on ``device`` in one asynchronous copy through pinned memory (a copy from pageable
-    memory would synchronise the stream), each converted back to its dtype."""
-    names = [k for k, t in tensors.items() if t is not None]
-    if device.type != "cuda" or not names:
-        return {k: None if t is None else t.to(device) for k, t in tensors.items()}
-    flat = torch.cat([tensors[k].reshape(-1).to(torch.int64) for k in names])
-    staged = flat.pin_memory().to(device, non_blocking=True)
-    out, pos = dict.fromkeys(tensors), 0
-    for k in names:
-        n = tensors[k].numel()
-        out[k] = staged[pos : pos + n].to(tensors[k].dtype)
-        pos += n
-    return out
-
-
-def _expand_on_device(starts: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
-    """``cat(arange(s, s + c))`` on the runs' device; ``total`` (their summed count, a host int) spares a
-    synchronisation."""
-    device = starts.device
-    run = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=total)
-    offsets = torch.cumsum(counts, 0) - counts
-    return starts[run] + torch.arange(total, device=device) - offsets[run]
-
-
-def _op_host(op: OpPlan | None, prefix: str) -> dict:
-    if op is None:
-        return {}
-    names = ("cu", "cc", "op_first", "position", "count", "extra")
-    return {f"{prefix}_{name}": getattr(op, name) for name in names}
-
-
-def _op_pack(dev: dict, prefix: str, op: OpPlan | None, n_local: int) -> _OpPack | None:
-    """The device tensors of one op call; ``dst`` is expanded from the runs on the device."""
-    if op is None:
-        return None
-    total = int(op.count.sum())
-    ops = _expand_on_device(dev[f"{prefix}_op_first"], dev[f"{prefix}_count"], total)
-    dst = torch.full((op.rows,), n_local, dtype=torch.int64, device=ops.device)
-    dst[ops] = _expand_on_device(dev[f"{prefix}_position"], dev[f"{prefix}_count"], total)
-    return _OpPack(dev[f"{prefix}_cu"], dev[f"{prefix}_cc"], op.rows, dst, dev[f"{prefix}_extra"])
-
-
-# The boundary call's rows start at a multiple of this many rows of the backward's gather: 16 rows of any
-# width and dtype are a multiple of the 16 bytes the op's grad_out alignment needs.
-_ROW_ALIGN = 16
-
-
-def _grad_gather(interior: _OpPack | None, boundary: _OpPack | None, n_local: int):
-    """``(grad_src, grad_extra, grad_boundary)`` of the two op calls: the interior's rows, then (from the
-    aligned row ``grad_boundary``) the boundary's; the padding between them reads row 0 and goes unused."""
-    rows = interior.rows if interior is not None else 0
-    start = -(-rows // _ROW_ALIGN) * _ROW_ALIGN if boundary is not None else rows
-    dst = [p.dst for p in (interior, boundary) if p is not None]
-    if not dst:
-        return None, None, 0
-    if start > rows:
-        dst.insert(1, torch.zeros(start - rows, dtype=torch.int64, device=dst[0].device))
-    dst = torch.cat(dst)
-    src = torch.where(dst == n_local, torch.zeros_like(dst), dst)
-    extras = []
-    if interior is not None and interior.extra is not None:
-        extras.append(interior.extra)
-    if boundary is not None and boundary.extra is not None:
-        extras.append(boundary.extra + start)
-    return src, torch.cat(extras) if extras else None, start
-
-
-def device_plan(plan: RankPlan, device: torch.device, group_id: int) -> DevicePlan:
-    n_local = plan.n_local
-    host = {"row_first": plan.row_first, "row_count": plan.row_count, "no_rows": torch.zeros(2, dtype=torch.int32)}
-    host |= {"gather_dest": plan.gather_dest, "gather_count": plan.gather_count}
-    host |= _op_host(plan.interior, "int") | _op_host(plan.boundary, "b")
-    if plan.boundary is not None and not plan.exchange:
-        host["pack_local"] = plan.pack_local
-    if plan.exchange:
-        host["send_idx"], host["perm"] = plan.send_idx, plan.perm
-    dev = _to_device(host, device)
-    interior, boundary = _op_pack(dev, "int", plan.interior, n_local), _op_pack(dev, "b", plan.boundary, n_local)
-    grad_src, grad_extra, grad_boundary = _grad_gather(interior, boundary, n_local)
-    gather_src = None
-    if plan.gather_dest is not None:
-        gather_src = _expand_on_device(dev["gather_dest"], dev["gather_count"], plan.total_rows)
-    plain = boundary is None and (interior is None or plan.interior.in_order)
-    direct = None
-    if plain and not plan.exchange:
-        direct = (interior.cu, interior.cc, interior.rows) if interior else (dev["no_rows"], dev["no_rows"], 0)
-    return DevicePlan(
-        plan=plan,
-        group_id=group_id,
-        interior=interior,
-        boundary=boundary,
-        n_local=n_local,
-        rows=_expand_on_device(dev["row_first"], dev["row_count"], n_local),
-        plain=plain,
-        dump=any(p is not None and p.extra is not None for p in (interior, boundary)),
-        grad_src=grad_src,
-        grad_extra=grad_extra,
-        grad_boundary=grad_boundary,
-        exchange=plan.exchange,
-        pack_local=dev.get("pack_local"),
-        send_idx=dev.get("send_idx"),
-        send_splits=plan.send_splits,
-        recv_splits=plan.recv_splits,
-        sent=sum(plan.send_splits),
-        received=sum(plan.recv_splits),
-        perm=dev.get("perm"),
-        max_rows=max(plan.rows_per_rank),
-        gather_src=gather_src,
-        direct=direct,
-        single=plan.world_size == 1,
-    )
-
-
 # ---------------------------------------------------------------- the halo exchange
 
 
+def _halves(buf, stride: int, rows: int):
+    """The kv and score parts of a ``(2 * stride, width)`` buffer: its rows ``[0, rows)`` and ``stride`` on."""
+    return buf[:rows], buf[stride : stride + rows]  # slices: the cheapest views on the host
+
+
 def _halo_forward(dp: DevicePlan, kv, score, group):
-    """The boundary pack's kv and score: the halo from its owners and the rank's own boundary tokens."""
+    """The boundary pack's kv and score (None, None without a boundary call): the halo from its owners and
+    the rank's own boundary tokens."""
     if not dp.exchange:
         return kv.index_select(0, dp.pack_local), score.index_select(0, dp.pack_local)
     width = kv.shape[1]
@@ -228,106 +70,171 @@ def _halo_forward(dp: DevicePlan, kv, score, group):
     dist.all_to_all_single(recv, send, dp.recv_splits, dp.send_splits, group=group)
     if dp.boundary is None:
         return None, None
-    return recv[:, :width].index_select(0, dp.perm), recv[:, width:].index_select(0, dp.perm)
+    pack = recv.view(-1, width).index_select(0, dp.pack_in)  # kv then score: one gather for both
+    return _halves(pack, dp.pack_stride, dp.pack_rows)
 
 
-def _halo_backward(dp: DevicePlan, grad_kv, grad_score, grad_kv_b, grad_score_b, group) -> None:
-    """Add the boundary pack's gradients into the owners' ``grad_kv`` / ``grad_score`` (in place)."""
-    if not dp.exchange:
-        grad_kv.index_add_(0, dp.pack_local, grad_kv_b)
-        grad_score.index_add_(0, dp.pack_local, grad_score_b)
-        return
-    width = grad_kv.shape[1]
-    grad_recv = grad_kv.new_empty((dp.received, 2 * width))
-    if dp.boundary is not None:
+def _halo_send_grads(dp: DevicePlan, grad_pack, grad_send, group) -> None:
+    """Send the boundary pack's gradients (``grad_pack``, as ``pack``) to their owners, into ``grad_send``."""
+    width = grad_send.shape[1] // 2
+    grad_recv = grad_send.new_empty((dp.received + 1, 2 * width))  # the last row: pack_out's dump
+    if grad_pack is not None:
         # perm is a bijection onto the receive buffer: every row is written.
-        grad_recv[:, :width].index_copy_(0, dp.perm, grad_kv_b)
-        grad_recv[:, width:].index_copy_(0, dp.perm, grad_score_b)
-    grad_send = grad_kv.new_empty((dp.sent, 2 * width))
-    dist.all_to_all_single(grad_send, grad_recv, dp.send_splits, dp.recv_splits, group=group)
-    # A token sent twice gets two rows; at most one of them is non-zero per column, so the sum is exact.
-    grad_kv.index_add_(0, dp.send_idx, grad_send[:, :width])
-    grad_score.index_add_(0, dp.send_idx, grad_send[:, width:])
+        grad_recv.view(-1, width).index_copy_(0, dp.pack_out, grad_pack)
+    dist.all_to_all_single(grad_send, grad_recv[: dp.received], dp.send_splits, dp.recv_splits, group=group)
 
 
-# ---------------------------------------------------------------- the differentiable op
+def _halo_add_grads(dp: DevicePlan, grads, grad_pack, grad_send) -> None:
+    """Add the halo's gradients into the owner's ``grads`` (``(2 * grad_stride, width)``: kv then score) with
+    one ``index_add_``. A token of two packs gets two terms; at most one of them is non-zero per element, so
+    the sum is exact."""
+    source = grad_send.view(-1, grads.shape[1]) if dp.exchange else grad_pack
+    grads.index_add_(0, dp.halo_add, source)
 
 
-def _forward_call(kv, score, ape, op: _OpPack, ratio, coff, backend, stats: bool):
-    """``(out, softmax_stats or None)`` of one op call (the forward wrapper's code, as the autograd op's)."""
+# ---------------------------------------------------------------- the op calls and the rows
+
+
+def _forward_call(kv, score, ape, op: OpPack, out, ratio, coff, backend, stats: bool):
+    """The softmax statistics (or None) of one op call writing ``out`` (the forward wrapper's code)."""
+    softmax_stats = None
     if stats:
-        return api._pool_forward(kv, score, ape, op.cu, op.cc, ratio, coff, op.rows, backend, return_stats=True)
-    return api._pool_forward(kv, score, ape, op.cu, op.cc, ratio, coff, op.rows, backend), None
+        softmax_stats = torch.empty((op.rows, 3, out.shape[1]), dtype=torch.float32, device=kv.device)
+    api._pool_forward_into(kv, score, ape, op.cu, op.cc, out, ratio, coff, backend, softmax_stats)
+    return softmax_stats
 
 
-def _place_rows(dp: DevicePlan, new_empty, out_int, out_b, d: int):
-    """``out_local`` from the op calls' rows: one ``index_copy_`` per call, extras onto a dump row past the end."""
-    if dp.plain:
-        return out_int if out_int is not None else new_empty((0, d))
-    buf = new_empty((dp.n_local + dp.dump, d))
-    if out_int is not None:
-        buf.index_copy_(0, dp.interior.dst, out_int)
-    if out_b is not None:
+def _out_buffers(dp: DevicePlan, kind: str, new_empty, d: int):
+    """``(buffer, interior's out, boundary's out)`` of a forward with placement ``kind``, all allocated on the
+    current stream (streams.py)."""
+    rows_int = dp.interior.rows if dp.interior is not None else 0
+    rows_b = dp.boundary.rows if dp.boundary is not None else 0
+    if kind == "straight":
+        buf = new_empty((rows_int, d))
+        return buf, buf, None
+    if kind == "patch":
+        buf = new_empty((dp.patch_rows, d))
+        return buf, buf[dp.shift : dp.shift + rows_int], new_empty((rows_b, d))
+    buf = new_empty((dp.b_start + rows_b, d))
+    return buf, buf[:rows_int], buf[dp.b_start :]
+
+
+def _place_rows(dp: DevicePlan, kind: str, buf, out_b):
+    """``out_local`` from the op calls' rows: as they are, patched by one ``index_copy_`` of the boundary's
+    rows (extras onto a dump row past the end), or one gather."""
+    if kind == "straight":
+        return buf
+    if kind == "patch":
         buf.index_copy_(0, dp.boundary.dst, out_b)
-    return buf[: dp.n_local] if dp.dump else buf
+        return buf[: dp.n_local] if buf.shape[0] > dp.n_local else buf
+    return buf.index_select(0, dp.fwd_src)
+
+
+def _grad_rows(grad_out, start: int, rows: int):
+    """``grad_out[start : start + rows]`` where that is a view the op takes (16-byte aligned), else None."""
+    if (grad_out.data_ptr() + start * grad_out.shape[1] * grad_out.element_size()) % 16:
+        return None
+    return grad_out[start : start + rows]
+
+
+def _gather_grads(grad_out, src, extra, rows: int):
+    """``grad_out``'s rows ``src`` with the rows ``extra`` zeroed (the dropped rows' gradient)."""
+    if grad_out.shape[0] == 0:
+        return grad_out.new_zeros((rows, grad_out.shape[1]))
+    grad = grad_out.index_select(0, src)
+    if extra is not None:
+        grad.index_fill_(0, extra, 0)
+    return grad
 
 
 def _rows_grads(grad_out, dp: DevicePlan):
-    """The two op calls' grad_out: ``out_local``'s gradient at their rows, zero at the extras (one gather
-    for both, each call's part a contiguous row range of it)."""
-    rows = dp.grad_src.numel()
-    if dp.n_local == 0:
-        grad = grad_out.new_zeros((rows, grad_out.shape[1]))
-    else:
-        grad = grad_out.index_select(0, dp.grad_src)
-        if dp.grad_extra is not None:
-            grad.index_fill_(0, dp.grad_extra, 0)
-    return grad[: dp.interior.rows] if dp.interior is not None else None, grad[dp.grad_boundary :]
+    """The two op calls' grad_out: the interior's a slice of ``grad_out`` where it has no dropped row (the
+    boundary's then gathered later, beside the interior call: None here), else both in one gather."""
+    if dp.placement == "straight":
+        return grad_out, None
+    if dp.grad_slice:
+        grad_int = _grad_rows(grad_out, dp.shift, dp.interior.rows)
+        if grad_int is not None:
+            return grad_int, None
+    grad = _gather_grads(grad_out, dp.grad_src, dp.grad_extra, dp.grad_src.numel())
+    return (grad[: dp.interior.rows] if dp.interior is not None else None), grad[dp.b_start :]
 
 
 class _PoolCP(torch.autograd.Function):
     """The whole CP pooling of one rank as one node, so that its backward (and the collective in it) runs on
-    every rank whose ``out_local`` reaches the loss, whether or not the rank produced a row."""
+    every rank whose ``out_local`` reaches the loss, whether or not the rank produced a row. The boundary
+    call (and the halo exchange) runs on the side stream, beside the interior call."""
 
     @staticmethod
     def forward(ctx, kv, score, ape, dp: DevicePlan, ratio, coff, backend, group, reduce_ape):
         stats = api.autograd_uses_stats(kv, ratio, coff, backend)
-        kv_b = score_b = out_int = out_b = stats_int = stats_b = None
-        if dp.boundary is not None or dp.exchange:
-            kv_b, score_b = _halo_forward(dp, kv, score, group)
+        d = kv.shape[1] // coff
+        kind = dp.forward_placement(d, kv.element_size())
+        buf, out_int, out_b = _out_buffers(dp, kind, kv.new_empty, d)
+        side = streams.side_stream(kv.device) if dp.boundary is not None or dp.exchange else None
+        main = streams.fork(side)
+        stats_int = stats_b = kv_b = score_b = None
         if dp.interior is not None:
-            out_int, stats_int = _forward_call(kv, score, ape, dp.interior, ratio, coff, backend, stats)
-        if dp.boundary is not None:
-            out_b, stats_b = _forward_call(kv_b, score_b, ape, dp.boundary, ratio, coff, backend, stats)
+            stats_int = _forward_call(kv, score, ape, dp.interior, out_int, ratio, coff, backend, stats)
+        with streams.on(side):
+            if dp.boundary is not None or dp.exchange:
+                kv_b, score_b = _halo_forward(dp, kv, score, group)
+            if dp.boundary is not None:
+                stats_b = _forward_call(kv_b, score_b, ape, dp.boundary, out_b, ratio, coff, backend, stats)
+        streams.join(main, side)
         ctx.save_for_backward(kv, score, ape, kv_b, score_b, stats_int, stats_b)
         ctx.dp, ctx.call = dp, (ratio, coff, backend, group, reduce_ape)
-        return _place_rows(dp, kv.new_empty, out_int, out_b, kv.shape[1] // coff)
+        return _place_rows(dp, kind, buf, out_b)
 
     @staticmethod
     def backward(ctx, grad_out):
         kv, score, ape, kv_b, score_b, stats_int, stats_b = ctx.saved_tensors
         dp, (ratio, coff, backend, group, reduce_ape) = ctx.dp, ctx.call
         grad_out = grad_out.contiguous()
-        grad_int, grad_b = (grad_out, None) if dp.plain else _rows_grads(grad_out, dp)
+        grad_int, grad_b = _rows_grads(grad_out, dp)
+        tokens, width = kv.shape
+        # kv's and score's gradients in one buffer, so that the halo's are added with one index_add_.
+        new = kv.new_empty if dp.interior is not None else kv.new_zeros
+        grads = new((2 * dp.grad_stride, width))
+        grad_ape = torch.empty_like(ape) if dp.interior is not None else torch.zeros_like(ape)
+        grad_pack = grad_ape_b = grad_send = None
+        if dp.boundary is not None:
+            grad_pack, grad_ape_b = kv.new_empty((2 * dp.pack_stride, width)), torch.empty_like(ape)
+        if dp.exchange:
+            grad_send = kv.new_empty((dp.sent, 2 * width))
+        side = streams.side_stream(kv.device) if dp.boundary is not None or dp.exchange else None
+        main = streams.fork(side)
+        grad_kv, grad_score = _halves(grads, dp.grad_stride, tokens)
         if dp.interior is not None:
             op = dp.interior
-            grad_kv, grad_score, grad_ape = api._pool_backward(
-                kv, score, ape, op.cu, op.cc, grad_int, ratio, coff, backend, stats=stats_int
-            )
-        else:
-            grad_kv, grad_score, grad_ape = torch.zeros_like(kv), torch.zeros_like(score), torch.zeros_like(ape)
-        grad_kv_b = grad_score_b = None
+            api._pool_backward_into(kv, score, ape, op.cu, op.cc, grad_int, (grad_kv, grad_score, grad_ape),
+                                    ratio, coff, backend, stats_int)  # fmt: skip
+        with streams.on(side):
+            if dp.boundary is not None:
+                _boundary_backward(dp, grad_out, grad_b, (kv_b, score_b, ape), grad_pack, grad_ape_b, ratio, coff,
+                                   backend, stats_b)  # fmt: skip
+            if dp.exchange:
+                _halo_send_grads(dp, grad_pack, grad_send, group)
+        streams.join(main, side)
         if dp.boundary is not None:
-            op = dp.boundary
-            grad_kv_b, grad_score_b, grad_ape_b = api._pool_backward(
-                kv_b, score_b, ape, op.cu, op.cc, grad_b, ratio, coff, backend, stats=stats_b
-            )
-            grad_ape.add_(grad_ape_b)  # the interior's is a fresh tensor of this backward
+            grad_ape.add_(grad_ape_b)  # always interior + boundary: a fixed order, the same bits every run
         if dp.boundary is not None or dp.exchange:
-            _halo_backward(dp, grad_kv, grad_score, grad_kv_b, grad_score_b, group)
+            _halo_add_grads(dp, grads, grad_pack, grad_send)
         if reduce_ape:
             dist.all_reduce(grad_ape, group=group)
         return grad_kv, grad_score, grad_ape, None, None, None, None, None, None
+
+
+def _boundary_backward(dp: DevicePlan, grad_out, grad_b, inputs, grad_pack, grad_ape_b, ratio, coff, backend,
+                       stats_b) -> None:  # fmt: skip
+    """The boundary call's backward into ``grad_pack`` / ``grad_ape_b``; its grad_out gathered here when the
+    interior's was a slice (``grad_b`` None)."""
+    op = dp.boundary
+    if grad_b is None:
+        grad_b = _gather_grads(grad_out, dp.b_grad_src, dp.b_grad_extra, op.rows)
+    grads = (*_halves(grad_pack, dp.pack_stride, dp.pack_rows), grad_ape_b)
+    kv_b, score_b, ape = inputs
+    api._pool_backward_into(kv_b, score_b, ape, op.cu, op.cc, grad_b, grads, ratio, coff, backend, stats_b)
 
 
 # ---------------------------------------------------------------- entry points
@@ -383,7 +290,8 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate)
     all_pieces = layout.checked_pieces(group, device if error is None else torch.device("cpu"), call, validate)
     if dp is None:
         rank = dist.get_rank(group) if group is not None else 0
-        dp = device_plan(build_plan(layout._cu, all_pieces, rank, ratio, coff), device, id(group))
+        plan = build_plan(layout._cu, all_pieces, rank, ratio, coff)
+        dp = device_plan(plan, device, id(group), layout.local_tokens)
         layout._plans[key] = dp
     dp.signature = _signature(kv, score, ape)
     return dp
