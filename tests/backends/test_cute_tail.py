@@ -36,7 +36,7 @@ if launch.unavailable_reason() is not None:
 
 from csa_compressor import tail as T  # noqa: E402
 from csa_compressor.backends.cute import build, configs, select, tail_configs, tail_launch  # noqa: E402
-from csa_compressor.backends.cute.backward_stats import BackwardWithStats  # noqa: E402
+from csa_compressor.backends.cute.backward_stats import BackwardWithStats, BackwardWithStatsNorm  # noqa: E402
 from csa_compressor.backends.cute.device import offline_spec  # noqa: E402
 from csa_compressor.backends.cute.forward import ForwardLongWindow  # noqa: E402
 from csa_compressor.backends.cute.tail_kernels import TailForward, TailGradient  # noqa: E402
@@ -98,10 +98,18 @@ def test_every_window_class_has_the_composed_route(ratio, coff):
             assert stats.columns_per_cta * stats.column_chunks >= head_dim
         assert fwd["tail"][0] is TailForward and bwd["tail"][0] is TailGradient
         pool_class, pool = bwd["pool"]
-        assert pool_class is BackwardWithStats and pool.grad_float32
-        assert pool == dataclasses.replace(
-            configs.stats_backward_for_sm90(ratio, coff, head_dim, H200), grad_float32=True
-        )
+        # With a norm, the slab form's reduction also sums TailGradient's weight slabs (whole tiles reduce none).
+        plain = dataclasses.replace(configs.stats_backward_for_sm90(ratio, coff, head_dim, H200), grad_float32=True)
+        merged = not plain.whole_tile
+        assert pool_class is (BackwardWithStatsNorm if merged else BackwardWithStats) and pool.grad_float32
+        assert pool == dataclasses.replace(plain, norm_entries=head_dim if merged else 0)
+        assert bwd["tail"][1].pool_reduces == merged and pool.slab_entries == pool.ape_size
+        if merged:
+            reduce = pool.reduce
+            assert reduce.norm_apart and reduce.norm_entries == head_dim and reduce.slab_lanes == 1
+            assert reduce.grid == reduce.part_grid(pool.ape_size) + reduce.part_grid(head_dim)
+        rope_only = select.tail_route("backward", ratio, coff, head_dim, H200, SPECS["rope-only-half-pos"], False)
+        assert rope_only["pool"] == (BackwardWithStats, plain) and not rope_only["tail"][1].pool_reduces
         for _, cfg in (fwd["tail"], bwd["tail"]):
             assert (cfg.source_stride, cfg.source_offset, cfg.tail) == (3 * head_dim, 2 * head_dim, SPEC_FULL)
             assert cfg.row_threads * cfg.column_steps * cfg.vector_width >= head_dim
@@ -137,7 +145,7 @@ def test_slab_entries_of_every_backward_config():
 def test_placeholders_carry_the_tail_block():
     """The tail's block after a kind's own arguments, before the stream: 5 pointers (and grad_norm_weight for the
     gradients), norm_eps, max_position; the weight's pointer in its dtype; grad_float32's grad_out fp32."""
-    from cutlass import BFloat16, Float32
+    from cutlass import BFloat16, Float32, Int32
 
     plain = SimpleNamespace(kind="forward", config=configs.forward_for_sm90(4, 2, 64, H200))
     fused = SimpleNamespace(kind="forward", config=SimpleNamespace(tail=SPEC_FULL))
@@ -153,6 +161,24 @@ def test_placeholders_carry_the_tail_block():
     assert build.placeholder_arguments(pool)[5].dtype is BFloat16
     pool.config = dataclasses.replace(pool.config, grad_float32=True)
     assert build.placeholder_arguments(pool)[5].dtype is Float32
+    # The statistics backward that also reduces the weight's slabs: grad_norm_weight after stats, norm_ctas last.
+    norm = SimpleNamespace(kind="backward_norm", config=dataclasses.replace(pool.config, norm_entries=64))
+    args = build.placeholder_arguments(norm)
+    assert len(args) == 19 and args[5].dtype is Float32 and args[11].dtype is Float32 and isinstance(args[17], Int32)
+
+
+def test_reduction_of_the_weight_slabs_apart():
+    """The composed route's one reduction: the grad_ape slabs, then the weight's from a 16-byte boundary, each set
+    with its own vectors and CTAs."""
+    odd = configs.ApeReduceConfig(35, 1, 7, norm_apart=True)
+    assert odd.part_vector(35) == odd.part_vector(7) == 1 and odd.grid == 2 + 1
+    assert [odd.norm_offset(ctas) for ctas in (1, 3, 4)] == [36, 108, 140]
+    wide = configs.ApeReduceConfig(128 * 128, 1, 65, norm_apart=True)
+    assert wide.part_grid(128 * 128) == 128 and wide.part_grid(65) == 3 and wide.grid == 131
+    assert wide.smem_bytes == configs.REDUCE_WARPS * 32 * 16 + 64
+    # The fused short backward's slabs (the norm's entries in each slab) keep their geometry.
+    fused = configs.ApeReduceConfig(128 * 128, 4, 64)
+    assert not fused.norm_apart and fused.grid == (128 * 128 + 64) // 4 // 8 and fused.vector == 4
 
 
 # ---------------------------------------------------------------- offline compile (sm_90a and sm_100a)
@@ -187,6 +213,11 @@ POOL_BUILDS = [
 ]  # fmt: skip
 
 
+# (name, ratio, coff, head_dim): composed backward routes with a norm, the statistics backward's slab form (its
+# reduction sums the weight's slabs too) and its whole-tile form (TailGradient reduces its own).
+ROUTE_BUILDS = [("slab r128c1d128", 128, 1, 128), ("whole tile r128c1d512", 128, 1, 512)]
+
+
 def _entries(ptx: str) -> list[str]:
     """Parameter kinds of every kernel entry: 'p' a 64-bit pointer, 'i' a 32-bit int, 'f' an fp32."""
     kinds = {".u64": "p", ".b64": "p", ".u32": "i", ".s32": "i", ".b32": "i", ".f32": "f"}
@@ -213,6 +244,14 @@ def built(request):
         for name, kernel_class, factory in POOL_BUILDS:
             kernel = kernel_class(factory())
             result[name] = (kernel, build.compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
+        for name, ratio, coff, head_dim in ROUTE_BUILDS:
+            route = select.tail_route("backward", ratio, coff, head_dim, offline_spec(arch), SPEC_FULL, fuse=False)
+            for step in ("tail", "pool"):
+                kernel_class, cfg = route[step]
+                kernel = kernel_class(cfg)
+                result[f"{name} {step}"] = (kernel, build.compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
+            plain = BackwardWithStats(dataclasses.replace(route["pool"][1], norm_entries=0))
+            result[f"{name} plain pool"] = (plain, build.compile_kernel(plain, arch, dump_dir=dump).artifacts.PTX)
     return arch, result
 
 
@@ -257,6 +296,36 @@ def test_pool_kernels_of_the_tail_compile(built, name):
         bf16 = kernels["bf16 backward r4c2"][1]
         assert cfg.vector_width == 4 and _wide_loads(ptx) > _wide_loads(bf16)
         assert ptx.count("ld.global.v2.b32") < bf16.count("ld.global.v2.b32")
+
+
+def _main_kernel(ptx: str) -> str:
+    """The statistics backward's main kernel (the entry that is not the reduction), its name and comments dropped."""
+    for block in re.split(r"(?=\.visible \.entry|\.entry)", ptx):
+        found = re.match(r"(?:\.visible )?\.entry\s+(\w+)", block.strip())
+        if found and "ApeReduce" not in found.group(1):
+            lines = block.replace(found.group(1), "KERNEL").splitlines()
+            return "\n".join(line for line in lines if not line.lstrip().startswith("//"))
+    raise AssertionError("no main kernel")
+
+
+@pytest.mark.parametrize("name", [b[0] for b in ROUTE_BUILDS])
+def test_composed_backward_routes_compile(built, name):
+    """Slab form: TailGradient launches no reduction, the statistics backward's host function one reduction of both
+    slab sets (pointers ws, grad_ape, grad_norm_weight; num_ctas, norm_ctas), its main kernel the same code as
+    without the weight's slabs. Whole tiles: TailGradient's own reduction, none after the statistics backward."""
+    arch, kernels = built
+    (tail, tail_ptx), (pool, pool_ptx) = kernels[f"{name} tail"], kernels[f"{name} pool"]
+    plain_ptx = kernels[f"{name} plain pool"][1]
+    gradient, main = "ppppppiiiipppppfi", "ppppppppppiiii"
+    for ptx in (tail_ptx, pool_ptx):
+        assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    if pool.config.whole_tile:
+        assert isinstance(pool, BackwardWithStats) and not tail.config.pool_reduces
+        assert _entries(tail_ptx) == sorted([gradient, "ppi"]) and _entries(pool_ptx) == [main]
+        return
+    assert isinstance(pool, BackwardWithStatsNorm) and tail.config.pool_reduces
+    assert _entries(tail_ptx) == [gradient] and _entries(pool_ptx) == sorted([main, "pppii"])
+    assert _main_kernel(pool_ptx) == _main_kernel(plain_ptx)
 
 
 def test_loaded_tail_functions_take_pointers_ints_floats_and_the_stream(tmp_path, monkeypatch):
@@ -312,14 +381,20 @@ def _backward_launcher(config, capacity=16):
     return fake
 
 
-def _composed(host_path, direction, pack, spec, fuse=True):
+def _composed(host_path, direction, pack, spec, fuse=True, merged=False):
+    """A composed route of recording launchers; ``merged``: the statistics backward reduces the weight's slabs."""
     route = tail_launch.TailRoute.__new__(tail_launch.TailRoute)
     route.fused = None
     route.stats = _forward_launcher()
     kind = tail_configs.TailForwardConfig if direction == "forward" else tail_configs.TailGradientConfig
     tail_cfg = tail_configs.tail_rows(kind, pack.ratio, pack.head_dim, spec, 3 * pack.head_dim, 2 * pack.head_dim)
+    pool_cfg = SimpleNamespace(whole_tile=False, slab_entries=pack.ape.numel())
+    if merged:
+        tail_cfg = dataclasses.replace(tail_cfg, pool_reduces=True)
+        pool_cfg = configs.stats_backward_for_sm90(pack.ratio, pack.coff, pack.head_dim, H200)
+        pool_cfg = dataclasses.replace(pool_cfg, grad_float32=True, norm_entries=pack.head_dim)
     route.tail = _forward_launcher(tail_cfg) if direction == "forward" else _backward_launcher(tail_cfg)
-    route.pool = _backward_launcher(SimpleNamespace(whole_tile=False, slab_entries=pack.ape.numel()), 8)
+    route.pool = _backward_launcher(pool_cfg, 8)
     host_path[(direction, pack.ratio, pack.coff, pack.head_dim, pack.kv.dtype, None, spec, fuse)] = route
     return route
 
@@ -388,6 +463,38 @@ def test_composed_backward_calls(host_path, given):
     assert pool[10] == stats_ptr and len(pool) == 17
     with pytest.raises(ValueError, match="grad_norm_weight"):
         launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, stats, tail, None, rstd)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_composed_backward_with_one_reduction_calls(host_path, given):
+    """The slab form with a norm: TailGradient writes its weight slabs after the statistics backward's grad_ape
+    slabs in one slab space (the stream's scratch), and the statistics backward's host function, which reduces
+    both, gets grad_norm_weight and TailGradient's CTA count."""
+    pack, tail = _pack_and_tail()
+    route = _composed(host_path, "backward", pack, tail_launch.spec_of(tail), merged=True)
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    grad_w, rstd = torch.empty(d), torch.empty(n)
+    stats = torch.empty((n, 3, d)) if given else None
+    launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, stats, tail, grad_w, rstd)
+    sizes = (cu.shape[0] - 1, n, kv.shape[0])
+    assert len(route.stats.function.calls) == (0 if given else 1)
+    stats_ptr = stats.data_ptr() if given else route.stats.function.calls[0][6]
+    (gradient,) = route.tail.function.calls
+    (pool,) = route.pool.function.calls
+    tail_rows, tail_ctas = launch.backward_grid(route.tail, n, d)
+    rows_per_cta, num_ctas = launch.backward_grid(route.pool, n, ape.numel())
+    assert gradient[6:11] == (*sizes, tail_rows, tail_ctas) and gradient[11:] == (*_block(tail, rstd, grad_w, True),
+                                                                                     0x5EED)  # fmt: skip
+    assert pool[:5] == _ptrs(kv, score, ape, cu, cuc) and pool[5] == gradient[4] and pool[6:9] == _ptrs(*grads)
+    assert pool[10] == stats_ptr and pool[11] == grad_w.data_ptr() and len(pool) == 19
+    assert pool[12:18] == (*sizes, rows_per_cta, num_ctas, tail_ctas) and pool[18] == 0x5EED
+    # The weight's slabs start at the first 16-byte boundary after the grad_ape slabs, in the same scratch.
+    offset = -(-num_ctas * ape.numel() // 4) * 4
+    entry = launch._SCRATCH[(None, 0x5EED)]
+    assert pool[9] == entry.ptr and gradient[5] == entry.ptr + 4 * offset
+    assert entry.numel >= offset + tail_ctas * d and offset >= num_ctas * ape.numel()
 
 
 def test_fused_route_call_convention(host_path):
@@ -511,6 +618,16 @@ OWN_CASES = {
     "r3c2d36-rope36-only": (3, 2, 36, (41, 100, 7), 0, 1, dict(norm=False, rope_dim=36)),
     "r16c1d128-rope64-pos": (16, 1, 128, (300, 5, 129), 2, 2, dict(rope_dim=64, positions=True)),
     "r4c2d128-padding-only": (4, 2, 128, (3, 2), 4, 3, dict(rope_dim=64)),
+    # The composed backward's one reduction (the statistics backward's slab form on the H200): statistics backward
+    # CTAs and TailGradient CTAs that own only padding rows, several of each, more TailGradient CTAs than
+    # statistics backward row ranges, odd head_dim, grad_ape slabs of a size not a multiple of 4 (r5c1d7), no norm.
+    "r128c1d128-rope64-padding-ctas": (128, 1, 128, (300, 1, 129), 2, 40, dict(rope_dim=64)),
+    "r128c2d65-norm-padding-ctas": (128, 2, 65, (600, 3, 256), 1, 30, dict()),
+    "r128c1d128-rope64-pos-many": (128, 1, 128, (20000, 13000, 5400), 3, 3, dict(rope_dim=64, positions=True)),
+    "r128c2d128-rope64-half-bf16w": (128, 2, 128, (9000, 300), 0, 37,
+                                     dict(rope_dim=64, interleaved=False, norm_dtype=BF16)),
+    "r128c2d128-rope64-only": (128, 2, 128, (9000, 300), 0, 37, dict(norm=False, rope_dim=64)),
+    "r5c1d7-rope2-pos": (5, 1, 7, (300, 41, 7), 0, 9, dict(rope_dim=2, positions=True)),
 }  # fmt: skip
 
 
@@ -538,6 +655,40 @@ def test_protocol_meets_the_contract(name, route):
     _gpu_launch()
     pack, tail = _case(name, seed=31)
     T.check_backend(*_protocol(*ROUTES[route]), pack, tail)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 512])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("given", [True, False])
+def test_composed_backward_launches(head_dim, norm, given):
+    """Kernels of one composed backward (ratio 128): the statistics forward where none are given, TailGradient,
+    the statistics backward, and its reduction of the slab form, which also sums the weight's slabs; whole tiles
+    reduce no grad_ape and leave TailGradient its own reduction of the weight's slabs."""
+    _gpu_launch()
+    from torch.profiler import ProfilerActivity, profile
+
+    pack = make_pack((1030, 515), head_dim, 128, 1, comp_padding=3, seed=3)
+    tail = _on_cuda_tail(T.random_tail(pack, norm=norm, rope_dim=64, seed=4))
+    inputs = tuple(t.cuda() for t in pack.inputs)
+    kv, score, ape = inputs[:3]
+    n, d = pack.total_comp, head_dim
+    stats = torch.empty((n, 3, d), device="cuda") if given else None
+    launch.forward(*inputs, torch.empty((n, d), dtype=BF16, device="cuda"), 128, 1, None, stats, tail, None)
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    grad_w = torch.empty(d, device="cuda") if norm else None
+    call = (*inputs, pack.grad_out.cuda(), *grads, 128, 1, None, stats, tail, grad_w, None)
+    launch.backward(*call)  # compiles and primes the route
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        launch.backward(*call)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    route = tail_launch._lookup("backward", kv, 128, 1, d, tail, stats)
+    whole_tile = route.pool.config.whole_tile
+    assert route.tail.config.pool_reduces == (norm and not whole_tile)
+    expected = (0 if given else 1) + 2 + (0 if whole_tile else 1) + (1 if norm and whole_tile else 0)
+    assert len(kernels) == expected, [e.name for e in kernels]
 
 
 API_NAMES = ["r4c2d72-rope64-bf16w-pos", "r128c2d6-rope6-pos", "r2c1d66-rope64-half-pos", "r4c2d512-rope64-pos",

@@ -10,6 +10,7 @@ come from the graph's pool under CUDA-graph capture. Calls with the fused tail: 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -29,6 +30,7 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 __all__ = [
     "AUTOGRAD_STATS",
     "backward",
+    "backward_arguments",
     "backward_grid",
     "call_backward",
     "call_forward",
@@ -38,6 +40,7 @@ __all__ = [
     "grid_capacity",
     "host_function",
     "release_scratch",
+    "slab_space",
     "supports_stats",
     "supports_tail",
     "unavailable_reason",
@@ -276,36 +279,47 @@ def call_backward(launcher, tensors, stream, stats, scratch: bool = True, tail_b
     grad_ape); ``scratch``: the slabs may come from the stream's reusable scratch (eager calls); ``tail_block``: the
     fused tail's arguments (``tail_arguments``) of a configuration with a tail, whose CTA slabs have
     ``config.slab_entries`` floats (without a tail: grad_ape's entries)."""
-    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape = tensors
+    kv, ape, grad_out = tensors[0], tensors[2], tensors[5]
     device = kv.device
-    n = grad_out.shape[0]
     slab_entries = launcher.config.slab_entries if tail_block else ape.numel()
-    rows_per_cta, num_ctas = backward_grid(launcher, n, slab_entries)
+    rows_per_cta, num_ctas = backward_grid(launcher, grad_out.shape[0], slab_entries)
     handle = _stream_handle(stream, device.index)
-    args = [kv.data_ptr(), score.data_ptr(), ape.data_ptr(), cu_seqlens.data_ptr(), cu_seqlens_comp.data_ptr(),
-            grad_out.data_ptr(), grad_kv.data_ptr(), grad_score.data_ptr(), grad_ape.data_ptr(), 0,
-            0 if stats is None else stats.data_ptr(), cu_seqlens.shape[0] - 1, n, kv.shape[0], rows_per_cta,
-            num_ctas, *tail_block, handle]  # fmt: skip
+    args = [*backward_arguments(tensors, 0, stats, rows_per_cta, num_ctas), *tail_block, handle]
     if launcher.config.whole_tile:
         launcher.function(*args)  # one kernel that writes grad_ape itself: no slabs
         return
-    ws_numel = num_ctas * slab_entries
+    args[9], _owner, lock = slab_space(device, stream, handle, num_ctas * slab_entries, scratch)
+    # The lock keeps another thread's launches on this stream from landing between this call's two kernels.
+    with lock:
+        launcher.function(*args)
+
+
+def backward_arguments(tensors, slabs: int, stats, rows_per_cta: int, num_ctas: int) -> list:
+    """The ``backward`` host function's arguments up to ``num_ctas`` (``build.py``), ``slabs`` a pointer."""
+    kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape = tensors
+    return [kv.data_ptr(), score.data_ptr(), ape.data_ptr(), cu_seqlens.data_ptr(), cu_seqlens_comp.data_ptr(),
+            grad_out.data_ptr(), grad_kv.data_ptr(), grad_score.data_ptr(), grad_ape.data_ptr(), slabs,
+            0 if stats is None else stats.data_ptr(), cu_seqlens.shape[0] - 1, grad_out.shape[0], kv.shape[0],
+            rows_per_cta, num_ctas]  # fmt: skip
+
+
+_NO_LOCK = contextlib.nullcontext()
+
+
+def slab_space(device, stream, handle: int, numel: int, scratch: bool = True) -> tuple:
+    """(pointer, owner, lock) of ``numel`` fp32 slabs for one backward call's launches, which run under ``lock``:
+    the stream's reusable scratch (``scratch``, eager calls), else a tensor of this call alone (``owner``, to keep
+    until the launches are queued; inside a CUDA graph from the graph's pool)."""
     explicit = stream is not None and handle != _stream_handle(None, device.index)
     if not scratch or _capturing(stream, explicit):
-        # Slabs owned by this launch alone (inside a CUDA graph: from the graph's pool).
-        ws = torch.empty(ws_numel, dtype=torch.float32, device=device)
+        ws = torch.empty(numel, dtype=torch.float32, device=device)
         if explicit:
             ws.record_stream(stream)
-        args[9] = ws.data_ptr()
-        launcher.function(*args)
-        return
+        return ws.data_ptr(), ws, _NO_LOCK
     entry = _SCRATCH.get((device.index, handle))
-    if entry is None or entry.numel < ws_numel:
-        entry = _grow_scratch(device, stream, handle, ws_numel, explicit)
-    args[9] = entry.ptr
-    # The lock keeps another thread's launches on this stream from landing between this call's two kernels.
-    with entry.lock:
-        launcher.function(*args)
+    if entry is None or entry.numel < numel:
+        entry = _grow_scratch(device, stream, handle, numel, explicit)
+    return entry.ptr, entry, entry.lock
 
 
 class _Scratch:

@@ -16,7 +16,8 @@ With the fused tail (``configs.TailSpec``; ``tail_route``) a call takes one of t
 - composed, every other window: forward = the statistics forward (``ForwardLongWindow`` with ``write_stats``, for
   any window: ``tail_configs.stats_forward_for_sm90``) then ``TailForward`` on ``stats[:, 2]``; backward = the
   statistics forward again where no statistics were saved, ``TailGradient`` (dx, fp32) and ``BackwardWithStats``
-  reading dx (``grad_float32``).
+  reading dx (``grad_float32``); with a norm and the slab form, ``BackwardWithStatsNorm``, whose reduction also
+  sums TailGradient's weight slabs (``norm_entries``, ``pool_reduces``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ...windows import uses_softmax_stats
 from . import configs, tail_configs
 from .backward_long import BackwardLongWindow
 from .backward_short import BackwardShortWindow
-from .backward_stats import BackwardWithStats
+from .backward_stats import BackwardWithStats, BackwardWithStatsNorm
 from .device import DeviceSpec
 from .forward import ForwardLongWindow, ForwardShortWindow
 from .tail_kernels import TailForward, TailGradient
@@ -56,6 +57,14 @@ _FACTORIES = {
 
 def _family(device: DeviceSpec):
     return _FACTORIES["sm_100" if device.arch.startswith("sm_10") else "sm_90"]
+
+
+def kernel_class_of(config):
+    """The kernel class of a configuration: ``KERNEL_OF_CONFIG``'s, the statistics backward with the norm's slabs
+    its host function's own."""
+    if isinstance(config, configs.BackwardStatsConfig) and config.norm_entries:
+        return BackwardWithStatsNorm
+    return KERNEL_OF_CONFIG[type(config)]
 
 
 def config_for(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec):
@@ -113,5 +122,10 @@ def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
     tail = tail_configs.tail_rows(kind, ratio, head_dim, tail_spec, 3 * head_dim, 2 * head_dim)
     steps = {"stats": stats_forward(ratio, coff, head_dim, device), "tail": tail}
     if direction == "backward":
-        steps["pool"] = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)
-    return {name: (KERNEL_OF_CONFIG[type(cfg)], cfg) for name, cfg in steps.items()}
+        pool = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)
+        if tail_spec.has_norm and not pool.whole_tile:
+            # The weight's slabs join the grad_ape slabs' reduction: one launch less (whole tiles reduce none).
+            pool = replace(pool, norm_entries=head_dim)
+            steps["tail"] = replace(tail, pool_reduces=True)
+        steps["pool"] = pool
+    return {name: (kernel_class_of(cfg), cfg) for name, cfg in steps.items()}

@@ -84,7 +84,11 @@ class TailForwardConfig(_TailRows):
 @dataclass(frozen=True)
 class TailGradientConfig(_TailRows):
     """The composed backward's first kernel (``tail_kernels.TailGradient``): grad_out -> dx (fp32) and the norm
-    weight's gradient through per-CTA slabs, persistent CTAs over row ranges."""
+    weight's gradient through per-CTA slabs, persistent CTAs over row ranges. ``pool_reduces``: the slabs follow
+    the statistics backward's, whose reduction sums them (``BackwardStatsConfig.norm_entries``); no reduction
+    launch here."""
+
+    pool_reduces: bool = False
 
     carveout = 50
     tiles = 1
