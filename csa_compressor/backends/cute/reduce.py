@@ -63,17 +63,10 @@ class ApeReduce:
         lane (warp w) sums slabs q, q + walkers, ... in order; then the walkers' partials are summed in order
         q = 0, 1, ...: a fixed order per entry, whatever the vector width."""
         cfg = self.config
-        ve, nv, lanes = cfg.vector, cfg.entry_vectors, cfg.slab_lanes
-        walkers = REDUCE_WARPS * lanes
-        tidx, _, _ = cute.arch.thread_idx()
+        ve, nv = cfg.vector, cfg.entry_vectors
+        walkers = REDUCE_WARPS * cfg.slab_lanes
         bx, _, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        w = tidx // 32
-        v = lane
-        q = w
-        if cutlass.const_expr(lanes > 1):
-            v = lane % nv
-            q = w * lanes + lane // nv
+        tidx, v, q = self.walker()
         e = bx * nv + v
         smem = cutlass.memory.SmemAllocator()
         part = smem.allocate_tensor(Float32, cute.make_layout(walkers * nv * ve), byte_alignment=16)
@@ -97,6 +90,21 @@ class ApeReduce:
                     vec_view(gape, e * ve, ve).store(tot.load())
                 else:
                     vec_view(gnorm, e * ve - cfg.ape_size, ve).store(tot.load())
+
+    @cute.jit
+    def walker(self):
+        """``(thread, vector, walker)`` of this thread: vector v of the CTA's entries, walker q = w * slab_lanes +
+        the lane's slab lane (warp w)."""
+        lanes, nv = self.config.slab_lanes, self.config.entry_vectors
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % 32
+        w = tidx // 32
+        v = lane
+        q = w
+        if cutlass.const_expr(lanes > 1):
+            v = lane % nv
+            q = w * lanes + lane // nv
+        return tidx, v, q
 
     @cute.jit
     def walk(self, ws, acc, bufs, q, e, num_ctas):
@@ -134,16 +142,9 @@ class ApeReduce:
         """``body``'s sum over one slab set: ``count`` slabs of ``size`` floats from entry ``offset`` of ``ws``, the
         CTA's ``entry_vectors`` vectors of ``part_vector(size)`` entries into ``out`` (the same fixed order)."""
         cfg = self.config
-        ve, nv, lanes = cfg.part_vector(size), cfg.entry_vectors, cfg.slab_lanes
-        walkers = REDUCE_WARPS * lanes
-        tidx, _, _ = cute.arch.thread_idx()
-        lane = tidx % 32
-        w = tidx // 32
-        v = lane
-        q = w
-        if cutlass.const_expr(lanes > 1):
-            v = lane % nv
-            q = w * lanes + lane // nv
+        ve, nv = cfg.part_vector(size), cfg.entry_vectors
+        walkers = REDUCE_WARPS * cfg.slab_lanes
+        tidx, v, q = self.walker()
         e = bx * nv + v
         acc = registers(ve)
         acc.fill(0.0)
