@@ -434,17 +434,24 @@ def test_composed_forward_calls(host_path):
         assert second == (first[6], *_ptrs(cu, cuc, out), *sizes, *_block(tail, rstd), 0x5EED)
 
 
-@pytest.mark.parametrize("given", [False, True])
-def test_composed_backward_calls(host_path, given):
+def _composed_backward(host_path, given: bool, merged: bool = False):
+    """One composed backward through the host path: ``(pack, tail, route, grads, grad_w, rstd, stats, sizes)``."""
     pack, tail = _pack_and_tail()
-    route = _composed(host_path, "backward", pack, tail_launch.spec_of(tail))
+    route = _composed(host_path, "backward", pack, tail_launch.spec_of(tail), merged=merged)
     kv, score, ape, cu, cuc = pack.inputs
     n, d = pack.total_comp, pack.head_dim
     grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
     grad_w, rstd = torch.empty(d), torch.empty(n)
     stats = torch.empty((n, 3, d)) if given else None
     launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, stats, tail, grad_w, rstd)
-    sizes = (cu.shape[0] - 1, n, kv.shape[0])
+    return pack, tail, route, grads, grad_w, rstd, stats, (cu.shape[0] - 1, n, kv.shape[0])
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_composed_backward_calls(host_path, given):
+    pack, tail, route, grads, grad_w, rstd, stats, sizes = _composed_backward(host_path, given)
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
     if given:
         assert route.stats.function.calls == [] and stats is not None
         stats_ptr = stats.data_ptr()
@@ -470,15 +477,9 @@ def test_composed_backward_with_one_reduction_calls(host_path, given):
     """The slab form with a norm: TailGradient writes its weight slabs after the statistics backward's grad_ape
     slabs in one slab space (the stream's scratch), and the statistics backward's host function, which reduces
     both, gets grad_norm_weight and TailGradient's CTA count."""
-    pack, tail = _pack_and_tail()
-    route = _composed(host_path, "backward", pack, tail_launch.spec_of(tail), merged=True)
+    pack, tail, route, grads, grad_w, rstd, stats, sizes = _composed_backward(host_path, given, merged=True)
     kv, score, ape, cu, cuc = pack.inputs
     n, d = pack.total_comp, pack.head_dim
-    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
-    grad_w, rstd = torch.empty(d), torch.empty(n)
-    stats = torch.empty((n, 3, d)) if given else None
-    launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, stats, tail, grad_w, rstd)
-    sizes = (cu.shape[0] - 1, n, kv.shape[0])
     assert len(route.stats.function.calls) == (0 if given else 1)
     stats_ptr = stats.data_ptr() if given else route.stats.function.calls[0][6]
     (gradient,) = route.tail.function.calls
