@@ -138,6 +138,25 @@ def _autograd_stats_for(device, backend, ratio: int, coff: int, width: int) -> b
 _autograd_stats_for._dynamo_marked_constant = True
 
 
+def _cached_forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend):
+    """The forward op of this configuration: the fast cache's, else built (first call, or arguments that need
+    normalising)."""
+    key = _fast_key(kv, ratio, coff, head_dim, backend)
+    op = _FWD_FAST.get(key) if key is not None else None
+    if op is None:
+        op = _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key)
+    return op
+
+
+def _cached_backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, backend):
+    """The backward op of this configuration, as ``_cached_forward_op``."""
+    key = _fast_key(kv, ratio, coff, head_dim, backend)
+    op = _BWD_FAST.get(key) if key is not None else None
+    if op is None:
+        op = _backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, backend, key)
+    return op
+
+
 def _pool_forward(
     kv,
     score,
@@ -155,10 +174,7 @@ def _pool_forward(
 ):
     """The forward wrapper without the TupleDict: returns ``out`` (also the autograd op's eager path), or
     ``(out, softmax_stats)`` with ``return_stats`` (long windows only)."""
-    key = _fast_key(kv, ratio, coff, head_dim, backend)
-    op = _FWD_FAST.get(key) if key is not None else None
-    if op is None:  # first call of this configuration, or arguments that need normalising
-        op = _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend, key)
+    op = _cached_forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, head_dim, backend)
     if total_comp is None:
         total_comp = _rows_on_device(cu_seqlens_comp)
     if return_stats:
@@ -182,30 +198,21 @@ def _pool_backward(
     validate=False,
 ):
     """The backward wrapper without the TupleDict: returns ``(grad_kv, grad_score, grad_ape)``."""
-    key = _fast_key(kv, ratio, coff, head_dim, backend)
-    op = _BWD_FAST.get(key) if key is not None else None
-    if op is None:
-        op = _backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, backend, key)
+    op = _cached_backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, head_dim, backend)
     return op._run_fresh(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, stream, stats, validate)
 
 
 def _pool_forward_into(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, backend, stats=None):
     """The forward wrapper's op writing ``out`` (its rows: ``out.shape[0]``) and, given (long windows), the
     softmax statistics ``stats``, buffers of the caller's; returns ``out``."""
-    key = _fast_key(kv, ratio, coff, None, backend)
-    op = _FWD_FAST.get(key) if key is not None else None
-    if op is None:
-        op = _forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, None, backend, key)
+    op = _cached_forward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, None, backend)
     return op.execute(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, softmax_stats=stats)
 
 
 def _pool_backward_into(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grads, ratio, coff, backend,
                         stats=None):  # fmt: skip
     """The backward wrapper's op overwriting ``grads`` (grad_kv, grad_score, grad_ape: the caller's buffers)."""
-    key = _fast_key(kv, ratio, coff, None, backend)
-    op = _BWD_FAST.get(key) if key is not None else None
-    if op is None:
-        op = _backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, None, backend, key)
+    op = _cached_backward_op(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, ratio, coff, None, backend)
     return op.execute(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, softmax_stats=stats)
 
 

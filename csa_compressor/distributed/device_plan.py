@@ -104,6 +104,11 @@ class DevicePlan:
     single: bool  # a world of one rank (no process group, or a group of one)
     signature: tuple = ()  # shapes, dtypes and devices of the arguments last checked with this plan
 
+    @property
+    def uses_halo(self) -> bool:
+        """The call has a boundary pack or takes part in a halo exchange (the side stream's work)."""
+        return self.boundary is not None or self.exchange
+
     def forward_placement(self, head_dim: int, itemsize: int) -> str:
         """The placement of a call with rows of ``head_dim`` elements of ``itemsize`` bytes: ``patch`` needs
         its shifted interior rows aligned, and is a ``gather`` otherwise."""

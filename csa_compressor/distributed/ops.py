@@ -171,13 +171,13 @@ class _PoolCP(torch.autograd.Function):
         d = kv.shape[1] // coff
         kind = dp.forward_placement(d, kv.element_size())
         buf, out_int, out_b = _out_buffers(dp, kind, kv.new_empty, d)
-        side = streams.side_stream(kv.device) if dp.boundary is not None or dp.exchange else None
+        side = streams.side_stream(kv.device) if dp.uses_halo else None
         main = streams.fork(side)
         stats_int = stats_b = kv_b = score_b = None
         if dp.interior is not None:
             stats_int = _forward_call(kv, score, ape, dp.interior, out_int, ratio, coff, backend, stats)
         with streams.on(side):
-            if dp.boundary is not None or dp.exchange:
+            if dp.uses_halo:
                 kv_b, score_b = _halo_forward(dp, kv, score, group)
             if dp.boundary is not None:
                 stats_b = _forward_call(kv_b, score_b, ape, dp.boundary, out_b, ratio, coff, backend, stats)
@@ -202,7 +202,7 @@ class _PoolCP(torch.autograd.Function):
             grad_pack, grad_ape_b = kv.new_empty((2 * dp.pack_stride, width)), torch.empty_like(ape)
         if dp.exchange:
             grad_send = kv.new_empty((dp.sent, 2 * width))
-        side = streams.side_stream(kv.device) if dp.boundary is not None or dp.exchange else None
+        side = streams.side_stream(kv.device) if dp.uses_halo else None
         main = streams.fork(side)
         grad_kv, grad_score = _halves(grads, dp.grad_stride, tokens)
         if dp.interior is not None:
@@ -218,7 +218,7 @@ class _PoolCP(torch.autograd.Function):
         streams.join(main, side)
         if dp.boundary is not None:
             grad_ape.add_(grad_ape_b)  # always interior + boundary: a fixed order, the same bits every run
-        if dp.boundary is not None or dp.exchange:
+        if dp.uses_halo:
             _halo_add_grads(dp, grads, grad_pack, grad_send)
         if reduce_ape:
             dist.all_reduce(grad_ape, group=group)

@@ -74,7 +74,7 @@ class ApeReduce:
         acc.fill(0.0)
         bufs = register_slots(REDUCE_UNROLL, ve)
         if e < cfg.slab_size // ve:
-            self.walk(ws, acc, bufs, q, e, num_ctas)
+            self.walk_part(ws, acc, bufs, q, e * ve, num_ctas, cfg.slab_size, ve)
         vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
         cute.arch.sync_threads()
         if (tidx < nv) & (e < cfg.slab_size // ve):
@@ -105,23 +105,6 @@ class ApeReduce:
             v = lane % nv
             q = w * lanes + lane // nv
         return tidx, v, q
-
-    @cute.jit
-    def walk(self, ws, acc, bufs, q, e, num_ctas):
-        """One walker's slabs, REDUCE_UNROLL per step: their loads are all in flight before the first add, and the
-        adds keep the walker's slab order (the same sum as one slab per step)."""
-        cfg = self.config
-        ve = cfg.vector
-        stride = REDUCE_WARPS * cfg.slab_lanes
-        for p0 in cutlass.range(q, num_ctas, stride * REDUCE_UNROLL):
-            for u in cutlass.range_constexpr(REDUCE_UNROLL):
-                # Past the last slab the load is clamped to it (in bounds) and not added.
-                p = cutlass.min(p0 + u * stride, num_ctas - 1)
-                bufs[u].store(vec_view(ws, p * cfg.slab_size + e * ve, ve).load())
-            for u in cutlass.range_constexpr(REDUCE_UNROLL):
-                if p0 + u * stride < num_ctas:
-                    for i in cutlass.range_constexpr(ve):
-                        acc[i] = add_rn(acc[i], bufs[u][i])
 
     @cute.kernel
     def kernel_apart(self, ws: cute.Pointer, gape: cute.Pointer, gnorm: cute.Pointer, num_ctas: Int32,
@@ -163,7 +146,9 @@ class ApeReduce:
 
     @cute.jit
     def walk_part(self, ws, acc, bufs, q, first, count, size: int, ve: int):
-        """``walk`` over ``count`` slabs of ``size`` floats, the walker's entries at ``first`` of slab 0."""
+        """One walker's ``count`` slabs of ``size`` floats (its entries at ``first`` of slab 0), REDUCE_UNROLL per
+        step: their loads are all in flight before the first add, and the adds keep the walker's slab order (the
+        same sum as one slab per step)."""
         stride = REDUCE_WARPS * self.config.slab_lanes
         for p0 in cutlass.range(q, count, stride * REDUCE_UNROLL):
             for u in cutlass.range_constexpr(REDUCE_UNROLL):
