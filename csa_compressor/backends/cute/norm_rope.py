@@ -49,6 +49,8 @@ class RowTail:
         self.spec, self.head_dim, self.width = spec, head_dim, width
         self.row_threads, self.rows = row_threads, rows
         self.row_warps = row_threads // 32  # > 1: the row sums cross warps through shared memory
+        if self.row_warps > 1 and rows > 15:
+            raise ValueError(f"{rows} rows of several warps need more named barriers than a CTA has")
         self.base = head_dim - spec.rope_dim  # the rotary block's first column
         self.half = spec.rope_dim // 2
         self.has_rope = spec.rope_dim > 0
@@ -74,7 +76,11 @@ class RowTail:
             if tidx % 32 == 0:
                 for q in cutlass.range_constexpr(n):
                     buf[base + (row * n + q) * warps + warp] = vals[q]
-            cute.arch.sync_threads()
+            if cutlass.const_expr(self.rows > 1):
+                # The row's warps wait for one another only, so that the CTA's rows do not run in lock step.
+                cute.arch.barrier(barrier_id=1 + row, number_of_threads=self.row_threads)
+            else:
+                cute.arch.sync_threads()
             vals = [ordered_sum([buf[base + (row * n + q) * warps + h] for h in range(warps)]) for q in range(n)]
         return vals
 
