@@ -3,10 +3,11 @@ baseline: the proof that a change to the backend's structure left the kernels' c
 
     python benchmarks/cubins.py --arch sm_90a [--compare benchmarks/results/cubins_baseline_sm_90a.json] [--out FILE]
 
-Per kernel two digests: ``ptx`` (the PTX with the kernel entry names replaced by their order and the header
-comments dropped) and ``code`` (the cubin's .text, .nv.info, .nv.constant0 and .nv.shared sections, names
+Per kernel two digests and its resources: ``ptx`` (the PTX with the kernel entry names replaced by their order and
+the header comments dropped) and ``code`` (the cubin's .text, .nv.info, .nv.constant0 and .nv.shared sections, names
 normalised alike), so that a kernel renamed by the restructuring (the DSL names kernels after their class and
-method) still compares equal. Exit status 1 when a digest differs from or is missing in the baseline.
+method) still compares equal; ``registers`` and ``frame`` (the stack frame in bytes, 0 without spills) are printed
+and recorded, not compared. Exit status 1 when a digest differs from or is missing in the baseline.
 """
 
 from __future__ import annotations
@@ -60,6 +61,26 @@ def _elf_sections(blob: bytes):
         yield blob[strtab + name : end].decode(), typ, (blob[off : off + size] if typ != 8 else b"")
 
 
+# .nv.info attributes (format EIFMT_SVAL): the kernel's register count and its stack frame (spills land there).
+_REGCOUNT, _FRAME_SIZE = 0x2F, 0x11
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread and the largest stack frame in bytes (0 without spills) of the cubin's kernels."""
+    found = {_REGCOUNT: [], _FRAME_SIZE: []}
+    for name, _typ, data in _elf_sections(bytes(cubin)):
+        if not name.startswith(".nv.info"):
+            continue
+        i = 0
+        while i + 4 <= len(data):
+            fmt, attr = data[i], data[i + 1]
+            size = struct.unpack_from("<H", data, i + 2)[0] if fmt == 0x04 else 0
+            if fmt == 0x04 and size == 8 and attr in found:
+                found[attr].append(struct.unpack_from("<I", data, i + 8)[0])  # (symbol, value)
+            i += 4 + size
+    return {"registers": max(found[_REGCOUNT], default=0), "frame": max(found[_FRAME_SIZE], default=0)}
+
+
 def digests(ptx: str, cubin: bytes) -> dict:
     names = _ENTRY.findall(ptx)
     ptx_text = "\n".join(line for line in _renamed(ptx, names).splitlines() if not line.startswith("//"))
@@ -77,6 +98,7 @@ def digests(ptx: str, cubin: bytes) -> dict:
         "ptx": hashlib.sha256(ptx_text.encode()).hexdigest()[:16],
         "code": h.hexdigest()[:16],
         "kernels": len(names),
+        **resources(cubin),
     }
 
 
@@ -109,8 +131,9 @@ def build_all(arch: str) -> dict:
             t0 = time.perf_counter()
             compiled = compile_kernel(kernel, arch, dump_dir=dump)
             result[name] = digests(compiled.artifacts.PTX, compiled.artifacts.CUBIN)
-            print(f"{name:32s} ptx {result[name]['ptx']} code {result[name]['code']} ({time.perf_counter() - t0:.1f} s)",
-                  flush=True)  # fmt: skip
+            r = result[name]
+            print(f"{name:32s} ptx {r['ptx']} code {r['code']} registers {r['registers']} frame {r['frame']} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
     return result
 
 

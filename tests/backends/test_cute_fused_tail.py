@@ -15,9 +15,11 @@ head_dims; outputs, gradients and slabs start as NaN, so an entry a kernel leave
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,7 +33,7 @@ if launch.unavailable_reason() is not None:
     pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
 
 from csa_compressor import tail as T  # noqa: E402
-from csa_compressor.backends.cute import configs, select  # noqa: E402
+from csa_compressor.backends.cute import configs, select, tail_configs  # noqa: E402
 from csa_compressor.backends.cute.backward_short import BackwardShortWindow  # noqa: E402
 from csa_compressor.backends.cute.build import compile_kernel  # noqa: E402
 from csa_compressor.backends.cute.device import offline_spec  # noqa: E402
@@ -39,6 +41,9 @@ from csa_compressor.backends.cute.forward import ForwardShortWindow  # noqa: E40
 from csa_compressor.testing import make_pack  # noqa: E402
 
 H200 = offline_spec("sm_90a")
+_CUBINS_SPEC = importlib.util.spec_from_file_location("cubins", Path(__file__).parents[2] / "benchmarks" / "cubins.py")
+_CUBINS = importlib.util.module_from_spec(_CUBINS_SPEC)
+_CUBINS_SPEC.loader.exec_module(_CUBINS)  # its cubin reader: registers and stack frame per kernel
 _ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 
 
@@ -74,14 +79,15 @@ _BUILT: dict[tuple, tuple] = {}
 
 
 def _build(arch: str, name: str, direction: str):
-    """(kernel, PTX) of one entry of BUILDS, compiled once per session."""
+    """(kernel, PTX, cubin resources) of one entry of BUILDS, compiled once per session."""
     key = (arch, name, direction)
     if key not in _BUILT:
         _, ratio, coff, head_dim, tail = next(b for b in BUILDS if b[0] == name)
         kernel_class = ForwardShortWindow if direction == "forward" else BackwardShortWindow
         kernel = kernel_class(select.fused_tail_config(direction, ratio, coff, head_dim, offline_spec(arch), tail))
         with tempfile.TemporaryDirectory() as dump:
-            _BUILT[key] = (kernel, compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
+            artifacts = compile_kernel(kernel, arch, dump_dir=dump).artifacts
+            _BUILT[key] = (kernel, artifacts.PTX, _CUBINS.resources(bytes(artifacts.CUBIN)))
     return _BUILT[key]
 
 
@@ -93,10 +99,14 @@ def test_fused_kernels_compile(arch, name, direction):
     """The agreed parameter lists (the tail's pointers, then eps and max_position), no local memory, the row
     sums' shuffles where a row spans threads, correctly rounded rstd steps with a norm, the slabs' reduction
     into grad_norm_weight with a norm."""
-    kernel, ptx = _build(arch, name, direction)
+    kernel, ptx, used = _build(arch, name, direction)
     cfg, tail = kernel.config, kernel.config.tail
     assert f".target {arch}" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+    assert used["frame"] == 0, used  # no spills either
+    if direction == "forward" and cfg.ctas_per_sm_cap:
+        assert f".minnctapersm {cfg.ctas_per_sm_cap}" in ptx
+        assert used["registers"] * cfg.threads * cfg.ctas_per_sm_cap <= configs.REGISTERS_PER_SM, used
     entries = sorted(_kinds(params) for _name, params in _ENTRY.findall(ptx))
     if direction == "forward":
         assert entries == ["pppppp" + "iii" + "ppppp" + "fi"]
@@ -114,12 +124,13 @@ def test_fused_kernels_compile(arch, name, direction):
 CONFIG_SPACE = [(r, c) for r in (1, 2, 3, 4, 5, 8, 16, 32, 128) for c in (1, 2)]
 
 
+@pytest.mark.parametrize("pairs", ["interleaved", "half"])
 @pytest.mark.parametrize("ratio,coff", CONFIG_SPACE)
-def test_fused_configs_exactly_for_one_power_of_two_group(ratio, coff):
+def test_fused_configs_exactly_for_one_power_of_two_group(ratio, coff, pairs):
     """Fused configurations exist where the exact short kernels serve the window (one power-of-two slot group);
     they hold whole rows (one column chunk) of a power-of-two thread count, keep the pooling-only kernel's vectors
     (and its tile where that is one chunk already), and leave the default configurations without a tail."""
-    tail = spec("fp32", 64, True, True)
+    tail = spec("fp32", 64, pairs == "interleaved", True)
     for head_dim in (7, 64, 65, 128, 130, 512):
         for direction, kernel_class in (("forward", ForwardShortWindow), ("backward", BackwardShortWindow)):
             fused = select.fused_tail_config(direction, ratio, coff, head_dim, H200, tail)
@@ -131,8 +142,17 @@ def test_fused_configs_exactly_for_one_power_of_two_group(ratio, coff):
             assert fused.column_chunks == 1 and fused.columns_per_cta >= head_dim
             assert fused.column_threads & (fused.column_threads - 1) == 0
             assert fused.vector_width == default.vector_width and fused.threads % 32 == 0
+            same_tile = dataclasses.replace(default, tail=tail)
+            if direction == "forward":
+                # One-row CTAs are built for fewer registers (more of them resident); other tiles keep the default.
+                one_row = fused.rows_per_cta == 1 and fused.threads == tail_configs.FUSED_FORWARD_THREADS
+                one_row = one_row and tail.rope_interleaved
+                budget = tail_configs.ONE_ROW_FORWARD_REGISTERS * fused.threads
+                want = configs.REGISTERS_PER_SM // budget if one_row else 0
+                assert fused.ctas_per_sm_cap == want, (ratio, coff, head_dim)
+                same_tile = dataclasses.replace(same_tile, ctas_per_sm_cap=want)
             if default.column_chunks == 1 and default.column_threads == fused.column_threads:
-                assert dataclasses.replace(default, tail=tail) == fused
+                assert same_tile == fused
     with pytest.raises(ValueError, match="direction"):
         select.fused_tail_config("forward_stats", 4, 2, 128, H200, tail)
 

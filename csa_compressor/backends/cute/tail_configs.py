@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from ...windows import is_short_window
 from .configs import (
+    REGISTERS_PER_SM,
     SHORT_BACKWARD_THREADS,
     ApeReduceConfig,
     BackwardShortConfig,
@@ -141,6 +142,8 @@ def stats_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: Device
 # Threads one fused forward row may span (one CTA row), and the fused forward CTA's size when rows are narrower.
 FUSED_ROW_THREADS_CAP = 1024
 FUSED_FORWARD_THREADS = 128
+# Registers per thread of a fused forward whose CTA is one row: the most that the kernel takes without spilling.
+ONE_ROW_FORWARD_REGISTERS = 72
 
 
 def _row_threads(head_dim: int, width: int) -> int:
@@ -161,7 +164,8 @@ def _one_exact_group(ratio: int, coff: int) -> bool:
 def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
     """The short-window forward with the tail, or None where it cannot fuse it: whole rows (one column chunk) of a
     power-of-two thread count, 4-column vectors (8 for rows past FUSED_ROW_THREADS_CAP threads), rows side by side
-    up to FUSED_FORWARD_THREADS threads; the SPEC head_dims keep the pooling-only tile."""
+    up to FUSED_FORWARD_THREADS threads; one-row CTAs of FUSED_FORWARD_THREADS threads with interleaved pairs (or no
+    rotation) built for ONE_ROW_FORWARD_REGISTERS registers."""
     if not _one_exact_group(ratio, coff):
         return None
     for cap in (4, 8):
@@ -174,7 +178,12 @@ def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
     rows = 1
     while threads * rows * 2 <= FUSED_FORWARD_THREADS:
         rows *= 2
-    return ForwardShortConfig(ratio, coff, head_dim, width, threads, rows_per_cta=rows, tail=tail)
+    # A one-row CTA waits on its row's barrier and its norm's serial chain: more resident CTAs hide them. The
+    # half-split rotation's partner exchange needs more registers than the bound leaves (ptxas would spill).
+    one_row = rows == 1 and threads == FUSED_FORWARD_THREADS and tail.rope_interleaved
+    ctas = REGISTERS_PER_SM // (ONE_ROW_FORWARD_REGISTERS * threads) if one_row else 0
+    return ForwardShortConfig(ratio, coff, head_dim, width, threads, rows_per_cta=rows, ctas_per_sm_cap=ctas,
+                              tail=tail)  # fmt: skip
 
 
 def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
