@@ -555,13 +555,47 @@ def test_write_outputs_and_a_small_chart(tmp_path):
     result = BenchResult(records=recs, markdown=format_markdown(recs, META), meta=META)
     paths = bench.write_outputs(result, tmp_path / "out", "run1")
     text = paths["json"].read_text()
-    assert json.loads(text) == bench.run._rounded(json.loads(json.dumps(recs)))
-    assert len(text.splitlines()) == len(recs) + 2  # one record per line between the brackets
-    kernel = [r["kernel_us_cold"] for r in json.loads(text)]
+    assert bench.expand_records(json.loads(text)) == bench.run._rounded(json.loads(json.dumps(recs)))
+    assert sum(line.startswith('{"run":') for line in text.splitlines()) == len(recs)  # one row per line
+    kernel = [r["kernel_us_cold"] for r in bench.expand_records(json.loads(text))]
     assert kernel == pytest.approx([r["kernel_us_cold"] for r in recs], rel=1e-5)
     assert paths["markdown"].read_text().startswith("Device:")
     png = paths["chart"].read_bytes()
     assert png[:4] == b"\x89PNG" and 5_000 < len(png) < 40_000  # the tree takes no binary over 40 KB
+
+
+def test_records_json_keeps_each_run_and_case_once_and_expands_to_the_records():
+    later = {**META, "date": "2026-12-01T09:30:00+00:00", "commit": "def456", "spin_wakeup_us": {"queued": 1.5}}
+    odd = make_record(META, CASES[1], "cute", "fwd", 4.2e12)  # an older record: fewer fields
+    odd = {k: v for k, v in odd.items() if k not in ("rope_dim", "source_digest")}
+    old = _rounded_copy([*_full_records(), *_records(), make_record(later, CASES[0], "cute", "fwd", 4e12), odd])
+    data = json.loads(bench.run.records_json(old))
+    assert bench.expand_records(data) == old and [list(r) for r in bench.expand_records(data)] == [list(r) for r in old]
+    # _full_records and _records differ in their copy rate: two runs of one minute, told apart by a suffix
+    assert list(data["runs"]) == ["20261130T1400Z", "20261130T1400Z-2", "20261201T0930Z", "20261130T1400Z-3"]
+    assert len(data["rows"]) == len(old)
+    assert CASES[1].name not in data["cases"] and data["cases"][CASES[0].name]["seqlens"] == [8192]
+    assert all("date" not in row and "commit" not in row and row["run"] in data["runs"] for row in data["rows"])
+    assert bench.expand_records(old) == old  # the list form of older records is read as it is
+    with pytest.raises(ValueError):
+        bench.expand_records({"records": []})
+
+
+def _rounded_copy(recs):
+    return bench.run._rounded(json.loads(json.dumps(recs)))
+
+
+@pytest.mark.parametrize("form", ["list", "compact"])
+def test_from_json_renders_either_form(tmp_path, form, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the markdown alone
+    recs = _rounded_copy(_records())
+    text = json.dumps(recs) if form == "list" else bench.run.records_json(recs)
+    (tmp_path / "rec.json").write_text(text)
+    assert bench.main(["--from-json", str(tmp_path / "rec.json")]) == 0
+    assert (tmp_path / "rec.md").read_text() == format_markdown(recs, bench.report.meta_of(recs)) + "\n"
+    assert "4.20 TB/s" in (tmp_path / "rec.md").read_text()
+    (tmp_path / "bad.json").write_text('{"records": []}')
+    assert bench.main(["--from-json", str(tmp_path / "bad.json")]) == 2  # a usage error, one line
 
 
 def test_chart_skipped_without_matplotlib(tmp_path, monkeypatch):

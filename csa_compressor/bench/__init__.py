@@ -33,7 +33,7 @@ from .cases import (
 from .chart import draw_chart
 from .cli import main
 from .env import git_commit, source_digest, versions
-from .report import RECORD_FIELDS, format_markdown, make_record
+from .report import RECORD_FIELDS, compact_records, expand_records, format_markdown, make_record
 from .run import FULL_REPS, QUICK_REPS, BenchResult, Method, NoGPUError, default_name, run_bench, write_outputs
 from .timer import (
     DeviceActivity,
@@ -66,10 +66,12 @@ __all__ = [
     "TailCase",
     "Timer",
     "busy_us",
+    "compact_records",
     "copy_rate",
     "default_name",
     "device_idle",
     "draw_chart",
+    "expand_records",
     "floor_bytes",
     "floor_us",
     "format_markdown",

@@ -110,10 +110,10 @@ def _render(path: Path) -> int:
     """The markdown and the chart of a JSON record, written beside it (``bench_latest.json`` -> ``.md``, ``.png``)."""
     import json
 
-    from .report import format_markdown, meta_of
+    from .report import expand_records, format_markdown, meta_of
     from .run import BenchResult, write_outputs
 
-    records = json.loads(path.read_text())
+    records = expand_records(json.loads(path.read_text()))
     result = BenchResult(records=records, markdown=format_markdown(records, meta_of(records)), meta={})
     for kind, out in write_outputs(result, path.parent, path.stem, records_too=False).items():
         print(f"wrote {kind}: {out}", file=sys.stderr)

@@ -7,7 +7,16 @@ from collections.abc import Iterable, Sequence
 
 from .cases import CASES, CUDNN_FRONTEND_H200, KERNEL_BACKENDS, TORCH_TAIL, Case, floor_us, is_baseline
 
-__all__ = ["RECORD_FIELDS", "combined", "format_markdown", "make_record", "meta_of", "ours_backend"]
+__all__ = [
+    "RECORD_FIELDS",
+    "combined",
+    "compact_records",
+    "expand_records",
+    "format_markdown",
+    "make_record",
+    "meta_of",
+    "ours_backend",
+]
 
 RECORD_FIELDS = (
     "device", "date", "commit", "versions", "case", "seqlens", "head_dim", "ratio", "coff", "tail", "rope_dim",
@@ -57,6 +66,67 @@ def make_record(meta: dict, case: Case, backend: str, direction: str, copy_bytes
         "host_wall_us": meta.get("host_wall_us"),  # the same wall of events alone and of one eager op, this run
         **({"spin_wakeup_us": meta["spin_wakeup_us"]} if meta.get("spin_wakeup_us") else {}),
     }
+
+
+# The compact JSON form of a record: each run's facts once ("runs", by id), each case's shape once ("cases", by
+# name; a case whose records disagree stays in its rows), and rows of the rest, each naming its run.
+RUN_FIELDS = (
+    "device", "date", "commit", "source_digest", "versions", "copy_tb_s", "reps", "timer", "host_wall_us",
+    "spin_wakeup_us",
+)  # fmt: skip
+CASE_FIELDS = ("seqlens", "head_dim", "ratio", "coff", "tail", "rope_dim")
+# The key order of make_record, which expand_records restores (keys after these keep their row's order).
+_KEY_ORDER = (
+    *RUN_FIELDS[:5], "case", *CASE_FIELDS, "backend", "direction", "kernel_us_cold", "kernel_us_warm", "wall_us",
+    "host_us", "floor_us", *RUN_FIELDS[5:],
+)  # fmt: skip
+
+
+def _run_id(run: dict, taken: dict) -> str:
+    """The run's UTC minute (``20261130T1412Z``), with a suffix where two runs share it."""
+    date = str(run.get("date") or "")
+    stamp = "".join(c for c in date.split("+")[0] if c.isdigit() or c == "T")[:13]
+    base = name = stamp + "Z" if stamp else "run"
+    suffix = 1
+    while name in taken:
+        suffix += 1
+        name = f"{base}-{suffix}"
+    return name
+
+
+def compact_records(records: Sequence[dict]) -> dict:
+    """``{"runs": {id: facts}, "cases": {name: shape}, "rows": [...]}``; ``expand_records`` gives ``records`` back."""
+    runs: dict[str, dict] = {}
+    shapes: dict[str, dict | None] = {}
+    for rec in records:
+        shape = {k: rec[k] for k in CASE_FIELDS if k in rec}
+        if "case" in rec and shapes.setdefault(rec["case"], shape) != shape:
+            shapes[rec["case"]] = None  # records of one name with different shapes: each row keeps its own
+    cases = {name: shape for name, shape in shapes.items() if shape}
+    rows = []
+    for rec in records:
+        run = {k: rec[k] for k in RUN_FIELDS if k in rec}
+        run_id = next((i for i, r in runs.items() if r == run), None) or _run_id(run, runs)
+        runs.setdefault(run_id, run)
+        shared = set(run) | (set(cases.get(rec.get("case"), ())))
+        rows.append({"run": run_id, **{k: v for k, v in rec.items() if k not in shared}})
+    return {"runs": runs, "cases": cases, "rows": rows}
+
+
+def expand_records(data: list | dict) -> list[dict]:
+    """The records of a JSON record in either form: a list of records (older runs), or ``compact_records``'s."""
+    if isinstance(data, list):
+        return data
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ValueError("a bench record is a list of records or an object with runs and rows")
+    runs, cases = data.get("runs", {}), data.get("cases", {})
+    records = []
+    for row in data["rows"]:
+        rest = {k: v for k, v in row.items() if k != "run"}
+        merged = {**runs[row["run"]], **cases.get(row.get("case"), {}), **rest}
+        head = {k: merged[k] for k in _KEY_ORDER if k in merged}
+        records.append({**head, **{k: v for k, v in merged.items() if k not in head}})
+    return records
 
 
 def meta_of(records: Sequence[dict]) -> dict:

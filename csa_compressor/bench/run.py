@@ -29,7 +29,7 @@ from .cases import (
 )
 from .chart import draw_chart
 from .env import git_commit, source_digest, versions
-from .report import format_markdown, make_record
+from .report import compact_records, format_markdown, make_record
 from .timer import Timer
 
 __all__ = ["FULL_REPS", "QUICK_REPS", "BenchResult", "Method", "NoGPUError", "default_name", "run_bench"]
@@ -329,9 +329,20 @@ def _rounded(value):
 
 
 def records_json(records: list[dict]) -> str:
-    """A JSON list with one compact record per line: small in git, and a diff names the records that moved."""
-    lines = (json.dumps(_rounded(record), separators=(",", ":")) for record in records)
-    return "[\n" + ",\n".join(lines) + "\n]\n"
+    """The records in ``compact_records``'s form, one run, case or row per line: small in git, and a diff names
+    the rows that moved."""
+    data = compact_records(_rounded(records))
+
+    def dump(value) -> str:
+        return json.dumps(value, separators=(",", ":"))
+
+    def block(key: str, lines: Iterable[str], brackets: str) -> str:
+        return f"{dump(key)}:{brackets[0]}\n" + ",\n".join(lines) + f"\n{brackets[1]}"
+
+    runs = block("runs", (f"{dump(k)}:{dump(v)}" for k, v in data["runs"].items()), "{}")
+    cases = block("cases", (f"{dump(k)}:{dump(v)}" for k, v in data["cases"].items()), "{}")
+    rows = block("rows", (dump(row) for row in data["rows"]), "[]")
+    return "{" + ",\n".join((runs, cases, rows)) + "}\n"
 
 
 def write_outputs(result: BenchResult, out_dir: Path, stem: str, records_too: bool = True) -> dict[str, Path]:
