@@ -43,7 +43,6 @@ __all__ = [
     "check_forward_fresh",
     "check_offsets",
     "check_rows_need_tokens",
-    "check_softmax_stats",
     "check_total_comp",
     "check_total_comp_rows",
     "check_total_tokens",
@@ -501,12 +500,6 @@ def check_backward(
     """Every backward bound (``check_support``); returns the configuration, scalars converted to ints."""
     args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
     return _FULL["backward"](*args, ratio, coff, head_dim, None)[0]
-
-
-def check_softmax_stats(cfg: Config, stats, rows: int) -> None:
-    """The optional ``softmax_stats``: ``(rows, 3, head_dim)`` float32, contiguous, 16-byte aligned, on the
-    configuration's device, and only for long windows (``windows.uses_softmax_stats``)."""
-    cfg.recheck_stats(stats, rows)
 
 
 # ---------------------------------------------------------------- the validation mode's switch

@@ -45,6 +45,7 @@ from csa_compressor.testing import make_pack  # noqa: E402
 from csa_compressor.windows import window_slots  # noqa: E402
 
 from ..test_tail import CASES, case_pack_and_tail  # noqa: E402
+from .test_cute_launch import _ptrs, _Recorder  # noqa: E402
 
 H200 = offline_spec("sm_90a")
 F32, BF16 = torch.float32, torch.bfloat16
@@ -348,14 +349,6 @@ def test_loaded_tail_functions_take_pointers_ints_floats_and_the_stream(tmp_path
 # ---------------------------------------------------------------- the launch path, recorded (CPU tensors)
 
 
-class _Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
 @pytest.fixture
 def host_path(monkeypatch):
     """Recording host functions in place of the kernels; current device and stream stubbed (no CUDA here)."""
@@ -397,10 +390,6 @@ def _composed(host_path, direction, pack, spec, fuse=True, merged=False):
     route.pool = _backward_launcher(pool_cfg, 8)
     host_path[(direction, pack.ratio, pack.coff, pack.head_dim, pack.kv.dtype, None, spec, fuse)] = route
     return route
-
-
-def _ptrs(*tensors):
-    return tuple(t.data_ptr() for t in tensors)
 
 
 def _block(tail, rstd, grad_w=None, gradient=False):

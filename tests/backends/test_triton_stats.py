@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 from csa_compressor import reference  # noqa: E402
 from csa_compressor.backends.triton import config, launch, plans  # noqa: E402
 from csa_compressor.testing import bf16_ulp_distance, contract_report  # noqa: E402
-from tests.backends.test_triton import DEVICE, LONG_TILINGS, _bits, _nan_like, _pack  # noqa: E402
+from tests.backends.test_triton import DEVICE, LONG_TILINGS, _bits, _case_id, _nan_like, _pack  # noqa: E402
 
 _REASON = launch.device_unsupported_reason(DEVICE)
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
@@ -91,11 +91,6 @@ CASES = [
     ((300, 5), 5, 128, 1, 1, 1),
     ((5, 0, 3), 8, 16, 2, 12, 2),  # no segment reaches ratio: every row is padding
 ]
-
-
-def _case_id(case):
-    seqlens, d, r, c, tp, cp = case
-    return f"r{r}c{c}d{d}B{len(seqlens)}tp{tp}cp{cp}"
 
 
 def _case_pack(case):
