@@ -1,18 +1,9 @@
-"""The cute backend's fused tail (RMSNorm, RoPE; issue 26): the composed route and its plumbing.
+"""The cute backend's fused tail (RMSNorm, RoPE): the composed route and its plumbing.
 
-On the CPU (no GPU needed, only nvidia-cutlass-dsl): the TailSpec of a TailConfig, the route of every window class
-(``select.tail_route``; the fused hook has no configuration yet), the tail kernels' geometry, the host functions'
-placeholder arguments, an offline compile of every new kernel (``TailForward``, ``TailGradient``, the statistics
-forward of short windows, the statistics backward reading an fp32 dx) for sm_90a and sm_100a with the expected
-parameter lists and no local memory, and the launch path with recording host functions: the composed forward and
-backward (statistics given or recomputed, workspaces, grids, the tail's block) and the fused route's call
-convention (the pooling arguments, then the tail's block; slabs of ``slab_entries`` floats per CTA).
-
-On the GPU (``-m gpu``): ``tail.check_backend`` (out within 1 bf16 ulp of the fp32 reference, grad_kv / grad_score
-within 1 ulp, grad_ape and grad_norm_weight at relative L2 <= 1e-5 against fp64, bitwise run to run) through the
-protocol calls (statistics given or not, rstd given or not) and through every API entry point, over
-tests/test_tail.py's cases and this file's (SPEC sizes, odd head_dim, rope_dim 0 / 2 / 64 / head_dim, both pair
-conventions, ratio 4 coff 2, ratio 128 coff 1 and 2, ratio 2 coff 1, bf16 weights, rows wider than a warp);
+On the CPU (nvidia-cutlass-dsl only): TailSpec, every window's route, the tail kernels' geometry and placeholder
+arguments, an offline compile of every new kernel for sm_90a and sm_100a (parameter lists, no local memory), and
+the composed and fused routes' launches with recording host functions. On the GPU (``-m gpu``): held to ``tail.check_backend`` (the contract of docs/tail.md, bitwise run to run)
+through the protocol calls and every API entry point, over tests/test_tail.py's cases and ``OWN_CASES``;
 positions outside the tables; rstd; the identity tail; a CUDA-graph capture with a tail after compile().
 """
 
