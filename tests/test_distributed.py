@@ -76,16 +76,41 @@ def _plain(p, backend="reference"):
     return out.detach(), [t.grad for t in leaves]
 
 
-def _single_rank(p, layout, backend="reference"):
+class _Misaligned(torch.autograd.Function):
+    """Identity whose backward hands on the gradient at an address 2 bytes past a 16-byte boundary."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        view = grad.new_empty(grad.numel() + 1)[1:].view_as(grad)
+        return view.copy_(grad)
+
+
+def _single_rank(p, layout, backend="reference", misaligned=False, before=None):
+    """The CP call and gather_rows on a world of one, then the backward: rows and full-size gradients;
+    ``before(kv, score, ape)`` runs first (to build and adjust the plan)."""
     kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
     ape = p.ape.clone().requires_grad_(True)
+    if before is not None:
+        before(kv, score, ape)
     out, rows = compressor_pool_cp(kv, score, ape, layout, ratio=p.ratio, coff=p.coff, backend=backend)
-    out_all = gather_rows(out, rows, layout)
+    out_all = gather_rows(_Misaligned.apply(out) if misaligned else out, rows, layout)
     cp_worker._backward(out_all, p.grad_out)
-    idx = layout.local_token_index()
+    idx = layout.local_token_index(p.kv.device)
     grad_kv, grad_score = torch.zeros_like(p.kv), torch.zeros_like(p.score)
     grad_kv[idx], grad_score[idx] = kv.grad, score.grad
     return out_all.detach(), [grad_kv, grad_score, ape.grad]
+
+
+def _assert_plain(p, out, grads, backend="reference", ape_bitwise=False):
+    """Rows and kv/score gradients bitwise the plain op's; grad_ape bitwise or within 1e-6."""
+    ref_out, ref_grads = _plain(p, backend)
+    assert out is None or torch.equal(out, ref_out)
+    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
+    assert torch.equal(grads[2], ref_grads[2]) if ape_bitwise else rel_l2(grads[2], ref_grads[2]) <= 1e-6
 
 
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (2, 1), (8, 2), (1, 2)])
@@ -100,11 +125,7 @@ def test_world_of_one_matches_plain_op(ratio, coff, split):
         "reversed": [(60, total - 60), (5, 55), (0, 5)],
         "single-tokens": [(t, 1) for t in reversed(range(total))],
     }[split]
-    out, grads = _single_rank(p, CPLayout.from_pieces(p.cu_seqlens, pieces))
-    ref_out, ref_grads = _plain(p)
-    assert torch.equal(out, ref_out)
-    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
-    assert rel_l2(grads[2], ref_grads[2]) <= 1e-6
+    _assert_plain(p, *_single_rank(p, CPLayout.from_pieces(p.cu_seqlens, pieces)))
 
 
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2), (2, 1)])
@@ -175,7 +196,7 @@ _PIECES_EXTRA_LAUNCHES = {("fwd", 1): 3, ("fwd", 2): 3, ("fwd+bwd", 1): 6, ("fwd
 
 @pytest.mark.parametrize(("seqlens", "ratio", "coff"), [((37, 3, 20, 1, 50), 4, 2), ((300, 200, 600), 128, 1)])
 def test_cp_call_launches(seqlens, ratio, coff):
-    """Issue 27: a world of one in one piece is the plain op (no launch added); in pieces the CP path adds one op
+    """A world of one in one piece is the plain op (no launch added); in pieces the CP path adds one op
     call per direction and a fixed few other launches, however many pieces, none of them a host
     synchronisation (counted as ``benchmarks/cp_bench.py --host-only`` does, the kernels stubbed)."""
     bench = _cp_bench()
@@ -209,36 +230,18 @@ _PLACEMENTS = {
 }
 
 
-class _Misaligned(torch.autograd.Function):
-    """Identity whose backward hands on the gradient at an address 2 bytes past a 16-byte boundary."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        view = grad.new_empty(grad.numel() + 1)[1:].view_as(grad)
-        return view.copy_(grad)
-
-
 def _placement_run(name, backend, misaligned=False):
     seqlens, ratio, coff, head_dim, pieces, _, _ = _PLACEMENTS[name]
     p = make_pack(seqlens, head_dim, ratio, coff, seed=len(name))
     layout = CPLayout.from_pieces(p.cu_seqlens, pieces(sum(p.seqlens)))
-    kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
-    ape = p.ape.clone().requires_grad_(True)
-    args = dict(ratio=ratio, coff=coff, backend=backend)
-    compressor_pool_cp(kv.detach(), score.detach(), ape.detach(), layout, **args)  # builds the plan
-    dp = next(iter(layout._plans.values()))
-    dp.direct = None  # the autograd node even where the call would be the plain op
-    out, rows = compressor_pool_cp(kv, score, ape, layout, **args)
-    out_all = gather_rows(_Misaligned.apply(out) if misaligned else out, rows, layout)
-    cp_worker._backward(out_all, p.grad_out)
-    idx = layout.local_token_index()
-    grad_kv, grad_score = torch.zeros_like(p.kv), torch.zeros_like(p.score)
-    grad_kv[idx], grad_score[idx] = kv.grad, score.grad
-    return p, dp, out_all.detach(), [grad_kv, grad_score, ape.grad]
+    plans = layout._plans
+
+    def undirect(kv, score, ape):
+        compressor_pool_cp(kv.detach(), score.detach(), ape.detach(), layout, ratio=ratio, coff=coff, backend=backend)
+        next(iter(plans.values())).direct = None  # the autograd node even where the call would be the plain op
+
+    out, grads = _single_rank(p, layout, backend, misaligned, before=undirect)
+    return p, next(iter(plans.values())), out, grads
 
 
 _BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
@@ -257,10 +260,7 @@ def test_world_of_one_placements_match_plain_op(name, backend):
     expect_kind, expect_slice = _PLACEMENTS[name][5:]
     assert dp.forward_placement(p.head_dim, p.kv.element_size()) == expect_kind
     assert dp.grad_slice == expect_slice
-    ref_out, ref_grads = _plain(p, backend)
-    assert torch.equal(out, ref_out)
-    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
-    assert rel_l2(grads[2], ref_grads[2]) <= 1e-6
+    _assert_plain(p, out, grads, backend)
     again = _placement_run(name, backend)[3]
     assert all(torch.equal(a, b) for a, b in zip(grads, again, strict=True))
 
@@ -270,8 +270,7 @@ def test_unaligned_grad_out_is_gathered(name):
     """A grad_out at an address the op cannot take as it is: the interior's part is gathered instead of
     sliced, with the same gradients."""
     p, _, _, grads = _placement_run(name, "reference", misaligned=True)
-    ref_grads = _plain(p)[1]
-    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
+    _assert_plain(p, None, grads)
 
 
 def test_side_stream_is_cuda_only():
@@ -360,7 +359,7 @@ def test_docs_examples_run():
 
 @pytest.mark.gpu
 def test_nccl_two_gpus_match_single_gpu():
-    """Issue 28 point 1: one process per GPU with NCCL, cute and triton, contiguous / load-balanced / ragged
+    """One process per GPU with NCCL, cute and triton, contiguous / load-balanced / ragged
     splits at full head_dim: gathered rows and kv/score gradients bitwise, grad_ape within 1e-6 relative, bad
     layouts a ValueError on both ranks (tests/cp_worker.py, ``_nccl_suite``)."""
     if torch.cuda.device_count() < 2:
@@ -382,32 +381,13 @@ def test_nccl_two_gpus_match_single_gpu():
 @pytest.mark.parametrize("split", ["whole", "pieces"])
 @pytest.mark.parametrize(("ratio", "coff", "head_dim"), [(4, 2, 512), (4, 2, 128), (128, 1, 512), (128, 2, 128)])
 def test_world_of_one_cute_equals_plain_op(split, ratio, coff, head_dim):
-    """Issue 27 point 2: on one GPU, the CP op on a world of one rank with the cute backend is the plain op,
+    """On one GPU, the CP op on a world of one rank with the cute backend is the plain op,
     bitwise (outputs, grad_kv, grad_score; grad_ape too in one piece, where it is the same call)."""
     p = make_pack((4096, 1000, 3000), head_dim, ratio, coff, device="cuda", seed=3)
     total = sum(p.seqlens)
     pieces = [(0, total)] if split == "whole" else [(5000, total - 5000), (1999, 3001), (0, 1999)]
     layout = CPLayout.from_pieces(p.cu_seqlens, pieces)
-    out, grads = _single_rank_gpu(p, layout)
-    ref_out, ref_grads = _plain(p, "cute")
-    assert torch.equal(out, ref_out)
-    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
-    if split == "whole":
-        assert torch.equal(grads[2], ref_grads[2])
-    else:
-        assert rel_l2(grads[2], ref_grads[2]) <= 1e-6
-
-
-def _single_rank_gpu(p, layout):
-    kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
-    ape = p.ape.clone().requires_grad_(True)
-    out, rows = compressor_pool_cp(kv, score, ape, layout, ratio=p.ratio, coff=p.coff, backend="cute")
-    out_all = gather_rows(out, rows, layout)
-    cp_worker._backward(out_all, p.grad_out)
-    idx = layout.local_token_index(p.kv.device)
-    grad_kv, grad_score = torch.zeros_like(p.kv), torch.zeros_like(p.score)
-    grad_kv[idx], grad_score[idx] = kv.grad, score.grad
-    return out_all.detach(), [grad_kv, grad_score, ape.grad]
+    _assert_plain(p, *_single_rank(p, layout, "cute"), "cute", ape_bitwise=split == "whole")
 
 
 @pytest.mark.gpu
@@ -422,15 +402,12 @@ def test_world_of_one_side_stream_equals_plain_op(monkeypatch, name, head_dim):
     seqlens = tuple(64 * n for n in seqlens)  # long enough that the two calls overlap
     p = make_pack(seqlens, head_dim, ratio, coff, device="cuda", seed=7)
     layout = CPLayout.from_pieces(p.cu_seqlens, pieces(sum(seqlens)))
-    results = [_single_rank_gpu(p, layout)]
+    results = [_single_rank(p, layout, "cute")]
     assert streams._STREAMS, "the side stream was not used"
     monkeypatch.setattr(streams, "side_stream", lambda device: None)  # every call in order on one stream
-    results.append(_single_rank_gpu(p, layout))
-    ref_out, ref_grads = _plain(p, "cute")
+    results.append(_single_rank(p, layout, "cute"))
     out, grads = results[0]
-    assert torch.equal(out, ref_out)
-    assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
-    assert rel_l2(grads[2], ref_grads[2]) <= 1e-6
+    _assert_plain(p, out, grads, "cute")
     for a, b in zip([out, *grads], [results[1][0], *results[1][1]], strict=True):
         assert torch.equal(a, b)
 

@@ -99,9 +99,15 @@ def test_rejects_out_shape():
     _check(args, r"out.shape\[1\] must be head_dim=8.*\(4, 7\)")
 
 
-def test_rejects_token_offset_overflow():
-    width = 2 * 4096
-    tokens = 2**31 // width
+@pytest.mark.parametrize(
+    ("tokens", "width", "rows", "head_dim", "match"),
+    [
+        (2**31 // 8192, 8192, 1, 4096, r"T \* coff \* head_dim < 2\*\*31.*262144 \* 8192"),
+        (16, 1024, 2**22, 512, r"total_comp \* head_dim < 2\*\*31.*4194304 \* 512"),
+    ],
+    ids=["token-offset", "row-offset"],
+)
+def test_rejects_offset_overflow(tokens, width, rows, head_dim, match):
     meta = dict(device="meta")
     args = [
         torch.empty(tokens, width, dtype=torch.bfloat16, **meta),
@@ -109,22 +115,9 @@ def test_rejects_token_offset_overflow():
         torch.empty(4, width, **meta),
         torch.empty(2, dtype=torch.int32, **meta),
         torch.empty(2, dtype=torch.int32, **meta),
-        torch.empty(1, 4096, dtype=torch.bfloat16, **meta),
+        torch.empty(rows, head_dim, dtype=torch.bfloat16, **meta),
     ]
-    _check(args, r"T \* coff \* head_dim < 2\*\*31.*262144 \* 8192")
-
-
-def test_rejects_row_offset_overflow():
-    meta = dict(device="meta")
-    args = [
-        torch.empty(16, 1024, dtype=torch.bfloat16, **meta),
-        torch.empty(16, 1024, dtype=torch.bfloat16, **meta),
-        torch.empty(4, 1024, **meta),
-        torch.empty(2, dtype=torch.int32, **meta),
-        torch.empty(2, dtype=torch.int32, **meta),
-        torch.empty(2**22, 512, dtype=torch.bfloat16, **meta),
-    ]
-    _check(args, r"total_comp \* head_dim < 2\*\*31.*4194304 \* 512")
+    _check(args, match)
 
 
 def test_rejects_rows_without_enough_tokens():

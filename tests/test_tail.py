@@ -448,21 +448,18 @@ def test_docs_examples_run():
         exec(compile(block, "docs/tail.md", "exec"), {})
 
 
+def _to_cuda(a):
+    """A CUDA copy of a tensor or of a tail's tensors; anything else as it is."""
+    if isinstance(a, T.Tail):
+        return dataclasses.replace(a, **{f.name: _to_cuda(getattr(a, f.name)) for f in dataclasses.fields(a)})
+    return a.cuda() if isinstance(a, torch.Tensor) else a
+
+
 def _on_cuda(fn):
     """``fn`` run on CUDA copies of its tensor arguments (and of the tail's), results back on the CPU."""
 
     def moved(*args, **kw):
-        def to_cuda(a):
-            return a.cuda() if isinstance(a, torch.Tensor) else a
-
-        args = [to_cuda(a) for a in args]
-        args = [
-            dataclasses.replace(a, **{f.name: to_cuda(getattr(a, f.name)) for f in dataclasses.fields(a)})
-            if isinstance(a, T.Tail)
-            else a
-            for a in args
-        ]
-        result = fn(*args, **kw)
+        result = fn(*(_to_cuda(a) for a in args), **kw)
         if isinstance(result, torch.Tensor):
             return result.cpu()
         return tuple(None if r is None else r.cpu() for r in result)

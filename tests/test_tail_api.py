@@ -1,11 +1,9 @@
-"""The fused tail (RMSNorm, RoPE; issue 26) through the public API.
+"""The fused tail (RMSNorm, RoPE) through the public API.
 
-``tail.check_backend`` over tests/test_tail.py's cases for every entry point (the wrappers, with and without the
+``tail.check_backend`` over tests/test_tail.py's cases for every entry point (the wrappers with and without the
 softmax statistics, the classes, ``compressor_pool`` with autograd and under ``torch.compile(fullgraph=True)``)
-on the reference backend, and on the Triton backend once it has ``supports_tail`` (until then those cases skip
-and say so); the tail's bounds named at every entry point; the identity tail bitwise the pooling; opcheck of
-the tail ops. ``python -m tests.test_tail_api`` prints the per-call host cost of the entry points with the
-backend's launch mocked.
+per backend; the tail's bounds named at every entry point; the identity tail bitwise the pooling; opcheck of the
+tail ops. ``python -m tests.test_tail_api`` prints the entry points' host cost per call, the launch mocked.
 """
 
 from __future__ import annotations

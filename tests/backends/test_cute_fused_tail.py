@@ -1,15 +1,9 @@
 """The cute backend's fused tail (RMSNorm + RoPE inside the short-window kernels of one power-of-two slot group).
 
-On the CPU: the fused ``ForwardShortWindow`` and ``BackwardShortWindow`` (and the reduction of their slabs into
-grad_ape and grad_norm_weight) compile offline for sm_90a and sm_100a over the tail's shapes (rope_dim 0 / 2 / 64 /
-head_dim, both pair conventions, norm fp32 / bf16 / none, positions or not, head_dim 128 / 512 and odd ones)
-with the agreed parameter lists, no local memory and the row sums' shuffles; the fused configurations hold whole
-rows and exist exactly for those windows; the host functions take the tail's arguments in the agreed order.
-
-On the GPU (``-m gpu``): the host functions launched directly, held to ``csa_compressor.tail.check_backend``
-(out within 1 bf16 ulp of the fp32 reference, grad_kv / grad_score within 1 ulp, grad_ape and grad_norm_weight
-at relative L2 <= 1e-5 against fp64, bitwise run to run) over ragged packs, short segments, padding rows and odd
-head_dims; outputs, gradients and slabs start as NaN, so an entry a kernel leaves unwritten fails.
+On the CPU: the fused kernels and their slab reduction compile offline for sm_90a and sm_100a over ``BUILDS``
+(parameter lists, no local memory, the row sums' shuffles); the fused configurations hold whole rows and exist
+exactly for those windows; the host functions take the tail's arguments in order. On the GPU (``-m gpu``): the
+host functions launched directly on NaN-filled buffers, held to ``tail.check_backend`` (the contract of docs/tail.md, bitwise run to run).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
-"""The cute backend's fused tail (RMSNorm, RoPE; issue 26): the composed route and its plumbing.
+"""The cute backend's fused tail (RMSNorm, RoPE): the composed route and its plumbing.
 
-On the CPU (no GPU needed, only nvidia-cutlass-dsl): the TailSpec of a TailConfig, the route of every window class
-(``select.tail_route``; the fused hook has no configuration yet), the tail kernels' geometry, the host functions'
-placeholder arguments, an offline compile of every new kernel (``TailForward``, ``TailGradient``, the statistics
-forward of short windows, the statistics backward reading an fp32 dx) for sm_90a and sm_100a with the expected
-parameter lists and no local memory, and the launch path with recording host functions: the composed forward and
-backward (statistics given or recomputed, workspaces, grids, the tail's block) and the fused route's call
-convention (the pooling arguments, then the tail's block; slabs of ``slab_entries`` floats per CTA).
-
-On the GPU (``-m gpu``): ``tail.check_backend`` (out within 1 bf16 ulp of the fp32 reference, grad_kv / grad_score
-within 1 ulp, grad_ape and grad_norm_weight at relative L2 <= 1e-5 against fp64, bitwise run to run) through the
-protocol calls (statistics given or not, rstd given or not) and through every API entry point, over
-tests/test_tail.py's cases and this file's (SPEC sizes, odd head_dim, rope_dim 0 / 2 / 64 / head_dim, both pair
-conventions, ratio 4 coff 2, ratio 128 coff 1 and 2, ratio 2 coff 1, bf16 weights, rows wider than a warp);
+On the CPU (nvidia-cutlass-dsl only): TailSpec, every window's route, the tail kernels' geometry and placeholder
+arguments, an offline compile of every new kernel for sm_90a and sm_100a (parameter lists, no local memory), and
+the composed and fused routes' launches with recording host functions. On the GPU (``-m gpu``): held to ``tail.check_backend`` (the contract of docs/tail.md, bitwise run to run)
+through the protocol calls and every API entry point, over tests/test_tail.py's cases and ``OWN_CASES``;
 positions outside the tables; rstd; the identity tail; a CUDA-graph capture with a tail after compile().
 """
 
@@ -44,7 +35,7 @@ from csa_compressor.tail import TailConfig  # noqa: E402
 from csa_compressor.testing import make_pack  # noqa: E402
 from csa_compressor.windows import window_slots  # noqa: E402
 
-from ..test_tail import CASES, case_pack_and_tail  # noqa: E402
+from ..test_tail import CASES, _on_cuda, _to_cuda, case_pack_and_tail  # noqa: E402
 from .test_cute_launch import _ptrs, _Recorder  # noqa: E402
 
 H200 = offline_spec("sm_90a")
@@ -549,17 +540,6 @@ def _gpu_launch():
     return launch
 
 
-def _on_cuda_tail(tail: T.Tail) -> T.Tail:
-    return dataclasses.replace(
-        tail,
-        **{
-            f.name: getattr(tail, f.name).cuda()
-            for f in dataclasses.fields(tail)
-            if isinstance(getattr(tail, f.name), torch.Tensor)
-        },
-    )
-
-
 def _nan(shape, dtype=F32):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
@@ -578,11 +558,11 @@ def _protocol(with_stats: bool, with_rstd: bool):
 
     def forward_fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, tail, *, ratio, coff, total_comp):
         inputs = tuple(t.cuda() for t in (kv, score, ape, cu_seqlens, cu_seqlens_comp))
-        return forward_pass(inputs, _on_cuda_tail(tail), ratio, coff, total_comp)[0].cpu()
+        return forward_pass(inputs, _to_cuda(tail), ratio, coff, total_comp)[0].cpu()
 
     def backward_fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, tail, *, ratio, coff):
         inputs = tuple(t.cuda() for t in (kv, score, ape, cu_seqlens, cu_seqlens_comp))
-        tail = _on_cuda_tail(tail)
+        tail = _to_cuda(tail)
         stats = rstd = None
         if with_stats or with_rstd:
             _, stats, rstd = forward_pass(inputs, tail, ratio, coff, grad_out.shape[0])
@@ -659,7 +639,7 @@ def test_composed_backward_launches(head_dim, norm, given):
     from torch.profiler import ProfilerActivity, profile
 
     pack = make_pack((1030, 515), head_dim, 128, 1, comp_padding=3, seed=3)
-    tail = _on_cuda_tail(T.random_tail(pack, norm=norm, rope_dim=64, seed=4))
+    tail = _to_cuda(T.random_tail(pack, norm=norm, rope_dim=64, seed=4))
     inputs = tuple(t.cuda() for t in pack.inputs)
     kv, score, ape = inputs[:3]
     n, d = pack.total_comp, head_dim
@@ -708,7 +688,6 @@ def test_composed_route_of_windows_the_hook_fuses(name, monkeypatch):
 def test_api_entry_points_meet_the_contract(entry, name):
     """Every entry point with backend="cute" (the autograd saves the statistics of long windows)."""
     _gpu_launch()
-    from ..test_tail import _on_cuda
     from ..test_tail_api import ENTRY_POINTS
 
     pack, tail = _case(name, seed=32)
@@ -757,7 +736,7 @@ def test_rstd_and_identity_tail():
     _gpu_launch()
     pack, tail = _case("r4c2d512-rope64-pos", seed=34)
     inputs = tuple(t.cuda() for t in pack.inputs)
-    tail = _on_cuda_tail(tail)
+    tail = _to_cuda(tail)
     n, d = pack.total_comp, pack.head_dim
     x = T.pooled_rows(*inputs, ratio=4, coff=2, total_comp=n, dtype=F32)
     out, rstd = _nan((n, d), BF16), _nan((n,))

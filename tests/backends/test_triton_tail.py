@@ -1,13 +1,9 @@
-"""Triton backend: the fused tail (RMSNorm, RoPE; issue 26) in every window class, held to
-``csa_compressor.tail.check_backend`` (out within 1 bf16 ulp of the fp32 reference, grad_kv / grad_score within
-1 ulp, grad_ape and grad_norm_weight at relative L2 <= 1e-5 against fp64, bitwise run to run).
+"""Triton backend: the fused tail (RMSNorm, RoPE) in every window class, held to ``tail.check_backend`` (the contract of docs/tail.md, bitwise run to run).
 
-Routes: short windows, up to 16 slots (the tail fused into whole-row window programs); long windows, whose forward
-is composed (the statistics forward into the caller's statistics or a workspace, then the epilogue over whole rows)
-and whose backward runs without statistics (recomputed through the statistics pair) or with them (its in-program
-row sums, or its dx kernel first), with and without the forward's rstd. Every output, partial and workspace starts
-as NaN, so an entry a kernel leaves unwritten fails the contract. Runs under Triton's interpreter on a CPU-only
-machine, on the small cases of tests/test_tail.py and a few more (``EXTRA``).
+Short windows (up to 16 slots) fuse the tail into whole-row programs; long windows compose it (statistics
+forward, then the epilogue), their backward with or without statistics and rstd. Every output, partial and
+workspace starts as NaN. Runs under Triton's interpreter on a CPU-only machine (tests/test_tail.py's small cases
+and ``EXTRA``).
 """
 
 from __future__ import annotations
