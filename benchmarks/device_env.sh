@@ -1,6 +1,9 @@
 # Sourced by the device session scripts (run from the repository root): unpack the bundles a device call carries
-# (CuTe-DSL as .cutedsl/*.tar.xz, apache-tvm-ffi as .whl/tvm_ffi_cp312.tar.xz) and put them and the repository
-# on PYTHONPATH.
+# (CuTe-DSL as .cutedsl/*.tar.xz, apache-tvm-ffi as .whl/tvm_ffi_cp312.tar.xz, the tree's packed paths as
+# .devtree/rest.tar.xz: benchmarks/README.md) and put them and the repository on PYTHONPATH.
+if [ -f .devtree/rest.tar.xz ]; then
+    tar xJf .devtree/rest.tar.xz
+fi
 if [ -d .cutedsl ]; then
     mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
 fi
