@@ -26,7 +26,7 @@ from cutlass import BFloat16, Float32, Int32
 
 from .configs import TailSpec
 from .ptx import add_rn, div_rn, mul_rn, rcp_rn, sqrt_rn, sub_rn
-from .window import find_segment, registers, vec_view
+from .window import find_segment, vec_view
 
 
 def select(cond, a, b) -> Float32:
@@ -218,8 +218,3 @@ class RowTail:
                 turned = select(self.is_first(col), first, second)
             dy.append(select(self.in_rope(col), turned, own))
         return dy
-
-
-def fp32_registers(count: int, width: int) -> list:
-    """``count`` fp32 register tensors of ``width`` elements."""
-    return [registers(width) for _ in range(count)]
