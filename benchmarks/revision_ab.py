@@ -109,12 +109,6 @@ def run(workdir: Path, rounds: int, bench_args: list[str], timeout_s: float) -> 
     return failed
 
 
-def rows_of(record: list | dict) -> list[dict]:
-    """A bench record's rows: its list of records (older benches) or the compact form's rows, which keep every
-    field the medians read."""
-    return record["rows"] if isinstance(record, dict) else record
-
-
 def medians(runs: list[list[dict]]) -> dict[tuple[str, str, str], dict[str, float]]:
     """Per (case, backend, direction): the median of each figure over the runs that measured it."""
     values: dict[tuple[str, str, str], dict[str, list[float]]] = {}
@@ -134,8 +128,11 @@ def _fmt(x: float | None) -> str:
 def compare(workdir: Path) -> str:
     """Markdown: A and B medians of cold, warm and wall per measurement, and B / A of the cold time."""
     sides = json.loads((workdir / "sides.json").read_text())
+    sys.path.insert(0, str(ROOT))  # the records' one reader, this tree's (its bench wrote both sides' records)
+    from csa_compressor.bench.report import expand_records
+
     paths = {s: sorted((workdir / "runs").glob(f"{s}[0-9]*.json")) for s in SIDES}
-    runs = {s: [rows_of(json.loads(p.read_text())) for p in paths[s]] for s in SIDES}
+    runs = {s: [expand_records(json.loads(p.read_text())) for p in paths[s]] for s in SIDES}
     a, b = medians(runs["a"]), medians(runs["b"])
     lines = [f"A = {sides['a']['spec']} ({sides['a']['commit'][:12]}), B = {sides['b']['spec']} "
              f"({sides['b']['commit'][:12]}); medians of {len(runs['a'])} / {len(runs['b'])} runs, us", "",

@@ -76,10 +76,7 @@ RUN_FIELDS = (
 )  # fmt: skip
 CASE_FIELDS = ("seqlens", "head_dim", "ratio", "coff", "tail", "rope_dim")
 # The key order of make_record, which expand_records restores (keys after these keep their row's order).
-_KEY_ORDER = (
-    *RUN_FIELDS[:5], "case", *CASE_FIELDS, "backend", "direction", "kernel_us_cold", "kernel_us_warm", "wall_us",
-    "host_us", "floor_us", *RUN_FIELDS[5:],
-)  # fmt: skip
+_KEY_ORDER = tuple(make_record({"spin_wakeup_us": 1.0}, CASES[0], "", "fwd", 1.0))
 
 
 def _run_id(run: dict, taken: dict) -> str:
