@@ -9,20 +9,14 @@ forwards only, and carries its launch bounds. Running the kernels needs the GPU:
 """
 
 import math
-import os
-import re
 import tempfile
 from dataclasses import replace
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+from .common import ENTRY, cute_launch
 
-cute_launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-if cute_launch.unavailable_reason() is not None:
-    pytest.skip(f"cute backend unavailable: {cute_launch.unavailable_reason()}", allow_module_level=True)
+cute_launch = cute_launch()
 
 from csa_compressor.backends.cute import configs  # noqa: E402
 from csa_compressor.backends.cute.backward_long import BackwardLongWindow  # noqa: E402
@@ -35,7 +29,6 @@ from csa_compressor.backends.cute.select import config_for, kernel_for  # noqa: 
 from csa_compressor.windows import is_short_window, uses_softmax_stats  # noqa: E402
 
 H200 = offline_spec("sm_90a")
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 
 # (name, direction, ratio, coff, head_dim, kernel class): one compile of each kernel class and form, small shapes.
 BUILDS = [
@@ -54,7 +47,7 @@ BUILDS = [
 def _entries(ptx: str) -> dict[str, str]:
     """Kernel name -> parameter kinds ('p' a 64-bit pointer, 'i' a 32-bit int)."""
     out = {}
-    for name, params in _ENTRY.findall(ptx):
+    for name, params in ENTRY.findall(ptx):
         kinds = ["p" if ".u64" in p or ".b64" in p else "i" for p in params.split(",") if p.strip()]
         out[name] = "".join(kinds)
     return out

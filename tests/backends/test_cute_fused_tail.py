@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import re
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,12 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+from .common import ENTRY, cute_launch
 
-launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-if launch.unavailable_reason() is not None:
-    pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
+launch = cute_launch()
 
 from csa_compressor import tail as T  # noqa: E402
 from csa_compressor.backends.cute import configs, select, tail_configs  # noqa: E402
@@ -38,7 +33,6 @@ H200 = offline_spec("sm_90a")
 _CUBINS_SPEC = importlib.util.spec_from_file_location("cubins", Path(__file__).parents[2] / "benchmarks" / "cubins.py")
 _CUBINS = importlib.util.module_from_spec(_CUBINS_SPEC)
 _CUBINS_SPEC.loader.exec_module(_CUBINS)  # its cubin reader: registers and stack frame per kernel
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 
 
 def spec(norm="fp32", rope_dim=0, interleaved=True, positions=False) -> configs.TailSpec:
@@ -101,7 +95,7 @@ def test_fused_kernels_compile(arch, name, direction):
     if direction == "forward" and cfg.ctas_per_sm_cap:
         assert f".minnctapersm {cfg.ctas_per_sm_cap}" in ptx
         assert used["registers"] * cfg.threads * cfg.ctas_per_sm_cap <= configs.REGISTERS_PER_SM, used
-    entries = sorted(_kinds(params) for _name, params in _ENTRY.findall(ptx))
+    entries = sorted(_kinds(params) for _name, params in ENTRY.findall(ptx))
     if direction == "forward":
         assert entries == ["pppppp" + "iii" + "ppppp" + "fi"]
         assert ("ld.global.cs" in ptx) == (cfg.vector_width > 1)  # the window streams as without a tail

@@ -18,12 +18,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+from .common import cute_launch
 
-launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-if launch.unavailable_reason() is not None:
-    pytest.skip(launch.unavailable_reason(), allow_module_level=True)
+launch = cute_launch()
 
 from csa_compressor.backends.cute import cache  # noqa: E402
 from csa_compressor.backends.cute.device import offline_spec  # noqa: E402

@@ -10,7 +10,6 @@ positions outside the tables; rstd; the identity tail; a CUDA-graph capture with
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import tempfile
 from types import SimpleNamespace
@@ -18,12 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+from .common import BF16, ENTRY, F32, cute_launch
 
-launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-if launch.unavailable_reason() is not None:
-    pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
+launch = cute_launch()
 
 from csa_compressor import tail as T  # noqa: E402
 from csa_compressor.backends.cute import build, configs, select, tail_configs, tail_launch  # noqa: E402
@@ -39,7 +35,6 @@ from ..test_tail import CASES, _on_cuda, _to_cuda, case_pack_and_tail  # noqa: E
 from .test_cute_launch import _ptrs, _Recorder  # noqa: E402
 
 H200 = offline_spec("sm_90a")
-F32, BF16 = torch.float32, torch.bfloat16
 SPEC_FULL = configs.TailSpec(True, True, 64, True, True)
 
 
@@ -175,7 +170,6 @@ def test_reduction_of_the_weight_slabs_apart():
 
 # ---------------------------------------------------------------- offline compile (sm_90a and sm_100a)
 
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 SPECS = {
     "norm-rope64-pos": SPEC_FULL,
     "bf16w-rope2-half": configs.TailSpec(True, False, 2, False, False),
@@ -214,7 +208,7 @@ def _entries(ptx: str) -> list[str]:
     """Parameter kinds of every kernel entry: 'p' a 64-bit pointer, 'i' a 32-bit int, 'f' an fp32."""
     kinds = {".u64": "p", ".b64": "p", ".u32": "i", ".s32": "i", ".b32": "i", ".f32": "f"}
     return sorted(
-        "".join(kinds[p.split()[1]] for p in params.split(",") if p.strip()) for _, params in _ENTRY.findall(ptx)
+        "".join(kinds[p.split()[1]] for p in params.split(",") if p.strip()) for _, params in ENTRY.findall(ptx)
     )
 
 

@@ -12,19 +12,14 @@ import os
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .common import DEVICE, HAS_CUDA, triton_skip
+from .common import bits as _bits
 
-pytest.importorskip("triton")
+pytestmark = triton_skip()
 
 from csa_compressor import reference  # noqa: E402
 from csa_compressor.backends.triton import launch  # noqa: E402
 from csa_compressor.testing import assert_contract, bf16_ulp_distance, make_pack  # noqa: E402
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-_REASON = launch.device_unsupported_reason(DEVICE)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -49,10 +44,6 @@ def _pack(seqlens, head_dim, ratio, coff, tok_pad=0, comp_pad=0, seed=0, **kw):
 
 def _nan_like(t):
     return torch.full_like(t, float("nan"))
-
-
-def _bits(t):
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def _run(pack, cfg_fwd=None, cfg_bwd=None):

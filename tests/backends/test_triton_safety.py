@@ -24,23 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .common import DEVICE, HAS_CUDA, triton_skip
+from .common import nan as _nan
 
-pytest.importorskip("triton")
+pytestmark = triton_skip()
 
 from csa_compressor import reference, testing  # noqa: E402
 from csa_compressor.backends.triton import launch  # noqa: E402
 from csa_compressor.thd import compute_cu_seqlens_comp  # noqa: E402
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-_REASON = launch.device_unsupported_reason(DEVICE)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
-
-
-def _nan(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
 def _autograd_truncated(pack: testing.Pack, rows: int, precision: str):

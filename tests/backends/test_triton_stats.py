@@ -10,24 +10,17 @@ Runs under Triton's interpreter on a CPU-only machine (as ``test_triton.py``, wh
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .common import HAS_CUDA, triton_skip
 
-pytest.importorskip("triton")
+pytestmark = triton_skip()
 
 from csa_compressor import reference  # noqa: E402
 from csa_compressor.backends.triton import config, launch, plans  # noqa: E402
 from csa_compressor.testing import bf16_ulp_distance, contract_report  # noqa: E402
 from tests.backends.test_triton import DEVICE, LONG_TILINGS, _bits, _case_id, _nan_like, _pack  # noqa: E402
-
-_REASON = launch.device_unsupported_reason(DEVICE)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
 
 
 def _forward(pack, stats=True, cfg=None):

@@ -9,17 +9,15 @@ and ``EXTRA``).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import NamedTuple
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .common import DEVICE, HAS_CUDA, triton_skip
+from .common import nan as _nan
 
-pytest.importorskip("triton")
+pytestmark = triton_skip()
 
 from csa_compressor import reference  # noqa: E402
 from csa_compressor import tail as T  # noqa: E402
@@ -27,19 +25,11 @@ from csa_compressor.backends.triton import config, launch, plans  # noqa: E402
 from csa_compressor.testing import bf16_ulp_distance, make_pack  # noqa: E402
 from tests.test_tail import CASES, OUT_OF_TABLE, case_pack_and_tail, out_of_table_tail  # noqa: E402
 
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-_REASON = launch.device_unsupported_reason(DEVICE)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
-
 
 class Route(NamedTuple):
     stats: bool = False  # the statistics pair (long windows)
     rstd: bool = False  # the forward fills rstd, the backward reads it
     dx: bool = False  # the statistics backward's dx kernel first (else its in-program row sums)
-
-
-def _nan(shape, dtype=torch.float32, device=DEVICE):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
 def _forward(pack_inputs, tail, ratio, coff, total_comp, route: Route, cfg=None):
