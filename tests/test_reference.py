@@ -191,8 +191,7 @@ TRUNCATION_IDS = [f"r{c[0]}c{c[1]}d{c[2]}" for c in TRUNCATION]
 
 
 def _cuts(pack) -> list[int]:
-    """total_comp values below the real rows: none, one, one short, and each segment's first row (that segment
-    and the ones after it lose every row)."""
+    """total_comp below the real rows: none, one, one short, and each segment's first row."""
     starts = {c for c, n in zip(pack.cu_seqlens_comp[:-1].tolist(), pack.seqlens, strict=True) if n >= pack.ratio}
     return sorted({0, 1, pack.true_comp - 1, *starts} - {pack.true_comp})
 
@@ -217,9 +216,8 @@ def test_truncated_rows_are_the_first_rows(params):
 
 @pytest.mark.parametrize("params", TRUNCATION, ids=TRUNCATION_IDS)
 def test_truncated_gradients_are_autograd_of_the_truncated_region(params):
-    """The reference backend's gradients with total_comp below the real rows equal plain autograd of the eager code
-    on the truncated pack (testing.truncated_pack): bitwise for "upstream" and for fp32's grad_kv, within fp32
-    rounding for fp32's grad_score and grad_ape (as for full packs); the dropped rows' tokens get exact zeros."""
+    """Reference gradients with total_comp below the real rows equal autograd of the truncated pack: bitwise for
+    upstream and fp32's grad_kv, within fp32 rounding for fp32's grad_score and grad_ape; dropped tokens zero."""
     for p in _truncated(params, seed=1):
         short, keep = truncated_pack(p)
         kw = dict(ratio=p.ratio, coff=p.coff)

@@ -1,8 +1,5 @@
-"""Triton backend vs the references: SPEC edge cases, NaN canaries, determinism, property tests.
-
-On a CPU-only machine the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
-set here before triton is imported if the conftest has not done it), so packs stay
-small. On CUDA the same tests run natively.
+"""Triton backend vs the references: SPEC edge cases, NaN canaries, determinism, property tests (interpreted on
+the CPU, so packs stay small).
 """
 
 from __future__ import annotations
@@ -161,15 +158,13 @@ LONG_CASE_IDS = [f"{LONG_IDS[LONG_TILINGS.index(c)]}-r{r}c{k}" for c, r, k in LO
 
 @pytest.mark.parametrize("cfg,ratio,coff", LONG_CASES, ids=LONG_CASE_IDS)
 def test_long_window_tilings_match_reference(cfg, ratio, coff):
-    """Long-window kernels (coff * next_pow2(ratio) > 16) with GPU-like tiles: first groups (no previous group),
-    a non-power-of-two ratio, padding rows, segments shorter than ratio, column blocks past head_dim."""
+    """Long-window kernels with GPU-like tiles: first groups, odd ratio, padding rows, short segments, partial columns."""
     pack = _pack((3 * ratio + 5, ratio - 1, 2 * ratio), 24, ratio, coff, tok_pad=3, comp_pad=2, seed=13)
     _check(pack, *_run(pack, cfg, cfg))
 
 
 def test_many_dape_partials():
-    """More partials than one reduction step takes: the chunked, fixed-order dAPE reduction (the GPU's small-window
-    shape, few entries x many partials per step, scaled down: 38 partials in steps of 32, the last one partial)."""
+    """More dAPE partials than one reduction step: the chunked fixed-order reduction (38 partials, steps of 32)."""
     pack = _pack((38, 33), 8, 2, 2, comp_pad=3, seed=4)
     cfg = launch.KernelConfig(
         block_r=1, block_d=8, num_warps=1, rows_per_prog=1, sweep_t=128, sweep_d=8, dape_block=8, dape_chunk=32

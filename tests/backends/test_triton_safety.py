@@ -1,13 +1,6 @@
-"""Triton kernels on inputs a data pipeline produces by mistake (the lead's malformed-input semantics).
-
-- ``total_comp`` below the real row count: rows at or past it are not produced, and the gradients equal plain
-  autograd of the eager reference whose output is truncated to ``total_comp`` rows (every kernel family: short and
-  long windows, the statistics forward and backward).
-- Malformed offsets (beyond ``T``, decreasing, negative, counts that do not match, int32 wrap-around): in a
-  subprocess, so that a wild access cannot take the test run down with it. Every operand sits between NaN canary
-  rows: a read outside kv/score shows up as a non-finite output, a write outside the outputs as a changed canary.
-
-Runs under Triton's interpreter on a CPU-only machine (as ``test_triton.py``).
+"""Triton kernels on malformed inputs: ``total_comp`` below the real row count (gradients equal autograd of the
+truncated reference, every kernel family), and malformed offsets in a subprocess, every operand between NaN
+canary rows (a read outside shows as non-finite output, a write outside as a changed canary).
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ def _autograd_truncated(pack: testing.Pack, rows: int, precision: str):
 
 
 def _assert_matches_autograd(tpack: testing.Pack, grads) -> None:
-    """Kernel gradients vs autograd of the truncated eager region: the SPEC section 3 tolerances of
-    ``test_triton.py`` (1 bf16 ulp, fp32 slack where dScore cancels, exact zeros, dAPE vs fp64)."""
+    """Kernel gradients vs autograd of the truncated eager region, with the SPEC section 3 tolerances."""
     rows = tpack.total_comp
     g32 = _autograd_truncated(tpack, rows, "fp32")
     g64 = _autograd_truncated(tpack, rows, "fp64")
@@ -71,8 +63,7 @@ TRUNCATED = [
 
 
 def _cuts(pack: testing.Pack) -> list[int]:
-    """total_comp values below the real row count: one row short (inside the last segment), and the start of the
-    last segment with rows (it and the segments after it have no produced row)."""
+    """total_comp one row short, and at the start of the last segment with rows."""
     starts = [int(c) for c in pack.cu_seqlens_comp[:-1].tolist()]
     last_start = max(s for s, n in zip(starts, [s // pack.ratio for s in pack.seqlens], strict=True) if n > 0)
     return sorted({pack.true_comp - 1, max(1, last_start)})
@@ -183,8 +174,7 @@ def _malformed(name: str, ratio: int, coff: int, head_dim: int, device="cpu") ->
 
 
 class _AccessChecker:
-    """Checks every masked-in address of the interpreter's loads and stores against the extents of the tensors the
-    kernel was launched with; an access outside all of them is recorded and not performed."""
+    """Checks every masked-in access of the interpreter against the launch's tensors; an outside access is recorded, not done."""
 
     def __init__(self):
         import numpy as np
@@ -240,8 +230,7 @@ class _AccessChecker:
 
 
 def _child(device: str) -> int:
-    """Every malformed case on ``device`` (the CPU: under the interpreter and the access checker), one JSON line
-    each; returns the number of cases with a finding."""
+    """Every malformed case on ``device``, one JSON line each; returns the number of cases with a finding."""
     checker = _AccessChecker() if device == "cpu" else contextlib.nullcontext()
     bad = 0
     with checker:
@@ -282,8 +271,7 @@ def test_malformed_offsets_stay_inside_the_operands():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_malformed_offsets_keep_the_canaries():
-    """The malformed cases natively on the GPU: finite results, canaries intact (compute-sanitizer memcheck over
-    ``python -m tests.backends.test_triton_safety --device cuda`` checks every access)."""
+    """The malformed cases natively on the GPU: finite results, canaries intact."""
     for (ratio, coff, head_dim), names in MALFORMED_CONFIGS.items():
         for name in names:
             result = _malformed(name, ratio, coff, head_dim, "cuda")

@@ -1,11 +1,5 @@
-"""Triton long-window kernels with softmax statistics (``reference.softmax_stats``).
-
-The forward can also write, per row and column, the max ``m`` of ``y = (score + ape) * log2(e)``, ``1 / l`` and the
-fp32 output; the backward then reads them instead of reducing over the window. Checked here: the statistics
-against the reference, ``out`` unchanged by the flag, the backward within the SPEC section 3 contract, that it
-really reads each statistic (wrong statistics give a wrong result), padding rows, NaN canaries, determinism.
-
-Runs under Triton's interpreter on a CPU-only machine (as ``test_triton.py``, whose helpers are reused).
+"""Triton long-window kernels with softmax statistics: the statistics vs the reference, ``out`` unchanged by the
+flag, the backward's contract and that it reads each statistic, padding rows, NaN canaries, determinism.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ def _forward(pack, stats=True, cfg=None):
 
 
 def _backward(pack, stats, cfg=None, tile=None):
-    """``(grad_kv, grad_score, grad_ape)`` from NaN-filled buffers (explicit tiles ``cfg`` / statistics ``tile``)."""
+    """``(grad_kv, grad_score, grad_ape)`` from NaN-filled buffers."""
     grads = _nan_like(pack.kv), _nan_like(pack.score), _nan_like(pack.ape)
     if cfg is None and tile is None:
         launch.backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, None, stats)
@@ -121,8 +115,7 @@ def test_backward_with_stats_meets_the_contract(case):
 
 
 def test_backward_reads_each_statistic():
-    """``p = 2^(y - m) * inv_l``, ``S = g * out``: shifting m by 1 and doubling 1/l is the same softmax; a wrong 1/l
-    scales dKV; a wrong output changes dScore only."""
+    """Shifting m by 1 and doubling 1/l is the same softmax; a wrong 1/l scales dKV; a wrong output changes dScore."""
     pack = _pack((40, 5, 0, 33), 8, 16, 2, 3, 2, seed=21)
     _, stats = _forward(pack)
     base = _backward(pack, stats)
@@ -168,8 +161,7 @@ STATS_TILINGS = [(LONG_TILINGS[1], 128, 2), (LONG_TILINGS[3], 40, 1), (LONG_TILI
 
 @pytest.mark.parametrize("cfg,ratio,coff", STATS_TILINGS, ids=["d8w2c4-r128c2", "d16w1c2p2-r40c1", "d32w1c8-r128c1"])
 def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
-    """GPU-like tiles: several lanes per column (the forward combines them before writing the stats), several
-    column blocks with a partial last one, several rows per program (the backward prefetches the next row's stats)."""
+    """GPU-like tiles: several lanes per column, column blocks (last partial), rows per program (stats prefetch)."""
     pack = _pack((3 * ratio + 5, ratio - 1, 2 * ratio), 24, ratio, coff, tok_pad=3, comp_pad=2, seed=13)
     out, stats = _forward(pack, cfg=cfg)
     plain, _ = _forward(pack, stats=False, cfg=cfg)
@@ -238,9 +230,8 @@ def _programs(pack, tile):
 
 @pytest.mark.parametrize("item", STREAM_CASES, ids=[_stream_id(i) for i in STREAM_CASES])
 def test_streaming_tiles_meet_the_contract(item, nan_workspace):
-    """Several row ranges, slot chunks and column blocks: contract vs the fp32 reference, NaN canaries (gradients,
-    dAPE partials, padding rows' grad_out and statistics), and dKV/dScore bitwise those of the default tile (nothing
-    is reduced over slots: a tile only moves work between programs)."""
+    """Several row ranges, slot chunks and column blocks: the contract, NaN canaries, and dKV/dScore bitwise the
+    default tile's (a tile only moves work between programs)."""
     case, tile = item
     pack = _stream_pack(case)
     parts, chunks, col_blocks = _programs(pack, tile)
@@ -262,8 +253,7 @@ def test_streaming_tiles_meet_the_contract(item, nan_workspace):
 
 
 def test_streaming_tile_reference_stats_and_empty_ranges(nan_workspace):
-    """The reference's statistics; more padding rows than a range holds (ranges with no real row still write their
-    partial: zeros); every row padding; one row per range."""
+    """More padding rows than a range holds (their partials: zeros); every row padding; one row per range."""
     for case, rows in [(((50, 7, 0, 33), 10, 16, 2, 2, 7), 5), (((5, 0, 3), 8, 16, 2, 12, 2), 1)]:
         pack = _stream_pack(case)
         stats = _ref_stats(pack)
