@@ -276,8 +276,8 @@ def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
     ape = torch.zeros(4, 2 * width, device=device)
     ratio, coff = 4, 2
     if bad.name in ("validate-per-call", "second-config"):
-        # A good first call; then a bad one on the last rank, checked because validate=True, or because it
-        # is the first call of another configuration (ratio 2, coff 1).
+        # A good first call; then a bad one on the last rank (checked by validate=True, or as another
+        # configuration's first call).
         compressor_pool_cp(kv, kv, ape, layout, ratio=4, coff=2, group=group, validate=validate)
         if bad.name == "second-config":
             ratio, coff, ape = 2, 1, torch.zeros(2, 2 * width, device=device)
@@ -344,8 +344,8 @@ def launch(worlds=(2, 3, 4), kind: str = "gloo", timeout_s: float = 100.0, only=
     if kind == "nccl":  # fresh interpreters: a forked rank could inherit an initialised CUDA context
         ctx = mp.get_context("spawn")
     else:
-        # A fork server that has imported torch and this module once: every rank forks from it (a fresh
-        # interpreter per rank would import torch again, seconds each on two cores).
+        # A fork server that has imported torch once: every rank forks from it (a fresh interpreter costs
+        # seconds).
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["tests.cp_worker", "csa_compressor.distributed", "csa_compressor.testing"])
     size = max(worlds)

@@ -179,10 +179,8 @@ def test_halo_formula_of_the_docs(ratio, coff, kind):
             assert formula(cu, layout.pieces, ratio, coff) == sum(plan.recv_splits) - plan.recv_splits[rank]
 
 
-# Per call of a world of one in pieces, the launches the CP path adds to the plain op's (docs/distributed.md):
-# forward the halo gather (kv, score) and the row placement (one index_copy_ or one gather); the backward adds
-# the gather of the calls' grad_out, with coff 2 the zeroing of the extras, the grad_ape sum and one
-# index_add_ of the halo's gradients (kv and score together).
+# Launches the CP path adds per call of a world of one in pieces (docs/distributed.md): halo gather and row placement
+# forward; backward also grad_out's gather, extras' zeroing (coff 2), grad_ape sum, one index_add_.
 _PIECES_EXTRA_LAUNCHES = {("fwd", 1): 3, ("fwd", 2): 3, ("fwd+bwd", 1): 6, ("fwd+bwd", 2): 7}
 
 
@@ -207,8 +205,7 @@ def test_cp_call_launches(seqlens, ratio, coff):
     assert all(len(c) == 1 for c in counts.values()), counts  # no launch per piece
 
 
-# World of one splits for each row placement (docs/distributed.md): name -> (seqlens, ratio, coff, head_dim,
-# pieces of the pack's T tokens, placement of the forward, whether the interior's grad_out is a slice).
+# World of one splits per row placement: name -> (seqlens, ratio, coff, head_dim, pieces, placement, grad_out sliced).
 _PLACEMENTS = {
     "straight": ((37, 3, 20, 1, 50), 4, 2, 8, lambda t: [(0, t)], "straight", True),
     "patch-c1": ((37, 3, 20, 1, 50), 4, 1, 8, lambda t: [(2, t - 2), (0, 2)], "patch", True),
@@ -273,8 +270,8 @@ def test_layouts():
     cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
     assert CPLayout.contiguous(cu, 1, 3).pieces == ((8, 8),)
     balanced = CPLayout.load_balanced(cu, 0, 2)
-    # Sequence 0 in chunks of 2, sequence 1 in chunks of 4; rank 0 holds chunks 0 and 3 of each, and chunk 3
-    # of sequence 0 is followed by chunk 0 of sequence 1 (merged).
+    # Chunks of 2 and 4; rank 0 holds chunks 0 and 3 of each (chunk 3 of sequence 0 merges with chunk 0 of
+    # sequence 1).
     assert balanced.pieces == ((0, 2), (6, 6), (20, 4))
     assert balanced.local_tokens == 12 and balanced.total_comp(4) == 6
     assert torch.equal(balanced.local_token_index(), torch.tensor([0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]))

@@ -177,8 +177,7 @@ def test_nonfinite_inputs_propagate_like_eager():
 
 # ---------------------------------------------------------------- total_comp below the real rows (docs/safety.md)
 
-# (ratio, coff, head_dim, seqlens, token_padding): ragged packs with short, empty and exact segments, tails,
-# token padding and odd head_dim, at the SPEC's window classes.
+# (ratio, coff, head_dim, seqlens, token_padding): ragged packs at the SPEC's window classes.
 TRUNCATION = [
     (4, 2, 5, (13, 3, 0, 9, 8), 3),
     (4, 1, 7, (11, 4, 2, 16), 1),

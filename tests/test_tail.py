@@ -126,9 +126,8 @@ def test_checker_accepts_the_fp32_references(name):
     T.check_backend(T.forward, T.autograd_backward, pack, tail)
 
 
-# A kernel adds in its own order and may fuse multiply-adds: the checker must accept that. This stand-in sums
-# the window and the row reductions sequentially in reverse, rounds each rotated coordinate once (as an fma
-# would) and associates the norm's products differently from the references.
+# A kernel adds in its own order and may fuse multiply-adds; the checker must accept that stand-in (reverse sums, one
+# rounding per rotated coordinate, other product association).
 
 
 def _fused_rotate(y, tail, positions, inverse=False):

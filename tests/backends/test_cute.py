@@ -278,8 +278,7 @@ def test_softmax_stats_path(case):
     assert not torch.equal(bad[1], grads[1])
 
 
-# 8-slot windows of more than one row per CTA: launches of more than one wave of the default build take the
-# register-capped build (d512, one row per CTA, has none: test_no_wide_forward_for_one_row_per_cta).
+# 8-slot windows of several rows per CTA: launches past one wave take the register-capped build.
 WIDE_CONFIGS = [(128, 4, 2), (64, 8, 1), (256, 4, 2)]
 
 
@@ -449,11 +448,9 @@ def test_a_second_process_loads_the_kernels_and_matches_bitwise(tmp_path):
 
 
 # --------------------------------------------------------------------------- inputs a data pipeline gets wrong
-# (docs/safety.md). The truncation helpers are tests/backends/test_triton_safety.py's (imported where used: that
-# module needs triton, which the GPU machine has).
+# (docs/safety.md); helpers from test_triton_safety (imported where used: it needs triton).
 
-# total_comp below the real row count: (seqlens, head_dim, ratio, coff), every kernel family; the statistics
-# backwards in both forms (whole-tile: the H200's choice at ratio 128 coff 1 d512).
+# total_comp below the real row count, every kernel family; statistics backwards in both forms.
 TRUNCATED = [
     ((13, 8, 0, 3, 21), 64, 4, 2),  # exact forward, short backward
     ((9, 4, 0, 11), 128, 2, 1),
@@ -518,9 +515,8 @@ def test_undersized_total_comp_matches_truncated_autograd(case):
             safety._assert_matches_autograd(tpack, grads)
 
 
-# Malformed offsets whose cu_seqlens_comp is non-decreasing, where the rules define the forward exactly (a row
-# whose tokens leave [0, T) is a padding row): (cu_seqlens, cu_seqlens_comp, total_comp) over 44 tokens at ratio 4,
-# scaled with larger ratios as in test_triton_safety.
+# Malformed offsets with a non-decreasing cu_seqlens_comp (the rules define the forward exactly): (cu_seqlens,
+# cu_seqlens_comp, total_comp) over 44 tokens at ratio 4, scaled for larger ratios.
 MONOTONIC_MALFORMED = {
     "beyond_T": ([0, 16, 80], [0, 4, 20], 20),
     "comp_over_count": ([0, 16, 32], [0, 9, 20], 21),

@@ -262,8 +262,7 @@ def _with_rstd(forward_fn, backward_fn):
     return fwd, bwd
 
 
-# (ratio, coff, head_dim, seqlens, token_padding, comp_padding, random_tail keywords): ragged packs with short and
-# empty segments, padding rows, odd head_dims, the SPEC sizes.
+# (ratio, coff, head_dim, seqlens, token_padding, comp_padding, random_tail keywords)
 GPU_CASES = {
     "r4c2d512-rope64": (4, 2, 512, (4096, 37, 3, 0, 1030), 5, 3, dict(rope_dim=64)),
     "r4c2d512-half-bf16w-pos": (4, 2, 512, (2050, 9, 515), 0, 2,

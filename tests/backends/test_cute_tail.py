@@ -191,8 +191,7 @@ POOL_BUILDS = [
 ]  # fmt: skip
 
 
-# (name, ratio, coff, head_dim): composed backwards with a norm, the slab form (its reduction sums the weight's
-# slabs too) and the whole-tile form (TailGradient reduces its own).
+# (name, ratio, coff, head_dim): composed backwards with a norm, slab form and whole-tile form.
 ROUTE_BUILDS = [("slab r128c1d128", 128, 1, 128), ("whole tile r128c1d512", 128, 1, 512)]
 
 
@@ -570,8 +569,8 @@ OWN_CASES = {
     "r3c2d36-rope36-only": (3, 2, 36, (41, 100, 7), 0, 1, dict(norm=False, rope_dim=36)),
     "r16c1d128-rope64-pos": (16, 1, 128, (300, 5, 129), 2, 2, dict(rope_dim=64, positions=True)),
     "r4c2d128-padding-only": (4, 2, 128, (3, 2), 4, 3, dict(rope_dim=64)),
-    # The composed backward's one reduction (slab form): CTAs owning only padding rows, more TailGradient CTAs than
-    # row ranges, odd head_dim, grad_ape slabs not a multiple of 4 (r5c1d7), no norm.
+    # The composed backward's one reduction: padding-only CTAs, more TailGradient CTAs than row ranges, odd
+    # head_dim, odd-sized grad_ape slabs (r5c1d7), no norm.
     "r128c1d128-rope64-padding-ctas": (128, 1, 128, (300, 1, 129), 2, 40, dict(rope_dim=64)),
     "r128c2d65-norm-padding-ctas": (128, 2, 65, (600, 3, 256), 1, 30, dict()),
     "r128c1d128-rope64-pos-many": (128, 1, 128, (20000, 13000, 5400), 3, 3, dict(rope_dim=64, positions=True)),

@@ -104,9 +104,8 @@ TILINGS = [
     launch.KernelConfig(block_r=1, block_d=16, num_warps=4, rows_per_prog=4, vec=4),
 ]
 TILING_IDS = ["r2d16x6", "r1d32x1", "r4d64x4", "r1d128w1", "r2d64w1", "r1d16w4"]
-# Each tiling once, on ragged packs (a program's rows span segments: the per-row search) or long segments (the
-# one-segment-per-program path), at ratio 4 coff 2 or ratio 3 coff 1; the multi-tile small-sweep tiling on both
-# packs. (The interpreter ignores num_warps and vector widths: natively these are the GPU tile families.) The long-window kernels with these tiles run in test_long_window_tilings_match_reference.
+# Each tiling once, on ragged packs (per-row search) or long segments (one segment per program), ratio 4 coff 2 or 3
+# coff 1; the interpreter ignores num_warps and vector widths.
 RAGGED, LONG = (13, 8, 0, 3, 21, 2), (50, 29)
 TILING_CASES = [
     (TILINGS[0], (4, 2), RAGGED),
@@ -135,13 +134,12 @@ def test_explicit_tilings_match_reference(cfg, ratio_coff, seqlens):
 
 
 LONG_TILINGS = [
-    # the GPU long-window families, scaled down: 16-byte vectors, lanes over threads and warps, several chunks per
-    # row (forward), several rows per program (next-row prefetch), a partial last column block (head_dim 24)
+    # the GPU long-window families, scaled down: vectors, lanes over threads and warps, chunks per row, rows per
+    # program, a partial last column block (head_dim 24)
     launch.KernelConfig(block_r=1, block_d=16, num_warps=1, rows_per_prog=3, vec=8, slots_per_thread=2),
     launch.KernelConfig(block_r=1, block_d=8, num_warps=2, rows_per_prog=2, vec=8, slots_per_thread=4),
     launch.KernelConfig(block_r=1, block_d=32, num_warps=1, rows_per_prog=1, vec=4, slots_per_thread=8),
-    # two chunks in flight (the 3x8192 d512 r128 c1 tile): the row's last two chunks prefetch the next row's first
-    # two; ratio 40 coff 1 has exactly two chunks per row (no steady-state iteration)
+    # two chunks in flight (the 3x8192 d512 r128 c1 tile): the row's last two prefetch the next row's first two
     launch.KernelConfig(
         block_r=1, block_d=16, num_warps=1, rows_per_prog=3, vec=8, slots_per_thread=2, prefetch_depth=2
     ),
@@ -149,8 +147,7 @@ LONG_TILINGS = [
 LONG_IDS = [f"d{c.block_d}w{c.num_warps}c{c.slots_per_thread}" + "p2" * (c.prefetch_depth == 2) for c in LONG_TILINGS]
 
 
-# Each long tiling once (ratio 128 coff 2, ratio 40 coff 1); the two-chunks-in-flight tiling at ratio 40 coff 1
-# (exactly two chunks per row) and ratio 128 coff 1 (a steady state between them, as the GPU uses it).
+# Each long tiling once; two chunks in flight at ratio 40 coff 1 (exactly two per row) and 128 coff 1 (steady state).
 LONG_CASES = [(LONG_TILINGS[0], 128, 2), (LONG_TILINGS[1], 40, 1), (LONG_TILINGS[2], 40, 1)]
 LONG_CASES += [(LONG_TILINGS[3], 40, 1), (LONG_TILINGS[3], 128, 1)]
 LONG_CASE_IDS = [f"{LONG_IDS[LONG_TILINGS.index(c)]}-r{r}c{k}" for c, r, k in LONG_CASES]
@@ -279,8 +276,8 @@ if given is not None:
         seed = draw(st.integers(0, 2**16))
         return _pack(tuple(seqlens), head_dim, ratio, coff, tok_pad, comp_pad, seed=seed)
 
-    # Each new (ratio, coff, head_dim) compiles on a GPU; the interpreter pays per example instead.
-    # CI draws the same examples every run (a red CI must be reproducible); elsewhere hypothesis explores.
+    # Each new shape compiles on a GPU (the interpreter pays per example); CI draws the same examples
+    # (reproducible).
     @settings(
         max_examples=8 if HAS_CUDA else 12,
         deadline=None,

@@ -50,8 +50,7 @@ def _assert_matches_autograd(tpack: testing.Pack, grads) -> None:
     assert testing.rel_l2(grads[2], g64[2]) <= 1e-5
 
 
-# (seqlens, head_dim, ratio, coff): short windows (ratio 4 coff 2, ratio 2 coff 1), long ones (ratio 128 coff 1
-# and 2), and windows with softmax statistics (ratio 16 coff 2, ratio 17 coff 1).
+# (seqlens, head_dim, ratio, coff): short windows, long ones, and windows with softmax statistics.
 TRUNCATED = [
     ((13, 8, 0, 3, 21), 7, 4, 2),
     ((9, 4, 0, 11), 5, 2, 1),
@@ -91,8 +90,8 @@ def test_undersized_total_comp_matches_truncated_autograd(case):
 
 CANARY = 3  # NaN rows before and after every operand
 
-# name -> (cu_seqlens, cu_seqlens_comp, total_comp) for a pack of T = 44 tokens at ratio 4 (larger ratios: scaled in
-# _malformed below). None: cu_seqlens_comp computed from cu_seqlens.
+# name -> (cu_seqlens, cu_seqlens_comp, total_comp) for T = 44 tokens at ratio 4 (scaled in _malformed); None:
+# computed from cu_seqlens.
 MALFORMED = {
     "beyond_T": ([0, 16, 80], None, 20),
     "comp_over_count": ([0, 16, 32], [0, 9, 20], 21),
@@ -104,9 +103,8 @@ MALFORMED = {
     "undersized_and_beyond": ([0, 28, 120], None, 9),
     "start_past_T": ([50, 60, 70], [0, 2, 4], 4),
 }
-# (ratio, coff, head_dim) -> the cases run: short and long windows (with and without statistics) at coff 2 on every
-# case, at coff 1 on a subset (the guards are the same code; coff 1 has no previous half). The long-window interpreter runs
-# cost more per row: their packs keep at most LONG_ROWS rows.
+# (ratio, coff, head_dim) -> the cases run: every case at coff 2, a subset at coff 1 (same guards); long-window packs
+# keep at most LONG_ROWS rows (the interpreter's cost).
 MALFORMED_CONFIGS = {
     (4, 2, 8): tuple(MALFORMED),
     (2, 1, 5): ("beyond_T", "negative", "int32_wrap", "int32_min", "start_past_T"),

@@ -91,8 +91,7 @@ def test_forward_stats_match_reference_and_leave_out_unchanged(case):
     out, stats = _forward(pack)
     plain, none = _forward(pack, stats=False)
     assert none is None
-    # The statistics forward works in the log2 domain (its fp32 output is the saved statistic); its bf16 output
-    # may differ from the plain forward's by one ulp, and meets the contract on its own.
+    # The statistics forward works in the log2 domain: its bf16 output may differ from the plain one by one ulp.
     assert int(bf16_ulp_distance(out, plain).max()) <= 1, "the stats flag changed out by more than 1 ulp"
     assert contract_report(pack, out=out)["ok"]
     assert not torch.isnan(out).any()
@@ -154,8 +153,7 @@ def test_padding_row_stats_are_not_read():
     assert _same(first, second)
 
 
-# Several lanes per column with several column blocks (ratio 128 coff 2), two chunks in flight (ratio 40 coff 1,
-# exactly two chunks per row), 8 slots per thread and chunk at one row per program (ratio 128 coff 1).
+# Several lanes per column and column blocks (r128c2), two chunks in flight (r40c1), 8 slots per thread (r128c1).
 STATS_TILINGS = [(LONG_TILINGS[1], 128, 2), (LONG_TILINGS[3], 40, 1), (LONG_TILINGS[2], 128, 1)]
 
 
@@ -175,16 +173,13 @@ def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
 
 
 # --------------------------------------------------------------------------- streaming statistics backward tiles
-#
-# ``csa_bwd_stats_kernel``: programs own (rows, a chunk of window slots, a column block); the tile (block_d, slots,
-# num_warps, rows per program) is ``launch_backward``'s ``tile``. The interpreter default is one chunk and one
-# column block, so these cases force several row ranges, chunks and column blocks.
+# ``csa_bwd_stats_kernel``'s ``tile`` (block_d, slots, num_warps, rows per program): these force several row ranges,
+# chunks and column blocks (the interpreter default has one of each).
 
 # (seqlens, head_dim, ratio, coff, token_padding, comp_padding), tile
 STREAM_CASES = [
-    # W = 48 in 16-slot chunks: chunk 1 straddles the halves (8 previous-group + 8 own slots); odd head_dim in 2
-    # column blocks (the last one partial); 3 rows per range: ranges across segment boundaries, ending in and made
-    # of padding rows; short and empty segments, token padding.
+    # W = 48 in 16-slot chunks (chunk 1 straddles the halves); odd head_dim in 2 column blocks; 3 rows per range
+    # across segment boundaries and padding rows.
     (((80, 5, 0, 49, 24), 13, 24, 2, 3, 4), (8, 16, 1, 3)),
     # ratio 17, coff 1: 8-slot chunks, the third one 1 slot + 7 pad; 2 column blocks (d = 9); 2 rows per range.
     (((52, 10, 0, 40), 9, 17, 1, 2, 3), (8, 8, 1, 2)),

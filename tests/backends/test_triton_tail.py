@@ -93,9 +93,8 @@ LONG_ROUTES = {
 # Two routes per long case, each route on a coff-1 and a coff-2 case (the interpreter's time is the budget).
 LONG_CASE_ROUTES = [(name, list(LONG_ROUTES)[(i + k) % 4]) for i, name in enumerate(LONG) for k in (0, 2)]
 
-# Cases tests/test_tail.py does not have (its format): windows of 9-16 slots (fused short programs), and long windows
-# with a norm only, an odd head_dim under interleaved pairs (they start on an odd column: gathered),
-# short segments and padding rows; each with one route.
+# Cases test_tail.py lacks (its format): 9-16-slot windows, long windows with a norm only, odd head_dim with
+# interleaved pairs, short segments and padding rows; one route each.
 EXTRA = {
     "r8c2d9-rope4-pos": ((8, 2, 9, (35, 7, 16), 1, 2, dict(rope_dim=4, positions=True)), Route()),
     "r16c1d12-rope12-half": ((16, 1, 12, (40, 15), 0, 1, dict(rope_dim=12, interleaved=False)), Route(rstd=True)),
