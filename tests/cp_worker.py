@@ -1,9 +1,5 @@
-"""Rank processes for tests/test_distributed.py (gloo on the CPU) and the two-GPU run (NCCL).
-
-``launch(worlds, ...)`` starts one process per rank of the largest world (forked from a fork server), each
-runs the suite of every world in a process group of the first ranks and writes its results to a file; the parent reads them. Each rank compares what it
-computed with the single-process op on the whole pack (computed by every rank, same backend), so a
-result needs no gather to the parent: ``ok`` per case and rank, and a message when not.
+"""Rank processes for tests/test_distributed.py (gloo on the CPU) and the two-GPU run (NCCL): each rank runs every
+world's suite and compares with the single-process op on the whole pack, writing ``ok`` per case to a file.
 """
 
 from __future__ import annotations
@@ -118,14 +114,12 @@ def _random_cases(world: int, count: int) -> list[Case]:
 
 
 def triton_on_cpu() -> bool:
-    """Whether the triton backend runs on CPU tensors here (its interpreter: tests/conftest.py turns it on
-    on machines without a GPU; on a GPU machine the NCCL suite covers triton)."""
+    """Whether triton runs on CPU tensors here (the interpreter; on a GPU machine the NCCL suite covers triton)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _nccl_suite(world: int) -> list:
-    """Issue 28's checks on two GPUs: full-size head_dim, both GPU backends, Megatron's two THD splits and a
-    ragged split, groups straddling the ranks; two configurations per backend (each compiles its kernels)."""
+    """Issue 28's checks on two GPUs: full head_dim, both GPU backends, Megatron's THD splits and a ragged one."""
     cases = []
     for backend in ("cute", "triton"):
         cases += [
@@ -229,8 +223,7 @@ def run_case(case: Case, rank: int, world: int, group, device) -> dict:
 
 
 def _backward(out: torch.Tensor, weights: torch.Tensor) -> None:
-    """Backward with ``weights`` as the output's gradient, exactly (bf16 weights, fp32 product); written as a
-    loss because ``out.backward(weights)`` makes autograd import sympy, seconds in every fresh process."""
+    """Backward with ``weights`` as the output's gradient, as a loss (``out.backward(weights)`` imports sympy: slow)."""
     (out.float() * weights.float()).sum().backward()
 
 
@@ -283,8 +276,8 @@ def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
     ape = torch.zeros(4, 2 * width, device=device)
     ratio, coff = 4, 2
     if bad.name in ("validate-per-call", "second-config"):
-        # A good first call; then a bad one on the last rank, checked because validate=True, or because it
-        # is the first call of another configuration (ratio 2, coff 1).
+        # A good first call; then a bad one on the last rank (checked by validate=True, or as another
+        # configuration's first call).
         compressor_pool_cp(kv, kv, ape, layout, ratio=4, coff=2, group=group, validate=validate)
         if bad.name == "second-config":
             ratio, coff, ape = 2, 1, torch.zeros(2, 2 * width, device=device)
@@ -301,8 +294,7 @@ def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
 
 
 def main(rank: int, worlds, kind: str, store_path: str, result_dir: str, only, stack_after_s: float) -> None:
-    """One rank of the largest world: every suite of ``worlds`` in turn, each on a group of the first ranks.
-    A rank still running after ``stack_after_s`` writes its stack to ``stack<rank>.txt`` (for a hang)."""
+    """One rank of the largest world: every suite in turn; a rank still running after ``stack_after_s`` dumps its stack."""
     torch.set_num_threads(1)
     stack_file = open(os.path.join(result_dir, f"stack{rank}.txt"), "w")  # left open: the dump may come at any time
     faulthandler.dump_traceback_later(stack_after_s, file=stack_file)
@@ -345,16 +337,15 @@ def _run_suite(results: dict, world: int, kind: str, rank: int, group, device, o
 
 
 def launch(worlds=(2, 3, 4), kind: str = "gloo", timeout_s: float = 100.0, only=None) -> dict[int, list[dict]]:
-    """Run the suites of ``worlds`` on ``max(worlds)`` processes (one start-up for all); per world, per
-    rank, ``{case name: result}``. A rank that does not finish in ``timeout_s`` is killed and reported as
-    ``<timeout>`` (a hang)."""
+    """Run the suites of ``worlds`` on ``max(worlds)`` processes; per world, per rank, ``{case: result}``; a rank past
+    ``timeout_s`` is killed and reported as ``<timeout>``."""
     import torch.multiprocessing as mp
 
     if kind == "nccl":  # fresh interpreters: a forked rank could inherit an initialised CUDA context
         ctx = mp.get_context("spawn")
     else:
-        # A fork server that has imported torch and this module once: every rank forks from it (a fresh
-        # interpreter per rank would import torch again, seconds each on two cores).
+        # A fork server that has imported torch once: every rank forks from it (a fresh interpreter costs
+        # seconds).
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["tests.cp_worker", "csa_compressor.distributed", "csa_compressor.testing"])
     size = max(worlds)

@@ -2,20 +2,10 @@
 
     python tests/fuzz_worker.py --backend reference [--device cpu] < cases.json
 
-``cases.json`` is a JSON list of cases: ``ratio``, ``coff``, ``head_dim``, ``tokens`` (T), ``cu_seqlens``,
-``cu_seqlens_comp``, ``total_comp``, ``seed`` (offsets as drawn, possibly malformed). For each case it prints
-``BEGIN <i>`` and then one JSON line ``{"case": i, "failures": [...]}``; the exit status is 0 when every case ran.
-Every operand lives inside a NaN-filled guard buffer, so a read past an operand's ends shows as a non-finite
-result and a write there as a changed guard. What is checked per case:
-
-- validation (``validate=True``) raises ``ValueError`` naming the first broken content bound and segment
-  exactly when a pure-Python transcription of the bounds (``expected_violation``) finds one;
-- without validation: only the documented host-side ``ValueError``s; otherwise the output and the gradients are
-  finite (the gradient buffers start NaN for well-formed offsets, where every position is written, and 0
-  otherwise, where positions no row owns may keep it) and nothing outside the operands is written;
-- well-formed offsets, ``total_comp`` below the real rows included: the output and gradients equal the
-  reference on ``testing.truncated_pack`` bitwise (reference backend) or within the SPEC contract (others),
-  and the tokens of dropped rows get exact zeros.
+Per case: ``BEGIN <i>``, then ``{"case": i, "failures": [...]}``; exit 0 when every case ran. Operands sit in
+NaN guard buffers. Checked: validation raises exactly where ``expected_violation`` finds a broken bound; without
+it only documented ``ValueError``s, finite results, guards intact; well-formed offsets match the reference on
+``testing.truncated_pack`` (bitwise for the reference backend, else the SPEC contract), dropped tokens zero.
 """
 
 from __future__ import annotations
@@ -108,8 +98,7 @@ def build(case, device) -> tuple[Pack, list]:
 
 
 def outputs(pack: Pack, fill: float):
-    """Caller-owned output buffers (class API), guarded: ``out`` NaN inside (every row is written), the gradients
-    ``fill`` (NaN where every position must be written, else 0: positions no row owns may keep it)."""
+    """Caller-owned guarded output buffers: ``out`` NaN inside, the gradients ``fill`` (NaN where all must be written)."""
     made = [
         guarded(torch.full((pack.total_comp, pack.head_dim), float("nan"), dtype=pack.kv.dtype, device=pack.kv.device)),
         guarded(torch.full_like(pack.kv, fill)),

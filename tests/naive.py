@@ -1,7 +1,5 @@
-"""A deliberately naive, loop-per-row fp64 transcription of SPEC section 2.
-
-Independent of csa_compressor.reference (no shared window code), so that the
-references themselves are checked against the SPEC text.
+"""A deliberately naive, loop-per-row fp64 transcription of SPEC section 2, sharing no window code with
+csa_compressor.reference, so that the references are checked against the SPEC text.
 """
 
 import math

@@ -1,18 +1,10 @@
 """Small forward+backward cases for compute-sanitizer (memcheck, racecheck) on one backend.
 
-    compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute
-    compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute --malformed
+    compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute [--malformed]
 
-Each well-formed case is checked against the fp32 reference as well, so a clean sanitizer run is also a correct one.
-The cases reach every cute kernel class: the exact and the grouped forward, the short, long and statistics
-backwards (the whole-tile form at ratio 128 d512) and the grad_ape reduction; ``TAIL_CASES`` the fused tail's
-kernels (fused at ratio 4, composed at ratio 128: the statistics forward with ``TailForward`` behind it as a
-programmatic dependent launch, ``TailGradient``), each checked against the tail's contract.
-
-``--malformed``: the malformed-offset cases of ``tests/backends/test_triton_safety.py`` (offsets beyond T,
-decreasing, negative, int32 wrap-around, counts that do not match, an undersized total_comp) through the backend's
-kernels, every operand between NaN canary rows: memcheck sees any access outside the operands, the run itself a
-changed canary or a non-finite output. Exit status 1 on a numerics failure or a finding.
+Well-formed cases (every cute kernel class; ``TAIL_CASES`` the fused and composed tail kernels) are also checked
+against the references; ``--malformed``: test_triton_safety's malformed offsets between NaN canary rows. Exit
+status 1 on a numerics failure or a finding.
 """
 
 import argparse
@@ -47,9 +39,8 @@ TAIL_CASES = [
 ]
 
 _ALL = "all"
-# (ratio, coff, head_dim) -> names of test_triton_safety.MALFORMED run on the cute kernels (all of them: _ALL): every
-# kernel class and form. Head dims are multiples of 8, so that the canary rows keep every operand 16-byte aligned
-# (the cute kernels' contract).
+# (ratio, coff, head_dim) -> names of test_triton_safety.MALFORMED run on every cute kernel class; head dims multiples
+# of 8 keep the operands 16-byte aligned.
 CUTE_MALFORMED_CONFIGS = {
     (4, 2, 8): _ALL,  # exact forward, short backward
     (2, 1, 8): ("beyond_T", "negative", "int32_wrap", "int32_min", "start_past_T"),
@@ -62,9 +53,7 @@ CUTE_MALFORMED_CONFIGS = {
 
 
 def malformed_results(backend: str, device: str = "cuda"):
-    """(case name, result) of every malformed case on ``backend``'s kernels (cute or triton; the reference too) on
-    ``device``; a result maps each check (finite output, statistics and gradients, canaries intact) to whether it
-    held."""
+    """(case name, {check: held}) of every malformed case on ``backend``'s kernels on ``device``."""
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:  # run as a script: the repository's tests package
         sys.path.insert(0, root)
@@ -74,8 +63,8 @@ def malformed_results(backend: str, device: str = "cuda"):
     from tests.backends import test_triton_safety as safety
 
     configs = safety.MALFORMED_CONFIGS if backend == "triton" else CUTE_MALFORMED_CONFIGS
-    # test_triton_safety's runner calls its module's ``launch`` (the Triton protocol functions): the other
-    # backend's protocol functions take the same arguments.
+    # test_triton_safety's runner calls its module's ``launch``: the other backend's protocol takes the same
+    # arguments.
     with mock.patch.object(safety, "launch", dispatch.backend_module(backend)):
         for (ratio, coff, head_dim), names in configs.items():
             for name in safety.MALFORMED if names == _ALL else names:

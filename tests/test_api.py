@@ -123,8 +123,7 @@ def test_deterministic_algorithms_mode(backend):
 
 @pytest.mark.parametrize("params", PACKS, ids=PACK_IDS)
 def test_class_api_truncates_to_total_comp(params):
-    """Buffers of total_comp rows below the real rows (the reference backend): the first rows are produced, the
-    gradients are the truncated pack's and the dropped rows' tokens get exact zeros, whatever the buffers held."""
+    """total_comp below the real rows: the first rows produced, the truncated pack's gradients, dropped tokens zero."""
     p = _pack(params, seed=4)
     rows = p.true_comp - 1
     p = dataclasses.replace(p, total_comp=rows, grad_out=p.grad_out[:rows].contiguous())

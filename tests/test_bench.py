@@ -388,8 +388,7 @@ def test_fused_tail_is_skipped_until_the_wrappers_take_it(tail_pack, monkeypatch
 
 
 def test_unfused_tail_chains_agree(tail_pack):
-    """(a) our pooling + PyTorch's tail and the eager (upstream) chain compute the same forward and gradients (the
-    norm weight's included), within the roundings they differ by; the tail changes the pooling's output."""
+    """Our pooling + PyTorch's tail and the eager chain agree (forward, gradients) within their roundings."""
     case, pack, tail = tail_pack
     ours, _ = bench_calls.callables("reference+torch tail", pack, case, tail)
     eager, _ = bench_calls.callables("eager", pack, case, tail)
@@ -681,9 +680,7 @@ def fake_gpu(monkeypatch):
 
 
 def test_run_bench_times_every_wall_before_any_kernel(fake_gpu, monkeypatch):
-    """Every wall (the host's two included) comes before the first kernel timing; each record has its own call's
-    wall and host time; a failed wall keeps the kernel times; a backend that fails to set up fails both
-    directions; the fused tail is skipped without the API; the eager chain runs the tail on the real callables."""
+    """Walls before the first kernel timing; per-record wall and host time; failures and skips recorded per direction."""
     real = bench_calls.callables
 
     def callables(backend, pack, case, tail, log=None):
@@ -776,8 +773,7 @@ def test_run_bench_smoke_on_gpu(tmp_path):
 
 @pytest.mark.gpu
 def test_queued_kernel_time_has_no_idle_gaps():
-    """The queue spin covers the host's enqueueing: a host-bound call (twenty tiny kernels) is timed with the
-    device busy, and unqueued with idle gaps between its kernels (relative: other processes may share the GPU)."""
+    """The queue spin covers a host-bound call's enqueueing; unqueued, idle gaps show (relative: shared GPU)."""
     timer = bench.Timer(torch.device("cuda"))
     x = torch.zeros(1 << 10, device="cuda")
 
@@ -796,8 +792,7 @@ def test_queued_kernel_time_has_no_idle_gaps():
 @pytest.mark.parametrize("backend", ["cute", "triton"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_the_bench_packs_meet_the_contract(backend, case):
-    """The contract on the packs the bench times (full size, seed 0): the test suite checks many small packs,
-    this checks the sizes that are timed."""
+    """The contract on the full-size packs the bench times (seed 0)."""
     from csa_compressor import available_backends, csa_compressor_backward_wrapper, csa_compressor_forward_wrapper
     from csa_compressor.testing import contract_report, make_pack
 

@@ -14,8 +14,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
 
-# name -> arguments of `python -m csa_compressor`. The first ones run as real commands; the rest go through one
-# interpreter that calls the same entry point for each (every interpreter pays torch's import, seconds on CI).
+# name -> arguments of `python -m csa_compressor`: the first as real commands, the rest in one interpreter (torch's
+# import is slow).
 COMMANDS = {
     "check_help": ["--help"],
     "bench_help": ["bench", "--help"],
@@ -37,8 +37,7 @@ IN_ONE_INTERPRETER = {
     "bench_cute_without_gpu": ["bench", "--backends", "cute", "--out", "{tmp}/never"],
     "bench_list": ["bench", "--list"],
 }
-# Runs each argument list through the command's entry point as `python -m` would, and reports the exit status and
-# what it printed; an exception that escapes is reported as a traceback.
+# Runs each argument list through the entry point as `python -m` would: exit status, output, any escaped traceback.
 DRIVER = """
 import contextlib, io, json, sys, traceback
 from csa_compressor.__main__ import main
@@ -134,8 +133,7 @@ def test_help_says_what_each_command_does(results):
 
 
 def test_the_self_check_names_only_backends_that_cannot_run(monkeypatch):
-    """Left out of a default run: the backends this machine cannot run, each with its real reason; the reference
-    runs everywhere and is never among them; naming backends lists none."""
+    """A default run leaves out the backends this machine cannot run, with their reasons; never the reference."""
     from csa_compressor import dispatch, selfcheck
 
     monkeypatch.setattr(dispatch, "available_backends", lambda device: ["triton", "reference"])

@@ -1,10 +1,6 @@
-"""csa_compressor.Compressor against an eager module written the way a model's code writes it.
-
-The eager module pools each segment on its own (groups of ``ratio`` tokens, the overlap transform of
-coff 2, an fp32 softmax and sum), then applies RMSNorm and RoPE with complex arithmetic (or the half-split
-rotation) and rounds once, sharing no code with the package. The pooled row stays fp32 into the norm, as in
-the fused op (the model's code rounds it to bf16 first; tests/test_tail.py holds the fused op to that chain's
-accuracy). Outputs of real rows and every parameter gradient must agree.
+"""csa_compressor.Compressor against an eager module written as a model's code writes it (per-segment pooling,
+RMSNorm, complex RoPE; no shared code; the pooled row stays fp32 into the norm as in the fused op): real rows'
+outputs and every parameter gradient agree.
 """
 
 import math

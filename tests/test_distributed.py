@@ -1,8 +1,5 @@
-"""csa_compressor.distributed: the CP pooling against the single-process op.
-
-Multi-rank checks run in one gloo process group per world size (2, 3, 4; tests/cp_worker.py), each rank
-comparing its rows and gradients with the single-process op on the whole pack, bitwise. The rest runs in
-this process: the host plan, the layouts, a world of one rank without a process group.
+"""csa_compressor.distributed: the CP pooling against the single-process op, bitwise (multi-rank: one gloo group
+per world size via tests/cp_worker.py; here: the host plan, layouts, a world of one).
 """
 
 import importlib.util
@@ -38,8 +35,7 @@ def _names(world: int) -> list[str]:
 
 @pytest.mark.parametrize(("world", "name"), [(w, n) for w in WORLDS for n in _names(w)])
 def test_cp_matches_single_process(world, name):
-    """Gathered rows, local rows and kv/score gradients bitwise, grad_ape within 1e-6; bad layouts raise a
-    ValueError on every rank (no rank may hang: the group has a deadline)."""
+    """Rows and kv/score gradients bitwise, grad_ape within 1e-6; bad layouts raise on every rank (no hang)."""
     per_rank = _group_results(world)
     problems = []
     for rank, results in enumerate(per_rank):
@@ -90,8 +86,7 @@ class _Misaligned(torch.autograd.Function):
 
 
 def _single_rank(p, layout, backend="reference", misaligned=False, before=None):
-    """The CP call and gather_rows on a world of one, then the backward: rows and full-size gradients;
-    ``before(kv, score, ape)`` runs first (to build and adjust the plan)."""
+    """The CP call and gather_rows on a world of one, then the backward; ``before`` runs first."""
     kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
     ape = p.ape.clone().requires_grad_(True)
     if before is not None:
@@ -116,8 +111,7 @@ def _assert_plain(p, out, grads, backend="reference", ape_bitwise=False):
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (2, 1), (8, 2), (1, 2)])
 @pytest.mark.parametrize("split", ["whole", "reversed", "single-tokens"])
 def test_world_of_one_matches_plain_op(ratio, coff, split):
-    """No process group: one rank holds everything, in one piece or in pieces out of order (the halo then
-    comes from the rank itself)."""
+    """No process group: one rank holds everything, in one piece or in pieces out of order."""
     p = make_pack((37, 3, 20, 1, 50), 6, ratio, coff, seed=ratio + coff)
     total = sum(p.seqlens)
     pieces = {
@@ -130,8 +124,7 @@ def test_world_of_one_matches_plain_op(ratio, coff, split):
 
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2), (2, 1)])
 def test_plan_moves_only_the_halo(ratio, coff):
-    """Random splits: per piece boundary a rank receives at most coff*ratio - 1 tokens from other ranks and
-    packs at most 2*coff*ratio - 1 tokens and coff rows; every row is planned exactly once."""
+    """Random splits: bounded halo received and packed per piece boundary; every row planned exactly once."""
     rng = random.Random(ratio * 10 + coff)
     seqlens = [rng.randint(1, 5 * ratio) for _ in range(6)]
     cu = [0]
@@ -169,8 +162,7 @@ def _cp_bench():
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2)])
 @pytest.mark.parametrize("kind", ["contiguous", "load_balanced"])
 def test_halo_formula_of_the_docs(ratio, coff, kind):
-    """docs/distributed.md's halo formula (benchmarks/cp_bench.py) is what the plan receives from other
-    ranks, for Megatron's two THD splits (chunks of at least coff*ratio tokens)."""
+    """docs/distributed.md's halo formula is what the plan receives, for Megatron's two THD splits."""
     formula = _cp_bench().halo_tokens_formula
     rng = random.Random(ratio + coff)
     for world in (2, 3, 4):
@@ -187,18 +179,14 @@ def test_halo_formula_of_the_docs(ratio, coff, kind):
             assert formula(cu, layout.pieces, ratio, coff) == sum(plan.recv_splits) - plan.recv_splits[rank]
 
 
-# Per call of a world of one in pieces, the launches the CP path adds to the plain op's (docs/distributed.md):
-# forward the halo gather (kv, score) and the row placement (one index_copy_ or one gather); the backward adds
-# the gather of the calls' grad_out, with coff 2 the zeroing of the extras, the grad_ape sum and one
-# index_add_ of the halo's gradients (kv and score together).
+# Launches the CP path adds per call of a world of one in pieces (docs/distributed.md): halo gather and row placement
+# forward; backward also grad_out's gather, extras' zeroing (coff 2), grad_ape sum, one index_add_.
 _PIECES_EXTRA_LAUNCHES = {("fwd", 1): 3, ("fwd", 2): 3, ("fwd+bwd", 1): 6, ("fwd+bwd", 2): 7}
 
 
 @pytest.mark.parametrize(("seqlens", "ratio", "coff"), [((37, 3, 20, 1, 50), 4, 2), ((300, 200, 600), 128, 1)])
 def test_cp_call_launches(seqlens, ratio, coff):
-    """A world of one in one piece is the plain op (no launch added); in pieces the CP path adds one op
-    call per direction and a fixed few other launches, however many pieces, none of them a host
-    synchronisation (counted as ``benchmarks/cp_bench.py --host-only`` does, the kernels stubbed)."""
+    """One piece: the plain op; in pieces a fixed few launches per direction however many pieces, no host sync."""
     bench = _cp_bench()
     p = make_pack(seqlens, 6, ratio, coff, seed=5)
     counts = {}
@@ -217,8 +205,7 @@ def test_cp_call_launches(seqlens, ratio, coff):
     assert all(len(c) == 1 for c in counts.values()), counts  # no launch per piece
 
 
-# World of one splits for each row placement (docs/distributed.md): name -> (seqlens, ratio, coff, head_dim,
-# pieces of the pack's T tokens, placement of the forward, whether the interior's grad_out is a slice).
+# World of one splits per row placement: name -> (seqlens, ratio, coff, head_dim, pieces, placement, grad_out sliced).
 _PLACEMENTS = {
     "straight": ((37, 3, 20, 1, 50), 4, 2, 8, lambda t: [(0, t)], "straight", True),
     "patch-c1": ((37, 3, 20, 1, 50), 4, 1, 8, lambda t: [(2, t - 2), (0, 2)], "patch", True),
@@ -251,9 +238,8 @@ _BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
 @pytest.mark.parametrize("backend", _BACKENDS)
 @pytest.mark.parametrize("name", list(_PLACEMENTS))
 def test_world_of_one_placements_match_plain_op(name, backend):
-    """Each row placement (straight, patch, gather, and a patch whose shifted rows are unaligned, which
-    gathers) through the autograd node: rows and kv/score gradients bitwise the plain op's, grad_ape within
-    1e-6 and bitwise the same on a second run (its two partials are added in a fixed order)."""
+    """Each row placement through the autograd node: rows and kv/score gradients bitwise the plain op's, grad_ape
+    within 1e-6 and bitwise run to run."""
     if backend == "triton" and name == "patch-unaligned":
         pytest.skip("head_dim 6 is the reference backend's")
     p, dp, out, grads = _placement_run(name, backend)
@@ -267,8 +253,7 @@ def test_world_of_one_placements_match_plain_op(name, backend):
 
 @pytest.mark.parametrize("name", ["patch-c1", "patch-c1-r128", "gather-c2"])
 def test_unaligned_grad_out_is_gathered(name):
-    """A grad_out at an address the op cannot take as it is: the interior's part is gathered instead of
-    sliced, with the same gradients."""
+    """A grad_out the op cannot take as it is: gathered instead of sliced, the same gradients."""
     p, _, _, grads = _placement_run(name, "reference", misaligned=True)
     _assert_plain(p, None, grads)
 
@@ -285,8 +270,8 @@ def test_layouts():
     cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
     assert CPLayout.contiguous(cu, 1, 3).pieces == ((8, 8),)
     balanced = CPLayout.load_balanced(cu, 0, 2)
-    # Sequence 0 in chunks of 2, sequence 1 in chunks of 4; rank 0 holds chunks 0 and 3 of each, and chunk 3
-    # of sequence 0 is followed by chunk 0 of sequence 1 (merged).
+    # Chunks of 2 and 4; rank 0 holds chunks 0 and 3 of each (chunk 3 of sequence 0 merges with chunk 0 of
+    # sequence 1).
     assert balanced.pieces == ((0, 2), (6, 6), (20, 4))
     assert balanced.local_tokens == 12 and balanced.total_comp(4) == 6
     assert torch.equal(balanced.local_token_index(), torch.tensor([0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]))
@@ -315,8 +300,7 @@ def test_bad_layout_raises_at_the_first_call(build, expect):
 
 
 def test_torch_compile_breaks_the_graph_around_the_op():
-    """Under torch.compile the CP calls run eagerly behind a graph break (docs/distributed.md) and the result
-    is the eager one, gradients included."""
+    """Under torch.compile the CP calls run eagerly behind a graph break; the eager result, gradients included."""
     p = make_pack((37, 3, 20), 6, 4, 2, seed=4)
     layout = CPLayout.from_pieces(p.cu_seqlens, [(30, 30), (0, 30)])
 
@@ -359,9 +343,7 @@ def test_docs_examples_run():
 
 @pytest.mark.gpu
 def test_nccl_two_gpus_match_single_gpu():
-    """One process per GPU with NCCL, cute and triton, contiguous / load-balanced / ragged
-    splits at full head_dim: gathered rows and kv/score gradients bitwise, grad_ape within 1e-6 relative, bad
-    layouts a ValueError on both ranks (tests/cp_worker.py, ``_nccl_suite``)."""
+    """One process per GPU with NCCL, cute and triton, every split (tests/cp_worker.py, ``_nccl_suite``)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
     per_rank = cp_worker.launch((2,), "nccl", timeout_s=float(os.environ.get("CP_NCCL_TIMEOUT", "400")))[2]
@@ -381,8 +363,7 @@ def test_nccl_two_gpus_match_single_gpu():
 @pytest.mark.parametrize("split", ["whole", "pieces"])
 @pytest.mark.parametrize(("ratio", "coff", "head_dim"), [(4, 2, 512), (4, 2, 128), (128, 1, 512), (128, 2, 128)])
 def test_world_of_one_cute_equals_plain_op(split, ratio, coff, head_dim):
-    """On one GPU, the CP op on a world of one rank with the cute backend is the plain op,
-    bitwise (outputs, grad_kv, grad_score; grad_ape too in one piece, where it is the same call)."""
+    """The cute CP op on a world of one is the plain op, bitwise (grad_ape too in one piece)."""
     p = make_pack((4096, 1000, 3000), head_dim, ratio, coff, device="cuda", seed=3)
     total = sum(p.seqlens)
     pieces = [(0, total)] if split == "whole" else [(5000, total - 5000), (1999, 3001), (0, 1999)]
@@ -394,8 +375,8 @@ def test_world_of_one_cute_equals_plain_op(split, ratio, coff, head_dim):
 @pytest.mark.parametrize("name", ["patch-c1-r128", "patch-c2", "gather-c2"])
 @pytest.mark.parametrize("head_dim", [128, 512])
 def test_world_of_one_side_stream_equals_plain_op(monkeypatch, name, head_dim):
-    """On one GPU with cute, the boundary call on the side stream: rows and kv/score gradients bitwise the
-    plain op's, and every result (grad_ape too) bitwise the same as with the side stream switched off."""
+    """The boundary call on the side stream: bitwise the plain op's rows and kv/score gradients, and the results
+    with the side stream off."""
     from csa_compressor.distributed import streams
 
     seqlens, ratio, coff, _, pieces, _, _ = _PLACEMENTS[name]
@@ -414,8 +395,7 @@ def test_world_of_one_side_stream_equals_plain_op(monkeypatch, name, head_dim):
 
 @pytest.mark.gpu
 def test_world_of_one_side_stream_in_a_cuda_graph():
-    """The pieces path (the side stream forked and joined inside) captured in a CUDA graph and replayed on new
-    inputs: the rows of an eager call."""
+    """The pieces path captured in a CUDA graph and replayed on new inputs: the rows of an eager call."""
     p = make_pack((4096, 1000, 3000), 512, 4, 2, device="cuda", seed=8)
     total = sum(p.seqlens)
     layout = CPLayout.from_pieces(p.cu_seqlens, [(5000, total - 5000), (1999, 3001), (0, 1999)])
@@ -445,8 +425,7 @@ def test_world_of_one_side_stream_in_a_cuda_graph():
      (None, "yes", ValueError)],
 )  # fmt: skip
 def test_validation_mode_reads_the_variable_as_the_single_gpu_op(monkeypatch, validate, env, expected):
-    """``validate`` overrides; otherwise $CSA_COMPRESSOR_VALIDATE means what it means to the single-GPU op (0 or 1,
-    anything else an error naming the variable)."""
+    """``validate`` overrides; else $CSA_COMPRESSOR_VALIDATE as for the single-GPU op (0/1, else an error)."""
     from csa_compressor.distributed.layout import validation_requested
 
     if env is None:

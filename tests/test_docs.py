@@ -15,8 +15,7 @@ import csa_compressor
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-# Link targets that other work produces and that may not be on this branch yet: the bench's chart and the
-# page on memory safety. Once they are on main this set can be emptied.
+# Link targets other work produces that may not be on this branch yet; empty this set once they are on main.
 PENDING: set[str] = set()
 
 

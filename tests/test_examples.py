@@ -1,5 +1,4 @@
-"""Every script in examples/ runs to its end in a subprocess, as a user would run it (on the CPU here, where each
-takes its documented CPU path: the reference backend, the Triton interpreter, the eager fallback of the graphs)."""
+"""Every script in examples/ runs to its end in a subprocess (on the CPU here, each on its documented CPU path)."""
 
 import os
 import subprocess

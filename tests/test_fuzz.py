@@ -1,9 +1,5 @@
-"""Fuzzing with malformed packs: hypothesis draws them, tests/fuzz_worker.py runs them on one backend in a
-subprocess (a crash fails the test instead of ending the run) and checks each (see its docstring).
-
-Drawn: well-formed packs, total_comp below the real rows, offsets beyond T, negative, decreasing, near the
-int32 limits, cu_seqlens_comp counts that do not match, a cu_seqlens_comp that does not start at 0, T < ratio,
-offset arrays longer than the segments need, offset arrays of different lengths, and two of these at once.
+"""Fuzzing with malformed packs: hypothesis draws them (every malformation of offsets and total_comp, alone and
+in pairs), tests/fuzz_worker.py runs them in a subprocess (a crash fails the test) and checks each.
 """
 
 from __future__ import annotations
@@ -143,8 +139,7 @@ def _draw_from(first: str | None, examples: int) -> list[dict]:
 
 
 def _draw(count: int) -> list[dict]:
-    """About ``count`` cases drawn by hypothesis, as many starting from each malformation (and from none) so that
-    each is covered; the same ones every CI run (a red CI must be reproducible)."""
+    """About ``count`` cases, as many from each malformation (and none); the same every CI run (reproducible)."""
     firsts = (None, *KINDS)
     return [case for first in firsts for case in _draw_from(first, -(-count // len(firsts)))]
 

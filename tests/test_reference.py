@@ -177,8 +177,7 @@ def test_nonfinite_inputs_propagate_like_eager():
 
 # ---------------------------------------------------------------- total_comp below the real rows (docs/safety.md)
 
-# (ratio, coff, head_dim, seqlens, token_padding): ragged packs with short, empty and exact segments, tails,
-# token padding and odd head_dim, at the SPEC's window classes.
+# (ratio, coff, head_dim, seqlens, token_padding): ragged packs at the SPEC's window classes.
 TRUNCATION = [
     (4, 2, 5, (13, 3, 0, 9, 8), 3),
     (4, 1, 7, (11, 4, 2, 16), 1),
@@ -191,8 +190,7 @@ TRUNCATION_IDS = [f"r{c[0]}c{c[1]}d{c[2]}" for c in TRUNCATION]
 
 
 def _cuts(pack) -> list[int]:
-    """total_comp values below the real rows: none, one, one short, and each segment's first row (that segment
-    and the ones after it lose every row)."""
+    """total_comp below the real rows: none, one, one short, and each segment's first row."""
     starts = {c for c, n in zip(pack.cu_seqlens_comp[:-1].tolist(), pack.seqlens, strict=True) if n >= pack.ratio}
     return sorted({0, 1, pack.true_comp - 1, *starts} - {pack.true_comp})
 
@@ -217,9 +215,8 @@ def test_truncated_rows_are_the_first_rows(params):
 
 @pytest.mark.parametrize("params", TRUNCATION, ids=TRUNCATION_IDS)
 def test_truncated_gradients_are_autograd_of_the_truncated_region(params):
-    """The reference backend's gradients with total_comp below the real rows equal plain autograd of the eager code
-    on the truncated pack (testing.truncated_pack): bitwise for "upstream" and for fp32's grad_kv, within fp32
-    rounding for fp32's grad_score and grad_ape (as for full packs); the dropped rows' tokens get exact zeros."""
+    """Reference gradients with total_comp below the real rows equal autograd of the truncated pack: bitwise for
+    upstream and fp32's grad_kv, within fp32 rounding for fp32's grad_score and grad_ape; dropped tokens zero."""
     for p in _truncated(params, seed=1):
         short, keep = truncated_pack(p)
         kw = dict(ratio=p.ratio, coff=p.coff)

@@ -1,8 +1,5 @@
-"""Softmax statistics of long windows: the reference definition, the API plumbing and the autograd path.
-
-The forward can save ``(total_comp, 3, d)`` fp32 statistics (log2-domain max, 1 / sum, fp32 output); the
-backward then skips its own pass over the window. Kernel backends are tested against these references in
-``tests/backends``; here the reference backend carries the plumbing on the CPU.
+"""Softmax statistics of long windows: the reference definition, API plumbing and autograd path (the kernel
+backends are tested against these in tests/backends).
 """
 
 import math

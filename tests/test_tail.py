@@ -1,8 +1,5 @@
-"""The compressor's tail (RMSNorm, RoPE; issue 26): the three references against the issue text
-(tests/naive.py), against each other and against autograd, and the contract checker the kernels are held to.
-
-Kernel tests call ``csa_compressor.tail.check_backend(forward_fn, backward_fn, pack, tail)`` over ``CASES``
-(``case_pack_and_tail`` builds them).
+"""The compressor's tail (RMSNorm, RoPE; issue 26): the references against the issue text (tests/naive.py), each
+other and autograd, and ``check_backend``, which kernel tests call over ``CASES``.
 """
 
 import dataclasses
@@ -129,9 +126,8 @@ def test_checker_accepts_the_fp32_references(name):
     T.check_backend(T.forward, T.autograd_backward, pack, tail)
 
 
-# A kernel adds in its own order and may fuse multiply-adds: the checker must accept that. This stand-in sums
-# the window and the row reductions sequentially in reverse, rounds each rotated coordinate once (as an fma
-# would) and associates the norm's products differently from the references.
+# A kernel adds in its own order and may fuse multiply-adds; the checker must accept that stand-in (reverse sums, one
+# rounding per rotated coordinate, other product association).
 
 
 def _fused_rotate(y, tail, positions, inverse=False):
@@ -249,8 +245,7 @@ def test_checker_rejects_wrong_kernels(wrong):
 
 
 def test_upstream_chain_is_deepseeks_formulation():
-    """The eager chain restated as DeepSeek-V4's model code computes it: an RMSNorm module cast back to bf16,
-    then the rotary pairs as complex numbers times unit phasors, in fp32, cast back."""
+    """The eager chain as DeepSeek-V4's model code: RMSNorm cast to bf16, then rotary pairs as complex phasors in fp32."""
     pack, tail = case_pack_and_tail("r4c2d72-rope64-bf16w-pos", seed=5)
     tail = _with(tail, norm_weight=tail.norm_weight.float())
     pooled = reference.forward(*pack.inputs, total_comp=pack.total_comp, precision="upstream", **_kw(pack))
@@ -371,8 +366,7 @@ OUT_OF_TABLE = {
 
 
 def out_of_table_tail(name, seed=0, device="cpu", guard_rows=0):
-    """A case's pack and tail with ``position_start`` putting rows below 0 and past ``max_position``; with
-    ``guard_rows``, the tables are views inside NaN rows (a read past a table shows as NaN)."""
+    """A case with rows below 0 and past ``max_position``; ``guard_rows``: tables inside NaN rows."""
     pack, tail = case_pack_and_tail(name, seed=seed, device=device)
     starts, rows = OUT_OF_TABLE[name]
     half = tail.rope_dim // 2
@@ -387,8 +381,7 @@ def out_of_table_tail(name, seed=0, device="cpu", guard_rows=0):
 
 
 def _identity_padded(tail, shift, total_rows):
-    """The tail with its positions moved up by ``shift`` and its tables padded with rows of cos 1, sin 0 (before,
-    and after up to ``total_rows``): the same rotation, every position inside the tables."""
+    """Positions moved up by ``shift``, tables padded with (cos 1, sin 0) rows: the same rotation, all inside."""
     half = tail.rope_dim // 2
     cos = torch.ones(total_rows, half)
     sin = torch.zeros(total_rows, half)
@@ -399,8 +392,7 @@ def _identity_padded(tail, shift, total_rows):
 
 @pytest.mark.parametrize("name", list(OUT_OF_TABLE))
 def test_positions_outside_the_tables_are_not_rotated(name):
-    """A row at a position outside ``[0, max_position)`` is rotated by cos = 1, sin = 0: the same results, bitwise,
-    at every precision, as tables padded with such rows; its output is the norm's alone."""
+    """Rows outside ``[0, max_position)`` are not rotated: bitwise as identity-padded tables, the norm's output alone."""
     pack, tail = out_of_table_tail(name)
     positions = T.row_positions(pack.cu_seqlens_comp, pack.total_comp, pack.ratio, tail.position_start)
     outside = (positions < 0) | (positions >= tail.rope_cos.shape[0])
@@ -426,8 +418,7 @@ def test_positions_outside_the_tables_are_not_rotated(name):
 
 
 def test_positions_past_int32_are_outside_the_tables():
-    """``position_start`` near the int32 limit: the reference's positions (int64) run past the tables, and the
-    kernels' (int32, wrapped negative) fall below them; both mean no rotation."""
+    """``position_start`` near the int32 limit: past the tables (int64) or wrapped below them (int32); no rotation."""
     pack, tail = out_of_table_tail("r4c2d5-rope2-pos")
     tail = _with(tail, position_start=torch.tensor([2**31 - 5, 0, 0, 2**31 - 1, -(2**31)], dtype=torch.int32))
     positions = T.row_positions(pack.cu_seqlens_comp, pack.total_comp, pack.ratio, tail.position_start)

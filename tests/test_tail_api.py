@@ -1,9 +1,5 @@
-"""The fused tail (RMSNorm, RoPE) through the public API.
-
-``tail.check_backend`` over tests/test_tail.py's cases for every entry point (the wrappers with and without the
-softmax statistics, the classes, ``compressor_pool`` with autograd and under ``torch.compile(fullgraph=True)``)
-per backend; the tail's bounds named at every entry point; the identity tail bitwise the pooling; opcheck of the
-tail ops. ``python -m tests.test_tail_api`` prints the entry points' host cost per call, the launch mocked.
+"""The fused tail (RMSNorm, RoPE) through the public API: ``tail.check_backend`` per entry point and backend, bounds,
+the identity tail, opcheck; ``python -m tests.test_tail_api`` prints the entry points' host cost per call.
 """
 
 from __future__ import annotations
@@ -153,8 +149,7 @@ def _classes(backend):
 
 
 def _autograd_backward(region):
-    """A backward pair through autograd of ``region(kv, score, ape, weight, ...)``; an fp32 weight (a bf16 one
-    gets its gradient in bf16, which ``test_bf16_weight_gradient_is_the_fp32_one_rounded`` covers)."""
+    """A backward pair through autograd of ``region``; an fp32 weight (bf16: see the bf16 weight gradient test)."""
 
     def backward_fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, tail, *, ratio, coff):
         leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
@@ -414,8 +409,7 @@ def test_validate_checks_the_positions():
 
 @pytest.mark.parametrize("backend", TAIL_BACKENDS)
 def test_positions_outside_the_tables_through_the_api(backend):
-    """Without validation a row outside the tables is not rotated (the reference's answer, on every entry point);
-    with it, every entry point raises a ValueError naming the bound and the segment."""
+    """Without validation a row outside the tables is not rotated; with it, every entry point raises naming the bound."""
     pack, tail = out_of_table_tail("r4c2d5-rope2-pos", seed=22)
     kw = dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, backend=backend, **_kwargs(tail))
     out = csa_compressor_forward_wrapper(*pack.inputs, **kw)["out"]
@@ -507,8 +501,7 @@ def test_tail_op_with_an_identity_tail_is_the_pooling_op():
 
 
 def test_function_apply_keeps_the_positional_tail():
-    """``CompressorPoolFunction.apply`` takes validate and the seven tail arguments positionally, in
-    ``compressor_pool``'s order (the trailing ones may be left out), and hands norm_weight its gradient."""
+    """``CompressorPoolFunction.apply`` takes validate and the tail arguments positionally, in compressor_pool's order."""
     pack, tail = case_pack_and_tail("r4c2d5-rope2-pos", seed=21)
     leaves = [t.detach().clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape, tail.norm_weight)]
     head = (*leaves[:3], *pack.inputs[3:], pack.ratio, pack.coff, pack.total_comp, "reference", False)
@@ -526,8 +519,7 @@ def test_function_apply_keeps_the_positional_tail():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [*TAIL_BACKENDS, pytest.param("cute", marks=_marks("cute"))])
 def test_cuda_graph_captures_the_tail(backend):
-    """compressor_pool with norm, rope and positions, forward and backward, captured and replayed: no host sync on
-    the tail's path, the replay equal to the eager call bitwise."""
+    """compressor_pool with a full tail captured and replayed: no host sync, the replay bitwise the eager call."""
     pack = make_pack((96, 50, 7), 64, 4, 2, comp_padding=3, device="cuda", seed=19)
     tail = T.random_tail(pack, rope_dim=32, positions=True, seed=20)
     leaves = [t.detach().clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape, tail.norm_weight)]

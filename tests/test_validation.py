@@ -365,8 +365,7 @@ def _all_bounds():
 
 
 def test_every_bound_is_written_once():
-    """A bound appears in the table once (the same object reused where two checks need it): no two bounds test
-    the same thing, and no two share a name with the same test."""
+    """A bound appears in the table once: no two bounds test the same thing or share a name with the same test."""
     bounds = _all_bounds()
     tests = [b.test for b in bounds]
     assert len(tests) == len(set(tests)), sorted(t for t in tests if tests.count(t) > 1)

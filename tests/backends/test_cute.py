@@ -1,10 +1,5 @@
-"""GPU tests of the CuTe-DSL backend (``csa_compressor.backends.cute.launch``) against the references: numerics,
-exact zeros, determinism, CUDA graphs, explicit streams, threads, a non-current device, the softmax-statistics pair,
-the register-capped forward, the whole-tile statistics backward, the disk compile cache across processes, and inputs a
-data pipeline gets wrong (docs/safety.md): total_comp below the real row count, malformed offsets.
-
-Skipped with a reason when there is no CUDA GPU, when nvidia-cutlass-dsl is not importable, or when
-the GPU is not sm_90 / sm_100.
+"""GPU tests of the CuTe-DSL backend against the references (numerics, determinism, graphs, streams, threads,
+statistics, wide forward, disk cache, malformed inputs); skipped without a supported GPU or nvidia-cutlass-dsl.
 """
 
 from __future__ import annotations
@@ -187,8 +182,7 @@ def test_explicit_stream():
 
 
 def test_threads_sharing_a_stream():
-    """Eager backwards keep their grad_ape slabs per stream: two threads launching on one stream (different
-    configurations, so different slab sizes) must not interleave one call's two kernels with the other's."""
+    """grad_ape slabs are per stream: two threads on one stream (different slab sizes) must not interleave calls."""
     import threading
 
     launch = _launch_module()
@@ -284,8 +278,7 @@ def test_softmax_stats_path(case):
     assert not torch.equal(bad[1], grads[1])
 
 
-# 8-slot windows of more than one row per CTA: launches of more than one wave of the default build take the
-# register-capped build (d512, one row per CTA, has none: test_no_wide_forward_for_one_row_per_cta).
+# 8-slot windows of several rows per CTA: launches past one wave take the register-capped build.
 WIDE_CONFIGS = [(128, 4, 2), (64, 8, 1), (256, 4, 2)]
 
 
@@ -340,8 +333,7 @@ def _assert_bitwise(a, b):
 
 
 def _stats_forms(config):
-    """The slab form (128-thread CTAs over row ranges) and the whole-tile form (WHOLE_TILE_THREADS-thread CTAs, one
-    per tile) of a statistics-backward configuration: the same thread tile, only the row lanes differ."""
+    """The slab and whole-tile forms of a statistics-backward configuration (same thread tile, other row lanes)."""
     from csa_compressor.backends.cute.configs import WHOLE_TILE_THREADS
 
     tile = config.column_threads * config.slot_groups
@@ -352,10 +344,8 @@ def _stats_forms(config):
 
 @pytest.mark.parametrize("case", STATS_CASES, ids=lambda c: f"{len(c[0])}seg-d{c[1]}-r{c[2]}-c{c[3]}")
 def test_stats_backward_whole_tile_form(case):
-    """The whole-tile form (the default where the tiles nearly fill the GPU; forced here on every case) against the
-    slab form: grad_kv and grad_score bitwise (same element math), grad_ape within fp32 summation-order error (4x the
-    row lanes); every element written over NaN-filled buffers, the contract against the reference, bitwise run to
-    run."""
+    """Whole-tile form (forced) vs slab form: grad_kv/grad_score bitwise, grad_ape within fp32 summation error; NaN
+    canaries, the contract, bitwise run to run."""
     from csa_compressor.backends.cute.backward_stats import BackwardWithStats
     from csa_compressor.backends.cute.device import device_spec
     from csa_compressor.backends.cute.select import config_for
@@ -388,8 +378,7 @@ def test_stats_backward_whole_tile_form(case):
 
 
 def test_first_launch_after_compile_may_be_captured():
-    """compile() leaves nothing for a later call to load: the very first launches of a configuration (one no other
-    test uses) can be captured into a CUDA graph, and the replay matches the references."""
+    """The first launches after compile() can be captured into a CUDA graph; the replay matches the references."""
     launch = _launch_module()
     ratio, coff, d = 4, 2, 72
     pack = make_pack((300, 41, 77), d, ratio, coff, token_padding=3, comp_padding=2, device="cuda", seed=53)
@@ -435,8 +424,7 @@ print(json.dumps({"compiled": len(compiled), "seconds": seconds}))
 
 
 def test_a_second_process_loads_the_kernels_and_matches_bitwise(tmp_path):
-    """The disk cache on the GPU: a fresh process compiles into an empty cache folder, a second one loads (no
-    compile) and writes the same bits; the first calls' times (cold and warm cache) are printed."""
+    """Disk cache: a fresh process compiles, a second loads (no compile) and writes the same bits; times printed."""
     import json
     import os
     import subprocess
@@ -460,11 +448,9 @@ def test_a_second_process_loads_the_kernels_and_matches_bitwise(tmp_path):
 
 
 # --------------------------------------------------------------------------- inputs a data pipeline gets wrong
-# (docs/safety.md). The truncation helpers are tests/backends/test_triton_safety.py's (imported where used: that
-# module needs triton, which the GPU machine has).
+# (docs/safety.md); helpers from test_triton_safety (imported where used: it needs triton).
 
-# total_comp below the real row count: (seqlens, head_dim, ratio, coff), every kernel family; the statistics
-# backwards in both forms (whole-tile: the H200's choice at ratio 128 coff 1 d512).
+# total_comp below the real row count, every kernel family; statistics backwards in both forms.
 TRUNCATED = [
     ((13, 8, 0, 3, 21), 64, 4, 2),  # exact forward, short backward
     ((9, 4, 0, 11), 128, 2, 1),
@@ -493,10 +479,8 @@ def _assert_truncated_bitwise(tpack, out, grads):
 
 @pytest.mark.parametrize("case", TRUNCATED, ids=[f"r{c[2]}c{c[3]}d{c[1]}" for c in TRUNCATED])
 def test_undersized_total_comp_matches_truncated_autograd(case):
-    """Rows at or past total_comp are not produced; the gradients equal plain autograd of the eager reference
-    truncated to total_comp rows (every position written over NaN-filled buffers: dropped rows' tokens are exact
-    zeros), bitwise at windows of at most 8 slots; the statistics forward writes the plain forward's rows and both
-    statistics-backward forms agree with autograd too."""
+    """Rows past total_comp are not produced; gradients equal autograd of the truncated reference (bitwise at <= 8
+    slots); the statistics forward and both statistics-backward forms too."""
     from csa_compressor.backends.cute.backward_stats import BackwardWithStats
     from csa_compressor.backends.cute.device import device_spec
     from csa_compressor.backends.cute.select import config_for
@@ -531,9 +515,8 @@ def test_undersized_total_comp_matches_truncated_autograd(case):
             safety._assert_matches_autograd(tpack, grads)
 
 
-# Malformed offsets whose cu_seqlens_comp is non-decreasing, where the rules define the forward exactly (a row
-# whose tokens leave [0, T) is a padding row): (cu_seqlens, cu_seqlens_comp, total_comp) over 44 tokens at ratio 4,
-# scaled with larger ratios as in test_triton_safety.
+# Malformed offsets with a non-decreasing cu_seqlens_comp (the rules define the forward exactly): (cu_seqlens,
+# cu_seqlens_comp, total_comp) over 44 tokens at ratio 4, scaled for larger ratios.
 MONOTONIC_MALFORMED = {
     "beyond_T": ([0, 16, 80], [0, 4, 20], 20),
     "comp_over_count": ([0, 16, 32], [0, 9, 20], 21),
@@ -547,8 +530,7 @@ FORWARD_FAMILIES = [(4, 2, 64), (2, 1, 128), (3, 2, 36), (8, 2, 64), (16, 2, 64)
 @pytest.mark.parametrize("name", list(MONOTONIC_MALFORMED))
 @pytest.mark.parametrize("ratio,coff,d", FORWARD_FAMILIES, ids=[f"r{r}c{c}d{d}" for r, c, d in FORWARD_FAMILIES])
 def test_malformed_offsets_forward_follows_the_guard_rules(ratio, coff, d, name):
-    """The forwards (with statistics too) on malformed offsets against the reference, which applies the same rules
-    (docs/safety.md): bitwise at windows of at most 8 slots, the contract elsewhere."""
+    """Forwards (statistics too) on malformed offsets vs the reference: bitwise at <= 8 slots, else the contract."""
     launch = _launch_module()
     scale = ratio // 4 if ratio > 4 else 1
     base = make_pack((44 * scale,), d, ratio, coff, device="cuda", seed=61)
@@ -572,10 +554,8 @@ def test_malformed_offsets_forward_follows_the_guard_rules(ratio, coff, d, name)
 
 
 def test_malformed_offsets_stay_inside_the_operands():
-    """test_triton_safety's malformed cases (beyond T, decreasing, negative, int32 wrap-around, counts that do not
-    match, an undersized total_comp) through every cute kernel family, each operand between NaN canary rows: no
-    canary written, the output, statistics and gradients finite (compute-sanitizer memcheck over
-    ``python -m tests.sanitize_cases --backend cute --malformed`` checks every access)."""
+    """test_triton_safety's malformed cases through every cute kernel family between NaN canary rows: canaries
+    intact, results finite (memcheck: ``python -m tests.sanitize_cases --backend cute --malformed``)."""
     from tests.sanitize_cases import CUTE_MALFORMED_CONFIGS, malformed_results
 
     _launch_module()

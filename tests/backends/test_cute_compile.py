@@ -1,28 +1,17 @@
-"""The cute kernels build for Hopper and Blackwell without a GPU (CuTe-DSL compiles with ``CUTE_DSL_ARCH``), and
-the kernel selection and configurations follow their rules (pure Python).
-
-Every kernel class compiles, for sm_90a and for sm_100a, to PTX with the expected kernels and parameter lists (the
-forwards take T as well as the backwards: the bounds guard), keeps no array in local memory
-(a run-time-indexed register array would land there and cost DRAM traffic), loads its window evict-first in the
-forwards only, and carries its launch bounds. Running the kernels needs the GPU: tests/backends/test_cute.py.
-``benchmarks/cubins.py --compare`` checks every default kernel's code against the committed baselines.
+"""The cute kernels build for sm_90a and sm_100a without a GPU: expected entries and parameter lists, no local
+memory (a run-time-indexed register array would cost DRAM traffic), evict-first window loads in the forwards only,
+launch bounds; and the kernel selection and configurations follow their rules.
 """
 
 import math
-import os
-import re
 import tempfile
 from dataclasses import replace
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+from .common import ENTRY, cute_launch
 
-cute_launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-if cute_launch.unavailable_reason() is not None:
-    pytest.skip(f"cute backend unavailable: {cute_launch.unavailable_reason()}", allow_module_level=True)
+cute_launch = cute_launch()
 
 from csa_compressor.backends.cute import configs  # noqa: E402
 from csa_compressor.backends.cute.backward_long import BackwardLongWindow  # noqa: E402
@@ -35,7 +24,6 @@ from csa_compressor.backends.cute.select import config_for, kernel_for  # noqa: 
 from csa_compressor.windows import is_short_window, uses_softmax_stats  # noqa: E402
 
 H200 = offline_spec("sm_90a")
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 
 # (name, direction, ratio, coff, head_dim, kernel class): one compile of each kernel class and form, small shapes.
 BUILDS = [
@@ -54,7 +42,7 @@ BUILDS = [
 def _entries(ptx: str) -> dict[str, str]:
     """Kernel name -> parameter kinds ('p' a 64-bit pointer, 'i' a 32-bit int)."""
     out = {}
-    for name, params in _ENTRY.findall(ptx):
+    for name, params in ENTRY.findall(ptx):
         kinds = ["p" if ".u64" in p or ".b64" in p else "i" for p in params.split(",") if p.strip()]
         out[name] = "".join(kinds)
     return out
@@ -98,8 +86,7 @@ def test_kernels_compile_without_local_memory(built, name):
 
 
 def test_launch_bounds(built):
-    """The wide forward is capped for WIDE_CTAS_PER_SM CTAs; the grouped kernels for MAX_REGISTERS per thread; the
-    exact short forward has no bound."""
+    """Launch bounds: the wide forward for WIDE_CTAS_PER_SM, grouped kernels MAX_REGISTERS, none on the exact forward."""
     _arch, kernels = built
     assert f".minnctapersm {configs.WIDE_CTAS_PER_SM}" in kernels["wide forward"][1]
     assert ".minnctapersm" not in kernels["short forward"][1]
@@ -115,8 +102,8 @@ CONFIG_SPACE = [(r, c, d) for r in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 32, 1
 
 @pytest.mark.parametrize("ratio,coff", sorted({(r, c) for r, c, _ in CONFIG_SPACE}))
 def test_selection_follows_the_window_classes(ratio, coff):
-    """Short windows of one power-of-two group take the exact forward, every other window the grouped one;
-    the backward follows is_short_window; statistics kernels exist exactly where uses_softmax_stats."""
+    """One power-of-two group: the exact forward, else the grouped one; backward by is_short_window; statistics
+    kernels exactly where uses_softmax_stats."""
     for head_dim in (7, 64, 130, 512):
         forward_class, forward = kernel_for("forward", ratio, coff, head_dim, H200)
         window = coff * ratio
@@ -156,8 +143,7 @@ def test_grouped_configs_tile_the_window():
 
 @pytest.mark.parametrize("sm_count", [132, 148, 114, 40])
 def test_whole_tile_form_follows_the_sm_count(sm_count):
-    """The statistics backward takes one CTA per tile (whole-tile form) where the tiles fill the share
-    WHOLE_TILE_FILL of the SMs, else 128-thread CTAs over row ranges with slabs (the same thread tile)."""
+    """Whole-tile statistics backward where the tiles fill WHOLE_TILE_FILL of the SMs, else slabs over row ranges."""
     spec = DeviceSpec("sm_90a", sm_count, H200.shared_memory_per_sm, H200.shared_memory_per_block)
     for ratio, coff, head_dim in [(128, 1, 512), (128, 2, 512), (128, 1, 128), (128, 2, 130), (17, 1, 128)]:
         cfg = configs.stats_backward_for_sm90(ratio, coff, head_dim, spec)
@@ -182,8 +168,7 @@ def test_wide_forward_only_for_8_slot_windows_of_several_rows(ratio, coff, head_
 
 
 def test_backward_grid_fills_one_wave():
-    """Persistent grids: the CTA slots of one wave (the shared memory may allow fewer CTAs than the registers),
-    at most WS_CAP_BYTES of slabs, rows per CTA a multiple of the row lanes; the whole-tile form one row range."""
+    """Persistent grids: one wave of CTA slots, at most WS_CAP_BYTES of slabs, rows per CTA a multiple of row lanes."""
     short = config_for("backward", 4, 2, 512, H200)
     assert cute_launch.grid_capacity(short, H200) == H200.sm_count  # one 512-thread CTA per SM
     long = config_for("backward", 128, 2, 512, H200)

@@ -1,17 +1,11 @@
-"""The cute backend's fused tail (RMSNorm + RoPE inside the short-window kernels of one power-of-two slot group).
-
-On the CPU: the fused kernels and their slab reduction compile offline for sm_90a and sm_100a over ``BUILDS``
-(parameter lists, no local memory, the row sums' shuffles); the fused configurations hold whole rows and exist
-exactly for those windows; the host functions take the tail's arguments in order. On the GPU (``-m gpu``): the
-host functions launched directly on NaN-filled buffers, held to ``tail.check_backend`` (the contract of docs/tail.md, bitwise run to run).
+"""The cute backend's fused tail (RMSNorm + RoPE in the one-group short-window kernels): offline compiles,
+configurations, host-function arguments on the CPU; ``tail.check_backend`` on the GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import re
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,12 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+from .common import ENTRY, cute_launch
 
-launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-if launch.unavailable_reason() is not None:
-    pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
+launch = cute_launch()
 
 from csa_compressor import tail as T  # noqa: E402
 from csa_compressor.backends.cute import configs, select, tail_configs  # noqa: E402
@@ -38,7 +29,6 @@ H200 = offline_spec("sm_90a")
 _CUBINS_SPEC = importlib.util.spec_from_file_location("cubins", Path(__file__).parents[2] / "benchmarks" / "cubins.py")
 _CUBINS = importlib.util.module_from_spec(_CUBINS_SPEC)
 _CUBINS_SPEC.loader.exec_module(_CUBINS)  # its cubin reader: registers and stack frame per kernel
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 
 
 def spec(norm="fp32", rope_dim=0, interleaved=True, positions=False) -> configs.TailSpec:
@@ -90,9 +80,7 @@ def _build(arch: str, name: str, direction: str):
     "arch, name", [("sm_90a", b[0]) for b in BUILDS] + [("sm_100a", name) for name in SM100_BUILDS]
 )
 def test_fused_kernels_compile(arch, name, direction):
-    """The agreed parameter lists (the tail's pointers, then eps and max_position), no local memory, the row
-    sums' shuffles where a row spans threads, correctly rounded rstd steps with a norm, the slabs' reduction
-    into grad_norm_weight with a norm."""
+    """Parameter lists, no local memory, row-sum shuffles, correctly rounded rstd, the weight slabs' reduction."""
     kernel, ptx, used = _build(arch, name, direction)
     cfg, tail = kernel.config, kernel.config.tail
     assert f".target {arch}" in ptx
@@ -101,7 +89,7 @@ def test_fused_kernels_compile(arch, name, direction):
     if direction == "forward" and cfg.ctas_per_sm_cap:
         assert f".minnctapersm {cfg.ctas_per_sm_cap}" in ptx
         assert used["registers"] * cfg.threads * cfg.ctas_per_sm_cap <= configs.REGISTERS_PER_SM, used
-    entries = sorted(_kinds(params) for _name, params in _ENTRY.findall(ptx))
+    entries = sorted(_kinds(params) for _name, params in ENTRY.findall(ptx))
     if direction == "forward":
         assert entries == ["pppppp" + "iii" + "ppppp" + "fi"]
         assert ("ld.global.cs" in ptx) == (cfg.vector_width > 1)  # the window streams as without a tail
@@ -121,9 +109,8 @@ CONFIG_SPACE = [(r, c) for r in (1, 2, 3, 4, 5, 8, 16, 32, 128) for c in (1, 2)]
 @pytest.mark.parametrize("pairs", ["interleaved", "half"])
 @pytest.mark.parametrize("ratio,coff", CONFIG_SPACE)
 def test_fused_configs_exactly_for_one_power_of_two_group(ratio, coff, pairs):
-    """Fused configurations exist where the exact short kernels serve the window (one power-of-two slot group);
-    they hold whole rows (one column chunk) of a power-of-two thread count, keep the pooling-only kernel's vectors
-    (and its tile where that is one chunk already), and leave the default configurations without a tail."""
+    """Fused configurations exist exactly for one power-of-two slot group; whole rows, power-of-two threads, the
+    pooling kernel's vectors; defaults without a tail unchanged."""
     tail = spec("fp32", 64, pairs == "interleaved", True)
     for head_dim in (7, 64, 65, 128, 130, 512):
         for direction, kernel_class in (("forward", ForwardShortWindow), ("backward", BackwardShortWindow)):
@@ -152,8 +139,7 @@ def test_fused_configs_exactly_for_one_power_of_two_group(ratio, coff, pairs):
 
 
 def test_tail_spec_and_slabs():
-    """TailSpec.of maps a TailConfig; a fused norm adds head_dim slab entries, summed by the reduction after
-    grad_ape's (vectors never straddle the two parts)."""
+    """TailSpec.of maps a TailConfig; a fused norm adds head_dim slab entries, reduced after grad_ape's."""
     assert spec("bf16", 64, False, True) == configs.TailSpec(True, False, 64, False, True)
     assert spec(None, 2) == configs.TailSpec(False, False, 2, True, False)
     assert spec("fp32", 0, False, True) == configs.TailSpec(True, True, 0, True, False)  # no rotation: one spec
@@ -180,8 +166,7 @@ def _signature(function) -> str:
 
 
 def test_host_function_signatures(tmp_path, monkeypatch):
-    """The loaded host functions take the existing arguments, the tail's pointers, norm_eps and max_position, then
-    the stream."""
+    """Host functions take the existing arguments, the tail's pointers, norm_eps, max_position, the stream."""
     monkeypatch.setenv("CSA_COMPRESSOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(launch, "_FUNCTIONS", {})
     tail = spec("fp32", 64)
@@ -244,7 +229,7 @@ def fused_forward(kv, score, ape, cu, cuc, tail, *, ratio, coff, total_comp, rst
 
 
 def fused_backward(kv, score, ape, cu, cuc, grad_out, tail, *, ratio, coff, rstd=None):
-    """(grad_kv, grad_score, grad_ape, grad_norm_weight) of the fused backward, every buffer NaN-filled first."""
+    """The fused backward's gradients, every buffer NaN-filled first."""
     head_dim = grad_out.shape[1]
     cfg, dev, function = _function("backward", BackwardShortWindow, tail, ratio, coff, head_dim, kv.device)
     n = grad_out.shape[0]
@@ -277,8 +262,7 @@ def _with_rstd(forward_fn, backward_fn):
     return fwd, bwd
 
 
-# (ratio, coff, head_dim, seqlens, token_padding, comp_padding, random_tail keywords): ragged packs with short and
-# empty segments, padding rows, odd head_dims, the SPEC sizes.
+# (ratio, coff, head_dim, seqlens, token_padding, comp_padding, random_tail keywords)
 GPU_CASES = {
     "r4c2d512-rope64": (4, 2, 512, (4096, 37, 3, 0, 1030), 5, 3, dict(rope_dim=64)),
     "r4c2d512-half-bf16w-pos": (4, 2, 512, (2050, 9, 515), 0, 2,
@@ -316,7 +300,7 @@ def test_fused_pair_meets_the_contract(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["r4c2d512-rope64", "r4c2d128-rope64-pos", "r4c2d65-rope2-pos", "r8c1d512-norm"])
 def test_fused_pair_with_the_saved_rstd(name):
-    """The forward fills rstd (every row, padding rows too; close to the fp32 reference's), the backward reads it."""
+    """The forward fills rstd (every row), the backward reads it."""
     pack, tail = gpu_case(name, seed=4)
     T.check_backend(*_with_rstd(fused_forward, fused_backward), pack, tail)
     rstd = _nan((pack.total_comp,))
@@ -337,8 +321,7 @@ def test_rstd_is_one_without_a_norm():
 @pytest.mark.gpu
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_positions_outside_the_tables_rotate_by_nothing(interleaved):
-    """Rows whose position leaves [0, max_position) use cos 1, sin 0 and read nothing outside the tables: the
-    tables cut short (the rest of their storage NaN) give the reference of tables extended by rows of cos 1, sin 0."""
+    """Positions outside [0, max_position) use cos 1, sin 0 and read nothing outside the (NaN-bordered) tables."""
     pack, tail = gpu_case("r4c2d128-rope64-pos", seed=6)
     tail = dataclasses.replace(tail, rope_interleaved=interleaved)
     keep = tail.rope_cos.shape[0] // 2

@@ -1,10 +1,5 @@
-"""The cute backend's launch path and disk compile cache, on the CPU (no GPU needed, only nvidia-cutlass-dsl).
-
-Every kernel's host function is compiled with a TVM-FFI entry point, exported to the cache folder and loaded back;
-calls pass integer pointers, Python ints and the stream handle as an int. Here: the argument kinds the loaded
-functions take and the errors they raise, the cache's round trip across processes, concurrent processes sharing one
-cache folder, a corrupt entry, an unwritable folder and what the cache key covers. Kernel launches on the GPU:
-tests/backends/test_cute.py.
+"""The cute backend's launch path and disk compile cache on the CPU: the loaded TVM-FFI functions' argument kinds
+and errors, the cache across (concurrent) processes, a corrupt entry, an unwritable folder, the cache key.
 """
 
 from __future__ import annotations
@@ -18,12 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+from .common import cute_launch
 
-launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-if launch.unavailable_reason() is not None:
-    pytest.skip(launch.unavailable_reason(), allow_module_level=True)
+launch = cute_launch()
 
 from csa_compressor.backends.cute import cache  # noqa: E402
 from csa_compressor.backends.cute.device import offline_spec  # noqa: E402
@@ -105,8 +97,7 @@ def _host_function(direction, ratio, coff, head_dim):
 
 
 def test_argument_kinds_and_errors(fresh_cache):
-    """Pointers as ints (DataPointer), Int32 scalars, the stream; a wrong count or kind, an int32 out of range and
-    a launch without a CUDA driver raise (nothing wraps, nothing crashes)."""
+    """Pointers as ints, Int32 scalars, the stream; a wrong count or kind, an out-of-range int32 or no driver raise."""
     forward, _ = _host_function(*FORWARD)
     assert _signature(forward) == FORWARD_SIGNATURE
     backward, _ = _host_function(*BACKWARD)
@@ -127,8 +118,8 @@ def test_argument_kinds_and_errors(fresh_cache):
 
 
 def test_concurrent_processes_compile_once_and_a_later_one_loads(tmp_path):
-    """Two processes starting together on an empty folder: one compiles under the entry's lock, the other waits
-    and loads; no temporary file is left behind. A later process loads too, and faster than the compile."""
+    """Two processes on an empty folder: one compiles under the lock, the other loads; no temp file left; a later
+    process loads, faster than the compile."""
     together = [_result(p) for p in [_child(tmp_path) for _ in range(2)]]
     assert sorted(r["compiled"] for r in together) == [0, 1]
     path = together[0]["path"]
@@ -208,8 +199,7 @@ class _Recorder:
 
 @pytest.fixture
 def host_path(monkeypatch):
-    """The per-call path of launch.forward / launch.backward on CPU tensors, with recording host functions: the
-    current device and stream are stubbed (no CUDA here)."""
+    """The per-call path of launch.forward / launch.backward with recording host functions (no CUDA here)."""
     monkeypatch.setattr(launch, "_GET_DEVICE", lambda: None)  # CPU tensors' device index
     monkeypatch.setattr(launch, "_RAW_STREAM", lambda index: 0x5EED)
     monkeypatch.setattr(launch, "_IS_CAPTURING", lambda: False)

@@ -1,16 +1,10 @@
-"""The cute backend's fused tail (RMSNorm, RoPE): the composed route and its plumbing.
-
-On the CPU (nvidia-cutlass-dsl only): TailSpec, every window's route, the tail kernels' geometry and placeholder
-arguments, an offline compile of every new kernel for sm_90a and sm_100a (parameter lists, no local memory), and
-the composed and fused routes' launches with recording host functions. On the GPU (``-m gpu``): held to ``tail.check_backend`` (the contract of docs/tail.md, bitwise run to run)
-through the protocol calls and every API entry point, over tests/test_tail.py's cases and ``OWN_CASES``;
-positions outside the tables; rstd; the identity tail; a CUDA-graph capture with a tail after compile().
+"""The cute backend's fused tail (RMSNorm, RoPE), composed route and plumbing. CPU: routes, geometry, placeholders,
+offline compiles (sm_90a, sm_100a), recorded launches. GPU: ``tail.check_backend`` over every route and entry point.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import tempfile
 from types import SimpleNamespace
@@ -18,12 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # lets CuTe-DSL compile without a driver
+from .common import BF16, ENTRY, F32, cute_launch
 
-launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-if launch.unavailable_reason() is not None:
-    pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
+launch = cute_launch()
 
 from csa_compressor import tail as T  # noqa: E402
 from csa_compressor.backends.cute import build, configs, select, tail_configs, tail_launch  # noqa: E402
@@ -39,7 +30,6 @@ from ..test_tail import CASES, _on_cuda, _to_cuda, case_pack_and_tail  # noqa: E
 from .test_cute_launch import _ptrs, _Recorder  # noqa: E402
 
 H200 = offline_spec("sm_90a")
-F32, BF16 = torch.float32, torch.bfloat16
 SPEC_FULL = configs.TailSpec(True, True, 64, True, True)
 
 
@@ -69,9 +59,8 @@ WINDOWS = [(1, 1), (2, 1), (4, 2), (3, 2), (5, 1), (8, 1), (8, 2), (16, 1), (17,
 
 @pytest.mark.parametrize("ratio,coff", WINDOWS)
 def test_every_window_class_has_the_composed_route(ratio, coff):
-    """Where the fused hook has a configuration, the route is that kernel alone; every window has the composed
-    route (the route without the hook): forward = statistics forward + TailForward; backward = the statistics
-    forward (recompute), TailGradient, the statistics backward on fp32 dx. The kernels tile the window and rows."""
+    """Where the fused hook has a configuration the route is that kernel alone; every window has the composed route
+    (stats forward + TailForward; backward: stats forward, TailGradient, stats backward on fp32 dx)."""
     for head_dim in (7, 64, 130, 512, 2048):
         for direction in ("forward", "backward"):
             fused = select.fused_tail_config(direction, ratio, coff, head_dim, H200, SPEC_FULL)
@@ -135,8 +124,7 @@ def test_slab_entries_of_every_backward_config():
 
 
 def test_placeholders_carry_the_tail_block():
-    """The tail's block after a kind's own arguments, before the stream: 5 pointers (and grad_norm_weight for the
-    gradients), norm_eps, max_position; the weight's pointer in its dtype; grad_float32's grad_out fp32."""
+    """The tail's block after a kind's own arguments, before the stream; the weight's pointer in its dtype."""
     from cutlass import BFloat16, Float32, Int32
 
     plain = SimpleNamespace(kind="forward", config=configs.forward_for_sm90(4, 2, 64, H200))
@@ -160,8 +148,7 @@ def test_placeholders_carry_the_tail_block():
 
 
 def test_reduction_of_the_weight_slabs_apart():
-    """The composed route's one reduction: the grad_ape slabs, then the weight's from a 16-byte boundary, each set
-    with its own vectors and CTAs."""
+    """The composed route's one reduction: grad_ape slabs, then the weight's from a 16-byte boundary."""
     odd = configs.ApeReduceConfig(35, 1, 7, norm_apart=True)
     assert odd.part_vector(35) == odd.part_vector(7) == 1 and odd.grid == 2 + 1
     assert [odd.norm_offset(ctas) for ctas in (1, 3, 4)] == [36, 108, 140]
@@ -175,7 +162,6 @@ def test_reduction_of_the_weight_slabs_apart():
 
 # ---------------------------------------------------------------- offline compile (sm_90a and sm_100a)
 
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
 SPECS = {
     "norm-rope64-pos": SPEC_FULL,
     "bf16w-rope2-half": configs.TailSpec(True, False, 2, False, False),
@@ -205,8 +191,7 @@ POOL_BUILDS = [
 ]  # fmt: skip
 
 
-# (name, ratio, coff, head_dim): composed backward routes with a norm, the statistics backward's slab form (its
-# reduction sums the weight's slabs too) and its whole-tile form (TailGradient reduces its own).
+# (name, ratio, coff, head_dim): composed backwards with a norm, slab form and whole-tile form.
 ROUTE_BUILDS = [("slab r128c1d128", 128, 1, 128), ("whole tile r128c1d512", 128, 1, 512)]
 
 
@@ -214,7 +199,7 @@ def _entries(ptx: str) -> list[str]:
     """Parameter kinds of every kernel entry: 'p' a 64-bit pointer, 'i' a 32-bit int, 'f' an fp32."""
     kinds = {".u64": "p", ".b64": "p", ".u32": "i", ".s32": "i", ".b32": "i", ".f32": "f"}
     return sorted(
-        "".join(kinds[p.split()[1]] for p in params.split(",") if p.strip()) for _, params in _ENTRY.findall(ptx)
+        "".join(kinds[p.split()[1]] for p in params.split(",") if p.strip()) for _, params in ENTRY.findall(ptx)
     )
 
 
@@ -291,7 +276,7 @@ def test_pool_kernels_of_the_tail_compile(built, name):
 
 
 def _main_kernel(ptx: str) -> str:
-    """The statistics backward's main kernel (the entry that is not the reduction), its name and comments dropped."""
+    """The statistics backward's main kernel (not the reduction), its name and comments dropped."""
     for block in re.split(r"(?=\.visible \.entry|\.entry)", ptx):
         found = re.match(r"(?:\.visible )?\.entry\s+(\w+)", block.strip())
         if found and "ApeReduce" not in found.group(1):
@@ -302,9 +287,8 @@ def _main_kernel(ptx: str) -> str:
 
 @pytest.mark.parametrize("name", [b[0] for b in ROUTE_BUILDS])
 def test_composed_backward_routes_compile(built, name):
-    """Slab form: TailGradient launches no reduction, the statistics backward's host function one reduction of both
-    slab sets (pointers ws, grad_ape, grad_norm_weight; num_ctas, norm_ctas), its main kernel the same code as
-    without the weight's slabs. Whole tiles: TailGradient's own reduction, none after the statistics backward."""
+    """Slab form: one reduction of both slab sets after the statistics backward, main kernel as without the weight's
+    slabs. Whole tiles: TailGradient's own reduction, none after the statistics backward."""
     arch, kernels = built
     (tail, tail_ptx), (pool, pool_ptx) = kernels[f"{name} tail"], kernels[f"{name} pool"]
     plain_ptx = kernels[f"{name} plain pool"][1]
@@ -321,8 +305,7 @@ def test_composed_backward_routes_compile(built, name):
 
 
 def test_loaded_tail_functions_take_pointers_ints_floats_and_the_stream(tmp_path, monkeypatch):
-    """Through the disk cache's export and load (the one TVM-FFI launch path): the host functions' parameters in
-    build.py's order, norm_eps a Python float."""
+    """Through the disk cache's export and load: parameters in build.py's order, norm_eps a Python float."""
     monkeypatch.setenv("CSA_COMPRESSOR_CACHE_DIR", str(tmp_path))
     cfg = tail_configs.tail_rows(tail_configs.TailForwardConfig, 4, 64, SPEC_FULL, 192, 128)
     function = launch.host_function(TailForward, cfg, "sm_90a")
@@ -342,7 +325,7 @@ def test_loaded_tail_functions_take_pointers_ints_floats_and_the_stream(tmp_path
 
 @pytest.fixture
 def host_path(monkeypatch):
-    """Recording host functions in place of the kernels; current device and stream stubbed (no CUDA here)."""
+    """Recording host functions in place of the kernels; device and stream stubbed (no CUDA here)."""
     monkeypatch.setattr(launch, "_GET_DEVICE", lambda: None)
     monkeypatch.setattr(launch, "_RAW_STREAM", lambda index: 0x5EED)
     monkeypatch.setattr(launch, "_IS_CAPTURING", lambda: False)
@@ -415,7 +398,7 @@ def test_composed_forward_calls(host_path):
 
 
 def _composed_backward(host_path, given: bool, merged: bool = False):
-    """One composed backward through the host path: ``(pack, tail, route, grads, grad_w, rstd, stats, sizes)``."""
+    """One composed backward through the host path."""
     pack, tail = _pack_and_tail()
     route = _composed(host_path, "backward", pack, tail_launch.spec_of(tail), merged=merged)
     kv, score, ape, cu, cuc = pack.inputs
@@ -454,9 +437,8 @@ def test_composed_backward_calls(host_path, given):
 
 @pytest.mark.parametrize("given", [False, True])
 def test_composed_backward_with_one_reduction_calls(host_path, given):
-    """The slab form with a norm: TailGradient writes its weight slabs after the statistics backward's grad_ape
-    slabs in one slab space (the stream's scratch), and the statistics backward's host function, which reduces
-    both, gets grad_norm_weight and TailGradient's CTA count."""
+    """Slab form with a norm: TailGradient's weight slabs follow the grad_ape slabs in one scratch; the statistics
+    backward reduces both and gets grad_norm_weight and TailGradient's CTA count."""
     pack, tail, route, grads, grad_w, rstd, stats, sizes = _composed_backward(host_path, given, merged=True)
     kv, score, ape, cu, cuc = pack.inputs
     n, d = pack.total_comp, pack.head_dim
@@ -479,8 +461,7 @@ def test_composed_backward_with_one_reduction_calls(host_path, given):
 
 
 def test_fused_route_call_convention(host_path):
-    """A fused configuration's host functions take the pooling's arguments, then the tail's block, then the stream;
-    the backward's slabs have slab_entries floats per CTA; statistics given take the composed route."""
+    """Fused host functions: pooling arguments, the tail's block, the stream; given statistics take the composed route."""
     pack, tail = _pack_and_tail()
     spec = tail_launch.spec_of(tail)
     kv, score, ape, cu, cuc = pack.inputs
@@ -575,8 +556,8 @@ def _protocol(with_stats: bool, with_rstd: bool):
     return forward_fn, backward_fn
 
 
-# This file's cases, beside tests/test_tail.py's (ratio, coff, head_dim, seqlens, token padding, comp padding,
-# random_tail keywords): SPEC sizes, rows wider than a warp, rope_dim = head_dim, 16-slot windows.
+# Beside tests/test_tail.py's cases (same format): SPEC sizes, rows wider than a warp, rope_dim = head_dim,
+# 16-slot windows.
 OWN_CASES = {
     "r4c2d512-rope64-pos": (4, 2, 512, (1000, 2, 333, 64), 7, 4, dict(rope_dim=64, positions=True)),
     "r128c1d512-rope64": (128, 1, 512, (515, 1, 1030, 260), 3, 2, dict(rope_dim=64)),
@@ -588,9 +569,8 @@ OWN_CASES = {
     "r3c2d36-rope36-only": (3, 2, 36, (41, 100, 7), 0, 1, dict(norm=False, rope_dim=36)),
     "r16c1d128-rope64-pos": (16, 1, 128, (300, 5, 129), 2, 2, dict(rope_dim=64, positions=True)),
     "r4c2d128-padding-only": (4, 2, 128, (3, 2), 4, 3, dict(rope_dim=64)),
-    # The composed backward's one reduction (the statistics backward's slab form on the H200): statistics backward
-    # CTAs and TailGradient CTAs that own only padding rows, several of each, more TailGradient CTAs than
-    # statistics backward row ranges, odd head_dim, grad_ape slabs of a size not a multiple of 4 (r5c1d7), no norm.
+    # The composed backward's one reduction: padding-only CTAs, more TailGradient CTAs than row ranges, odd
+    # head_dim, odd-sized grad_ape slabs (r5c1d7), no norm.
     "r128c1d128-rope64-padding-ctas": (128, 1, 128, (300, 1, 129), 2, 40, dict(rope_dim=64)),
     "r128c2d65-norm-padding-ctas": (128, 2, 65, (600, 3, 256), 1, 30, dict()),
     "r128c1d128-rope64-pos-many": (128, 1, 128, (20000, 13000, 5400), 3, 3, dict(rope_dim=64, positions=True)),
@@ -632,9 +612,8 @@ def test_protocol_meets_the_contract(name, route):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("given", [True, False])
 def test_composed_backward_launches(head_dim, norm, given):
-    """Kernels of one composed backward (ratio 128): the statistics forward where none are given, TailGradient,
-    the statistics backward, and its reduction of the slab form, which also sums the weight's slabs; whole tiles
-    reduce no grad_ape and leave TailGradient its own reduction of the weight's slabs."""
+    """Kernels of one composed backward (ratio 128): stats forward if none given, TailGradient, stats backward, and
+    its slab reduction (also the weight's); whole tiles: no grad_ape reduction, TailGradient reduces the weight."""
     _gpu_launch()
     from torch.profiler import ProfilerActivity, profile
 
@@ -674,7 +653,7 @@ API_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["r4c2d5-rope2-pos", "r2c1d66-rope64-half-pos", "r4c2d512-rope64-pos"])
 def test_composed_route_of_windows_the_hook_fuses(name, monkeypatch):
-    """The composed route also where select.fused_tail_config has a fused kernel (one-group short windows)."""
+    """The composed route also where a fused kernel exists (one-group short windows)."""
     _gpu_launch()
     monkeypatch.setattr(select, "fused_tail_config", lambda *args: None)
     monkeypatch.setattr(tail_launch, "_ROUTES", {})
@@ -699,8 +678,8 @@ def test_api_entry_points_meet_the_contract(entry, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["r4c2d512-rope64-pos", "r128c2d6-rope6-pos", "r2c1d4-rope4-only-pos"])
 def test_positions_outside_the_tables_are_not_rotated(name):
-    """Rows whose position is below 0 or at or past max_position read no table and are not rotated: the contract
-    against a tail whose tables are padded with (cos 1, sin 0) rows around the given ones."""
+    """Rows at positions outside [0, max_position) are not rotated: the contract against tables padded with
+    (cos 1, sin 0) rows."""
     _gpu_launch()
     pack, tail = _case(name, seed=33)
     half = tail.rope_dim // 2
@@ -731,8 +710,7 @@ def test_positions_outside_the_tables_are_not_rotated(name):
 
 @pytest.mark.gpu
 def test_rstd_and_identity_tail():
-    """rstd: every row's rsqrt(mean(x*x) + eps) (padding rows too), 1 without a norm; an identity tail gives the
-    pooling's bits."""
+    """rstd of every row (1 without a norm); an identity tail gives the pooling's bits."""
     _gpu_launch()
     pack, tail = _case("r4c2d512-rope64-pos", seed=34)
     inputs = tuple(t.cuda() for t in pack.inputs)
@@ -753,8 +731,7 @@ def test_rstd_and_identity_tail():
 @pytest.mark.gpu
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 2)])
 def test_cuda_graph_capture_with_a_tail(ratio, coff):
-    """compile() with the tail's configuration, then the protocol's forward and backward captured and replayed:
-    nothing compiles under capture, the workspaces come from the graph's pool, the replay equals the eager call."""
+    """compile() with the tail's configuration, then forward and backward captured: the replay equals the eager call."""
     _gpu_launch()
     pack = make_pack((600, 50, 7, 300), 128, ratio, coff, comp_padding=3, device="cuda", seed=35)
     tail = T.random_tail(pack, rope_dim=64, positions=True, seed=36)

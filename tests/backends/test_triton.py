@@ -1,8 +1,5 @@
-"""Triton backend vs the references: SPEC edge cases, NaN canaries, determinism, property tests.
-
-On a CPU-only machine the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
-set here before triton is imported if the conftest has not done it), so packs stay
-small. On CUDA the same tests run natively.
+"""Triton backend vs the references: SPEC edge cases, NaN canaries, determinism, property tests (interpreted on
+the CPU, so packs stay small).
 """
 
 from __future__ import annotations
@@ -12,19 +9,14 @@ import os
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .common import DEVICE, HAS_CUDA, triton_skip
+from .common import bits as _bits
 
-pytest.importorskip("triton")
+pytestmark = triton_skip()
 
 from csa_compressor import reference  # noqa: E402
 from csa_compressor.backends.triton import launch  # noqa: E402
 from csa_compressor.testing import assert_contract, bf16_ulp_distance, make_pack  # noqa: E402
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-_REASON = launch.device_unsupported_reason(DEVICE)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -49,10 +41,6 @@ def _pack(seqlens, head_dim, ratio, coff, tok_pad=0, comp_pad=0, seed=0, **kw):
 
 def _nan_like(t):
     return torch.full_like(t, float("nan"))
-
-
-def _bits(t):
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def _run(pack, cfg_fwd=None, cfg_bwd=None):
@@ -116,9 +104,8 @@ TILINGS = [
     launch.KernelConfig(block_r=1, block_d=16, num_warps=4, rows_per_prog=4, vec=4),
 ]
 TILING_IDS = ["r2d16x6", "r1d32x1", "r4d64x4", "r1d128w1", "r2d64w1", "r1d16w4"]
-# Each tiling once, on ragged packs (a program's rows span segments: the per-row search) or long segments (the
-# one-segment-per-program path), at ratio 4 coff 2 or ratio 3 coff 1; the multi-tile small-sweep tiling on both
-# packs. (The interpreter ignores num_warps and vector widths: natively these are the GPU tile families.) The long-window kernels with these tiles run in test_long_window_tilings_match_reference.
+# Each tiling once, on ragged packs (per-row search) or long segments (one segment per program), ratio 4 coff 2 or 3
+# coff 1; the interpreter ignores num_warps and vector widths.
 RAGGED, LONG = (13, 8, 0, 3, 21, 2), (50, 29)
 TILING_CASES = [
     (TILINGS[0], (4, 2), RAGGED),
@@ -147,13 +134,12 @@ def test_explicit_tilings_match_reference(cfg, ratio_coff, seqlens):
 
 
 LONG_TILINGS = [
-    # the GPU long-window families, scaled down: 16-byte vectors, lanes over threads and warps, several chunks per
-    # row (forward), several rows per program (next-row prefetch), a partial last column block (head_dim 24)
+    # the GPU long-window families, scaled down: vectors, lanes over threads and warps, chunks per row, rows per
+    # program, a partial last column block (head_dim 24)
     launch.KernelConfig(block_r=1, block_d=16, num_warps=1, rows_per_prog=3, vec=8, slots_per_thread=2),
     launch.KernelConfig(block_r=1, block_d=8, num_warps=2, rows_per_prog=2, vec=8, slots_per_thread=4),
     launch.KernelConfig(block_r=1, block_d=32, num_warps=1, rows_per_prog=1, vec=4, slots_per_thread=8),
-    # two chunks in flight (the 3x8192 d512 r128 c1 tile): the row's last two chunks prefetch the next row's first
-    # two; ratio 40 coff 1 has exactly two chunks per row (no steady-state iteration)
+    # two chunks in flight (the 3x8192 d512 r128 c1 tile): the row's last two prefetch the next row's first two
     launch.KernelConfig(
         block_r=1, block_d=16, num_warps=1, rows_per_prog=3, vec=8, slots_per_thread=2, prefetch_depth=2
     ),
@@ -161,8 +147,7 @@ LONG_TILINGS = [
 LONG_IDS = [f"d{c.block_d}w{c.num_warps}c{c.slots_per_thread}" + "p2" * (c.prefetch_depth == 2) for c in LONG_TILINGS]
 
 
-# Each long tiling once (ratio 128 coff 2, ratio 40 coff 1); the two-chunks-in-flight tiling at ratio 40 coff 1
-# (exactly two chunks per row) and ratio 128 coff 1 (a steady state between them, as the GPU uses it).
+# Each long tiling once; two chunks in flight at ratio 40 coff 1 (exactly two per row) and 128 coff 1 (steady state).
 LONG_CASES = [(LONG_TILINGS[0], 128, 2), (LONG_TILINGS[1], 40, 1), (LONG_TILINGS[2], 40, 1)]
 LONG_CASES += [(LONG_TILINGS[3], 40, 1), (LONG_TILINGS[3], 128, 1)]
 LONG_CASE_IDS = [f"{LONG_IDS[LONG_TILINGS.index(c)]}-r{r}c{k}" for c, r, k in LONG_CASES]
@@ -170,15 +155,13 @@ LONG_CASE_IDS = [f"{LONG_IDS[LONG_TILINGS.index(c)]}-r{r}c{k}" for c, r, k in LO
 
 @pytest.mark.parametrize("cfg,ratio,coff", LONG_CASES, ids=LONG_CASE_IDS)
 def test_long_window_tilings_match_reference(cfg, ratio, coff):
-    """Long-window kernels (coff * next_pow2(ratio) > 16) with GPU-like tiles: first groups (no previous group),
-    a non-power-of-two ratio, padding rows, segments shorter than ratio, column blocks past head_dim."""
+    """Long-window kernels with GPU-like tiles: first groups, odd ratio, padding rows, short segments, partial columns."""
     pack = _pack((3 * ratio + 5, ratio - 1, 2 * ratio), 24, ratio, coff, tok_pad=3, comp_pad=2, seed=13)
     _check(pack, *_run(pack, cfg, cfg))
 
 
 def test_many_dape_partials():
-    """More partials than one reduction step takes: the chunked, fixed-order dAPE reduction (the GPU's small-window
-    shape, few entries x many partials per step, scaled down: 38 partials in steps of 32, the last one partial)."""
+    """More dAPE partials than one reduction step: the chunked fixed-order reduction (38 partials, steps of 32)."""
     pack = _pack((38, 33), 8, 2, 2, comp_pad=3, seed=4)
     cfg = launch.KernelConfig(
         block_r=1, block_d=8, num_warps=1, rows_per_prog=1, sweep_t=128, sweep_d=8, dape_block=8, dape_chunk=32
@@ -293,8 +276,8 @@ if given is not None:
         seed = draw(st.integers(0, 2**16))
         return _pack(tuple(seqlens), head_dim, ratio, coff, tok_pad, comp_pad, seed=seed)
 
-    # Each new (ratio, coff, head_dim) compiles on a GPU; the interpreter pays per example instead.
-    # CI draws the same examples every run (a red CI must be reproducible); elsewhere hypothesis explores.
+    # Each new shape compiles on a GPU (the interpreter pays per example); CI draws the same examples
+    # (reproducible).
     @settings(
         max_examples=8 if HAS_CUDA else 12,
         deadline=None,

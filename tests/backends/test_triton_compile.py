@@ -1,10 +1,5 @@
-"""Triton backend: every kernel family compiles for sm_90 without a GPU, with and without the fused tail.
-
-The interpreter (what the other Triton tests run) executes a kernel's Python, not its compilation: a helper that
-only Triton's code generator rejects (a branch it cannot make static, a value whose type differs between the
-branches) passes there and fails on the first GPU launch. So a subprocess, with the interpreter off, compiles
-each family to PTX for an sm_90 target (Triton's own compiler, no device needed), and checks that a tail-less
-launch compiles to the pooling alone: its kernel takes none of the tail's runtime arguments.
+"""Triton backend: every kernel family compiles for sm_90 without a GPU, with and without the fused tail (the
+interpreter runs a kernel's Python, not its code generator). A tail-less kernel takes none of the tail's arguments.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The Triton backend's launch path (``binding.py``, ``plans.py``): the Triton internals it relies on, the direct
-launch against a stand-in for Triton's own launch, the fallback, and (``python -m tests.backends.test_triton_launch``)
-a micro-benchmark of the per-call host work of ``launch.forward`` / ``launch.backward`` with the launch mocked
-(``TRITON_INTERPRET=0 python -m tests.backends.test_triton_launch``: with the interpreter off, Triton's own
-per-launch binder is timed too; nothing is launched).
-
-The internals test fails on the CPU when the installed Triton stops launching the way ``binding.py`` expects:
-then the direct launch is off (the plain ``kernel[grid]`` launch remains, slower) until binding.py is updated.
+"""The Triton backend's launch path (binding.py, plans.py): the Triton internals it relies on, the direct launch
+against a stand-in, the fallback; ``python -m tests.backends.test_triton_launch`` times the per-call host work.
 """
 
 from __future__ import annotations
@@ -29,8 +23,7 @@ DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
 class _FakeCompiled:
-    """A compiled kernel as ``binding`` sees one: ``run`` (the launcher, a property over ``_run``), the function
-    handle, the packed metadata, ``launch_metadata``."""
+    """A compiled kernel as ``binding`` sees one."""
 
     def __init__(self):
         self.calls = []
@@ -46,9 +39,8 @@ class _FakeCompiled:
 
 
 class _FakeJIT:
-    """``kernel[grid](*args, **consts)`` as Triton 3.6-3.9 performs it once compiled: the launcher gets the grid,
-    the stream, the handle, the metadata, the hooks and every bound argument (constexprs in signature order).
-    ``shuffle``: a Triton that passes the arguments in another order (the direct launch must refuse it)."""
+    """``kernel[grid](*args, **consts)`` as Triton 3.6-3.9 performs it once compiled; ``shuffle``: another argument
+    order (the direct launch must refuse it)."""
 
     def __init__(self, constexprs, shuffle=False):
         self.compiled, self.constexprs, self.shuffle, self.binds = _FakeCompiled(), constexprs, shuffle, 0
@@ -101,9 +93,8 @@ def test_changed_internals_turn_the_direct_launch_off(monkeypatch):
 
 @pytest.mark.parametrize("hooked", [False, True], ids=["no-profiler", "profiler"])
 def test_direct_launch_passes_what_triton_passes(fake_cuda, monkeypatch, hooked):
-    """First launch: Triton's own (and a recorded, not performed, second one); later launches go to the compiled
-    kernel's launcher with the same arguments, never through Triton's binder again. With a profiler's hook the
-    hooks and launch metadata are passed as Triton would; without, neither."""
+    """First launch Triton's own; later launches go to the compiled launcher with the same arguments, never the
+    binder; with a profiler's hook, hooks and metadata are passed as Triton would."""
     if hooked:
         monkeypatch.setattr(triton.knobs.runtime.launch_enter_hook, "calls", [lambda meta: None])
     jit = _FakeJIT(["BLOCK", "FLAG", "PTR"])
@@ -159,8 +150,7 @@ def test_plans_and_sizes_are_built_once():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_direct_launch_is_bound_and_equals_the_plain_launch():
-    """After compile() every kernel of a SPEC configuration launches directly, with results bitwise those of
-    Triton's own launch (the same plan with its kernels' bound launch set back to the plain one)."""
+    """After compile() every kernel launches directly, bitwise the results of Triton's own launch."""
     for ratio, coff, d in ((4, 2, 128), (128, 1, 128), (128, 2, 64)):
         pack = make_pack((300 * ratio // 4 + 3, 97), d, ratio, coff, token_padding=5, comp_padding=2, device=DEVICE)
         for direction in ("forward", "backward"):
@@ -213,7 +203,7 @@ def _us(fn, number=200) -> float:
 
 
 def _mock_direct(plan) -> None:
-    """Bind ``plan``'s kernels directly to a stand-in compiled kernel whose launcher does nothing, as on a GPU."""
+    """Bind ``plan``'s kernels directly to a stand-in whose launcher does nothing."""
     plan.index = 0
     for name in ("kernel", "dape"):
         bound = getattr(plan, name, None)
@@ -227,9 +217,7 @@ def _mock_direct(plan) -> None:
 
 
 def host_costs() -> list[dict]:
-    """Per-call host microseconds of ``launch.forward`` / ``launch.backward`` on CPU tensors, the launcher mocked
-    (a no-op in place of the compiled kernel's launcher, behind the direct launch), plus what Triton's own launch
-    would add per kernel launch on top (its argument binder and cache key, measured on the installed Triton)."""
+    """Per-call host microseconds of launch.forward / launch.backward (launcher mocked), and Triton's own binder's."""
     rows = []
     torch.cuda.current_device = lambda: 0  # the plan's current-device check, as on a one-GPU host
     torch._C._cuda_getCurrentRawStream = lambda index: 0
@@ -247,8 +235,7 @@ def host_costs() -> list[dict]:
 
 
 def _triton_bind_us(inputs, out) -> float:
-    """Triton's per-launch Python work before its launcher (argument binder and cache key) for the short-window
-    forward kernel, on the installed Triton without a GPU (an sm_90 target)."""
+    """Triton's per-launch Python work (binder, cache key) for the short-window forward, sm_90 target."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import compute_cache_key, create_function_from_signature

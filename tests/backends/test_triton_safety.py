@@ -1,13 +1,6 @@
-"""Triton kernels on inputs a data pipeline produces by mistake (the lead's malformed-input semantics).
-
-- ``total_comp`` below the real row count: rows at or past it are not produced, and the gradients equal plain
-  autograd of the eager reference whose output is truncated to ``total_comp`` rows (every kernel family: short and
-  long windows, the statistics forward and backward).
-- Malformed offsets (beyond ``T``, decreasing, negative, counts that do not match, int32 wrap-around): in a
-  subprocess, so that a wild access cannot take the test run down with it. Every operand sits between NaN canary
-  rows: a read outside kv/score shows up as a non-finite output, a write outside the outputs as a changed canary.
-
-Runs under Triton's interpreter on a CPU-only machine (as ``test_triton.py``).
+"""Triton kernels on malformed inputs: ``total_comp`` below the real row count (gradients equal autograd of the
+truncated reference, every kernel family), and malformed offsets in a subprocess, every operand between NaN
+canary rows (a read outside shows as non-finite output, a write outside as a changed canary).
 """
 
 from __future__ import annotations
@@ -24,23 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .common import DEVICE, HAS_CUDA, triton_skip
+from .common import nan as _nan
 
-pytest.importorskip("triton")
+pytestmark = triton_skip()
 
 from csa_compressor import reference, testing  # noqa: E402
 from csa_compressor.backends.triton import launch  # noqa: E402
 from csa_compressor.thd import compute_cu_seqlens_comp  # noqa: E402
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-_REASON = launch.device_unsupported_reason(DEVICE)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
-
-
-def _nan(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
 
 
 def _autograd_truncated(pack: testing.Pack, rows: int, precision: str):
@@ -52,8 +36,7 @@ def _autograd_truncated(pack: testing.Pack, rows: int, precision: str):
 
 
 def _assert_matches_autograd(tpack: testing.Pack, grads) -> None:
-    """Kernel gradients vs autograd of the truncated eager region: the SPEC section 3 tolerances of
-    ``test_triton.py`` (1 bf16 ulp, fp32 slack where dScore cancels, exact zeros, dAPE vs fp64)."""
+    """Kernel gradients vs autograd of the truncated eager region, with the SPEC section 3 tolerances."""
     rows = tpack.total_comp
     g32 = _autograd_truncated(tpack, rows, "fp32")
     g64 = _autograd_truncated(tpack, rows, "fp64")
@@ -67,8 +50,7 @@ def _assert_matches_autograd(tpack: testing.Pack, grads) -> None:
     assert testing.rel_l2(grads[2], g64[2]) <= 1e-5
 
 
-# (seqlens, head_dim, ratio, coff): short windows (ratio 4 coff 2, ratio 2 coff 1), long ones (ratio 128 coff 1
-# and 2), and windows with softmax statistics (ratio 16 coff 2, ratio 17 coff 1).
+# (seqlens, head_dim, ratio, coff): short windows, long ones, and windows with softmax statistics.
 TRUNCATED = [
     ((13, 8, 0, 3, 21), 7, 4, 2),
     ((9, 4, 0, 11), 5, 2, 1),
@@ -80,8 +62,7 @@ TRUNCATED = [
 
 
 def _cuts(pack: testing.Pack) -> list[int]:
-    """total_comp values below the real row count: one row short (inside the last segment), and the start of the
-    last segment with rows (it and the segments after it have no produced row)."""
+    """total_comp one row short, and at the start of the last segment with rows."""
     starts = [int(c) for c in pack.cu_seqlens_comp[:-1].tolist()]
     last_start = max(s for s, n in zip(starts, [s // pack.ratio for s in pack.seqlens], strict=True) if n > 0)
     return sorted({pack.true_comp - 1, max(1, last_start)})
@@ -109,8 +90,8 @@ def test_undersized_total_comp_matches_truncated_autograd(case):
 
 CANARY = 3  # NaN rows before and after every operand
 
-# name -> (cu_seqlens, cu_seqlens_comp, total_comp) for a pack of T = 44 tokens at ratio 4 (larger ratios: scaled in
-# _malformed below). None: cu_seqlens_comp computed from cu_seqlens.
+# name -> (cu_seqlens, cu_seqlens_comp, total_comp) for T = 44 tokens at ratio 4 (scaled in _malformed); None:
+# computed from cu_seqlens.
 MALFORMED = {
     "beyond_T": ([0, 16, 80], None, 20),
     "comp_over_count": ([0, 16, 32], [0, 9, 20], 21),
@@ -122,9 +103,8 @@ MALFORMED = {
     "undersized_and_beyond": ([0, 28, 120], None, 9),
     "start_past_T": ([50, 60, 70], [0, 2, 4], 4),
 }
-# (ratio, coff, head_dim) -> the cases run: short and long windows (with and without statistics) at coff 2 on every
-# case, at coff 1 on a subset (the guards are the same code; coff 1 has no previous half). The long-window interpreter runs
-# cost more per row: their packs keep at most LONG_ROWS rows.
+# (ratio, coff, head_dim) -> the cases run: every case at coff 2, a subset at coff 1 (same guards); long-window packs
+# keep at most LONG_ROWS rows (the interpreter's cost).
 MALFORMED_CONFIGS = {
     (4, 2, 8): tuple(MALFORMED),
     (2, 1, 5): ("beyond_T", "negative", "int32_wrap", "int32_min", "start_past_T"),
@@ -192,8 +172,7 @@ def _malformed(name: str, ratio: int, coff: int, head_dim: int, device="cpu") ->
 
 
 class _AccessChecker:
-    """Checks every masked-in address of the interpreter's loads and stores against the extents of the tensors the
-    kernel was launched with; an access outside all of them is recorded and not performed."""
+    """Checks every masked-in access of the interpreter against the launch's tensors; an outside access is recorded, not done."""
 
     def __init__(self):
         import numpy as np
@@ -249,8 +228,7 @@ class _AccessChecker:
 
 
 def _child(device: str) -> int:
-    """Every malformed case on ``device`` (the CPU: under the interpreter and the access checker), one JSON line
-    each; returns the number of cases with a finding."""
+    """Every malformed case on ``device``, one JSON line each; returns the number of cases with a finding."""
     checker = _AccessChecker() if device == "cpu" else contextlib.nullcontext()
     bad = 0
     with checker:
@@ -291,8 +269,7 @@ def test_malformed_offsets_stay_inside_the_operands():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_malformed_offsets_keep_the_canaries():
-    """The malformed cases natively on the GPU: finite results, canaries intact (compute-sanitizer memcheck over
-    ``python -m tests.backends.test_triton_safety --device cuda`` checks every access)."""
+    """The malformed cases natively on the GPU: finite results, canaries intact."""
     for (ratio, coff, head_dim), names in MALFORMED_CONFIGS.items():
         for name in names:
             result = _malformed(name, ratio, coff, head_dim, "cuda")

@@ -1,33 +1,20 @@
-"""Triton long-window kernels with softmax statistics (``reference.softmax_stats``).
-
-The forward can also write, per row and column, the max ``m`` of ``y = (score + ape) * log2(e)``, ``1 / l`` and the
-fp32 output; the backward then reads them instead of reducing over the window. Checked here: the statistics
-against the reference, ``out`` unchanged by the flag, the backward within the SPEC section 3 contract, that it
-really reads each statistic (wrong statistics give a wrong result), padding rows, NaN canaries, determinism.
-
-Runs under Triton's interpreter on a CPU-only machine (as ``test_triton.py``, whose helpers are reused).
+"""Triton long-window kernels with softmax statistics: the statistics vs the reference, ``out`` unchanged by the
+flag, the backward's contract and that it reads each statistic, padding rows, NaN canaries, determinism.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .common import HAS_CUDA, triton_skip
 
-pytest.importorskip("triton")
+pytestmark = triton_skip()
 
 from csa_compressor import reference  # noqa: E402
 from csa_compressor.backends.triton import config, launch, plans  # noqa: E402
 from csa_compressor.testing import bf16_ulp_distance, contract_report  # noqa: E402
 from tests.backends.test_triton import DEVICE, LONG_TILINGS, _bits, _case_id, _nan_like, _pack  # noqa: E402
-
-_REASON = launch.device_unsupported_reason(DEVICE)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
 
 
 def _forward(pack, stats=True, cfg=None):
@@ -44,7 +31,7 @@ def _forward(pack, stats=True, cfg=None):
 
 
 def _backward(pack, stats, cfg=None, tile=None):
-    """``(grad_kv, grad_score, grad_ape)`` from NaN-filled buffers (explicit tiles ``cfg`` / statistics ``tile``)."""
+    """``(grad_kv, grad_score, grad_ape)`` from NaN-filled buffers."""
     grads = _nan_like(pack.kv), _nan_like(pack.score), _nan_like(pack.ape)
     if cfg is None and tile is None:
         launch.backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, None, stats)
@@ -104,8 +91,7 @@ def test_forward_stats_match_reference_and_leave_out_unchanged(case):
     out, stats = _forward(pack)
     plain, none = _forward(pack, stats=False)
     assert none is None
-    # The statistics forward works in the log2 domain (its fp32 output is the saved statistic); its bf16 output
-    # may differ from the plain forward's by one ulp, and meets the contract on its own.
+    # The statistics forward works in the log2 domain: its bf16 output may differ from the plain one by one ulp.
     assert int(bf16_ulp_distance(out, plain).max()) <= 1, "the stats flag changed out by more than 1 ulp"
     assert contract_report(pack, out=out)["ok"]
     assert not torch.isnan(out).any()
@@ -128,8 +114,7 @@ def test_backward_with_stats_meets_the_contract(case):
 
 
 def test_backward_reads_each_statistic():
-    """``p = 2^(y - m) * inv_l``, ``S = g * out``: shifting m by 1 and doubling 1/l is the same softmax; a wrong 1/l
-    scales dKV; a wrong output changes dScore only."""
+    """Shifting m by 1 and doubling 1/l is the same softmax; a wrong 1/l scales dKV; a wrong output changes dScore."""
     pack = _pack((40, 5, 0, 33), 8, 16, 2, 3, 2, seed=21)
     _, stats = _forward(pack)
     base = _backward(pack, stats)
@@ -168,15 +153,13 @@ def test_padding_row_stats_are_not_read():
     assert _same(first, second)
 
 
-# Several lanes per column with several column blocks (ratio 128 coff 2), two chunks in flight (ratio 40 coff 1,
-# exactly two chunks per row), 8 slots per thread and chunk at one row per program (ratio 128 coff 1).
+# Several lanes per column and column blocks (r128c2), two chunks in flight (r40c1), 8 slots per thread (r128c1).
 STATS_TILINGS = [(LONG_TILINGS[1], 128, 2), (LONG_TILINGS[3], 40, 1), (LONG_TILINGS[2], 128, 1)]
 
 
 @pytest.mark.parametrize("cfg,ratio,coff", STATS_TILINGS, ids=["d8w2c4-r128c2", "d16w1c2p2-r40c1", "d32w1c8-r128c1"])
 def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
-    """GPU-like tiles: several lanes per column (the forward combines them before writing the stats), several
-    column blocks with a partial last one, several rows per program (the backward prefetches the next row's stats)."""
+    """GPU-like tiles: several lanes per column, column blocks (last partial), rows per program (stats prefetch)."""
     pack = _pack((3 * ratio + 5, ratio - 1, 2 * ratio), 24, ratio, coff, tok_pad=3, comp_pad=2, seed=13)
     out, stats = _forward(pack, cfg=cfg)
     plain, _ = _forward(pack, stats=False, cfg=cfg)
@@ -190,16 +173,13 @@ def test_stats_with_gpu_like_tilings(cfg, ratio, coff):
 
 
 # --------------------------------------------------------------------------- streaming statistics backward tiles
-#
-# ``csa_bwd_stats_kernel``: programs own (rows, a chunk of window slots, a column block); the tile (block_d, slots,
-# num_warps, rows per program) is ``launch_backward``'s ``tile``. The interpreter default is one chunk and one
-# column block, so these cases force several row ranges, chunks and column blocks.
+# ``csa_bwd_stats_kernel``'s ``tile`` (block_d, slots, num_warps, rows per program): these force several row ranges,
+# chunks and column blocks (the interpreter default has one of each).
 
 # (seqlens, head_dim, ratio, coff, token_padding, comp_padding), tile
 STREAM_CASES = [
-    # W = 48 in 16-slot chunks: chunk 1 straddles the halves (8 previous-group + 8 own slots); odd head_dim in 2
-    # column blocks (the last one partial); 3 rows per range: ranges across segment boundaries, ending in and made
-    # of padding rows; short and empty segments, token padding.
+    # W = 48 in 16-slot chunks (chunk 1 straddles the halves); odd head_dim in 2 column blocks; 3 rows per range
+    # across segment boundaries and padding rows.
     (((80, 5, 0, 49, 24), 13, 24, 2, 3, 4), (8, 16, 1, 3)),
     # ratio 17, coff 1: 8-slot chunks, the third one 1 slot + 7 pad; 2 column blocks (d = 9); 2 rows per range.
     (((52, 10, 0, 40), 9, 17, 1, 2, 3), (8, 8, 1, 2)),
@@ -245,9 +225,8 @@ def _programs(pack, tile):
 
 @pytest.mark.parametrize("item", STREAM_CASES, ids=[_stream_id(i) for i in STREAM_CASES])
 def test_streaming_tiles_meet_the_contract(item, nan_workspace):
-    """Several row ranges, slot chunks and column blocks: contract vs the fp32 reference, NaN canaries (gradients,
-    dAPE partials, padding rows' grad_out and statistics), and dKV/dScore bitwise those of the default tile (nothing
-    is reduced over slots: a tile only moves work between programs)."""
+    """Several row ranges, slot chunks and column blocks: the contract, NaN canaries, and dKV/dScore bitwise the
+    default tile's (a tile only moves work between programs)."""
     case, tile = item
     pack = _stream_pack(case)
     parts, chunks, col_blocks = _programs(pack, tile)
@@ -269,8 +248,7 @@ def test_streaming_tiles_meet_the_contract(item, nan_workspace):
 
 
 def test_streaming_tile_reference_stats_and_empty_ranges(nan_workspace):
-    """The reference's statistics; more padding rows than a range holds (ranges with no real row still write their
-    partial: zeros); every row padding; one row per range."""
+    """More padding rows than a range holds (their partials: zeros); every row padding; one row per range."""
     for case, rows in [(((50, 7, 0, 33), 10, 16, 2, 2, 7), 5), (((5, 0, 3), 8, 16, 2, 12, 2), 1)]:
         pack = _stream_pack(case)
         stats = _ref_stats(pack)

@@ -1,25 +1,19 @@
-"""Triton backend: the fused tail (RMSNorm, RoPE) in every window class, held to ``tail.check_backend`` (the contract of docs/tail.md, bitwise run to run).
-
-Short windows (up to 16 slots) fuse the tail into whole-row programs; long windows compose it (statistics
-forward, then the epilogue), their backward with or without statistics and rstd. Every output, partial and
-workspace starts as NaN. Runs under Triton's interpreter on a CPU-only machine (tests/test_tail.py's small cases
-and ``EXTRA``).
+"""Triton backend: the fused tail in every window class held to ``tail.check_backend``; every output, partial and
+workspace starts as NaN (tests/test_tail.py's small cases and ``EXTRA``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import NamedTuple
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from .common import DEVICE, HAS_CUDA, triton_skip
+from .common import nan as _nan
 
-pytest.importorskip("triton")
+pytestmark = triton_skip()
 
 from csa_compressor import reference  # noqa: E402
 from csa_compressor import tail as T  # noqa: E402
@@ -27,19 +21,11 @@ from csa_compressor.backends.triton import config, launch, plans  # noqa: E402
 from csa_compressor.testing import bf16_ulp_distance, make_pack  # noqa: E402
 from tests.test_tail import CASES, OUT_OF_TABLE, case_pack_and_tail, out_of_table_tail  # noqa: E402
 
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-_REASON = launch.device_unsupported_reason(DEVICE)
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"triton backend cannot run here: {_REASON}")
-
 
 class Route(NamedTuple):
     stats: bool = False  # the statistics pair (long windows)
     rstd: bool = False  # the forward fills rstd, the backward reads it
     dx: bool = False  # the statistics backward's dx kernel first (else its in-program row sums)
-
-
-def _nan(shape, dtype=torch.float32, device=DEVICE):
-    return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
 def _forward(pack_inputs, tail, ratio, coff, total_comp, route: Route, cfg=None):
@@ -82,8 +68,7 @@ def _adapters(route: Route, fwd_cfg=None, tile=None):
 
 @pytest.fixture(autouse=True)
 def fresh_plans(monkeypatch):
-    """NaN-filled partials (an entry left unwritten poisons grad_ape / grad_norm_weight) and plans built for this
-    test alone (the dx route's threshold is read when a plan is built)."""
+    """NaN-filled partials and plans built for this test alone (the dx threshold is read when a plan is built)."""
 
     def workspace(shape, device):
         return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
@@ -108,9 +93,8 @@ LONG_ROUTES = {
 # Two routes per long case, each route on a coff-1 and a coff-2 case (the interpreter's time is the budget).
 LONG_CASE_ROUTES = [(name, list(LONG_ROUTES)[(i + k) % 4]) for i, name in enumerate(LONG) for k in (0, 2)]
 
-# Cases tests/test_tail.py does not have (its format): windows of 9-16 slots (fused short programs), and long windows
-# with a norm only, an odd head_dim under interleaved pairs (they start on an odd column: gathered),
-# short segments and padding rows; each with one route.
+# Cases test_tail.py lacks (its format): 9-16-slot windows, long windows with a norm only, odd head_dim with
+# interleaved pairs, short segments and padding rows; one route each.
 EXTRA = {
     "r8c2d9-rope4-pos": ((8, 2, 9, (35, 7, 16), 1, 2, dict(rope_dim=4, positions=True)), Route()),
     "r16c1d12-rope12-half": ((16, 1, 12, (40, 15), 0, 1, dict(rope_dim=12, interleaved=False)), Route(rstd=True)),
@@ -165,9 +149,8 @@ def test_long_windows_meet_the_contract(name, route, monkeypatch):
 
 
 def test_long_forward_composes_the_pooling_and_the_epilogue():
-    """The long-window forward with a tail at the pooling's column-chunked tiles (two column blocks, the last one
-    partial): the statistics are the tail-less statistics forward's, bitwise, whether the caller gives them or not;
-    ``out`` is within 1 bf16 ulp of the fp32 reference, the same bits either way; rstd is every row's."""
+    """Long forward with a tail at column-chunked tiles: statistics bitwise the tail-less forward's, ``out`` within 1
+    ulp of the fp32 reference and the same bits either way, rstd every row's."""
     pack = make_pack((300, 5, 129), 12, 128, 1, token_padding=2, comp_padding=2, seed=18, device=DEVICE)
     tail = T.random_tail(pack, rope_dim=8, interleaved=False, positions=True, seed=6)
     cfg = config.KernelConfig(1, 8, 1, rows_per_prog=2, vec=1, slots_per_thread=4)
@@ -233,8 +216,7 @@ OUT_OF_TABLE_ROUTES = [
 
 @pytest.mark.parametrize(("name", "route"), OUT_OF_TABLE_ROUTES)
 def test_positions_outside_the_tables(name, route, monkeypatch):
-    """Rows at positions below 0 or at / past ``max_position`` are not rotated (cos 1, sin 0), as the reference
-    defines, in every route; the tables sit inside NaN rows, so a read past them would poison the results."""
+    """Rows outside ``[0, max_position)`` are not rotated, in every route; the tables sit inside NaN rows."""
     if route.dx:
         _force_dx_route(monkeypatch)
     pack, tail = out_of_table_tail(name, seed=15, device=DEVICE, guard_rows=256)
@@ -242,17 +224,15 @@ def test_positions_outside_the_tables(name, route, monkeypatch):
 
 
 def test_positions_past_int32_are_outside_the_tables():
-    """``position_start`` near the int32 limits: the kernels' positions wrap (int32) where the reference's do not;
-    every such row is outside the tables either way, and not rotated."""
+    """``position_start`` near the int32 limits (kernel positions wrap): every such row is not rotated."""
     pack, tail = out_of_table_tail("r4c2d5-rope2-pos", seed=16, device=DEVICE, guard_rows=256)
     starts = torch.tensor([2**31 - 5, 0, 0, 2**31 - 1, -(2**31)], dtype=torch.int32, device=DEVICE)
     T.check_backend(*_adapters(Route()), pack, dataclasses.replace(tail, position_start=starts))
 
 
 def test_explicit_tiles(monkeypatch):
-    """GPU-like code paths under the interpreter: the long forward's pooling with two chunks in flight (its row finish
-    runs with the next row's chunks loaded), and the statistics backward with several column blocks and slot chunks
-    whose in-program row sums take several column steps."""
+    """GPU-like paths: the long forward with two chunks in flight, the statistics backward over several column blocks
+    and slot chunks."""
     monkeypatch.setattr(plans, "TAIL_ROW_BLOCK", 4)
     pack = make_pack((40, 20, 3), 12, 12, 2, token_padding=3, comp_padding=2, seed=16, device=DEVICE)
     tail = T.random_tail(pack, rope_dim=8, interleaved=False, positions=True, seed=4)

@@ -1,0 +1,41 @@
+"""Set-up shared by the backend tests. Without CUDA the Triton kernels run in the interpreter and CuTe-DSL
+compiles for sm_90a without a driver: set before triton / CuTe-DSL are first imported."""
+
+import os
+import re
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+F32, BF16 = torch.float32, torch.bfloat16
+ENTRY = re.compile(r"\.entry\s+(\w+)\s*\(([^)]*)\)", re.S)
+
+
+def triton_skip():
+    """A skip mark for when the Triton backend cannot run on DEVICE (the module skips without triton)."""
+    pytest.importorskip("triton")
+    from csa_compressor.backends.triton import launch
+
+    reason = launch.device_unsupported_reason(DEVICE)
+    return pytest.mark.skipif(reason is not None, reason=f"triton backend cannot run here: {reason}")
+
+
+def cute_launch():
+    """The cute launch module; the calling module skips without nvidia-cutlass-dsl or where cute is unavailable."""
+    launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
+    if launch.unavailable_reason() is not None:
+        pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
+    return launch
+
+
+def nan(shape, dtype=F32, device=DEVICE):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
