@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .norm_rope import _load_norm_weight, _tail_forward
+from .norm_rope import _load_norm_weight, _rope_tables, _tail_forward
 
 # Eviction policy of the forward kernels' window loads (kv, score): read exactly once, so "evict_first"
 # (``ld.global.L1::evict_first.L2::cache_hint`` with an evict-first L2 policy) makes the stream replace its own L2
@@ -310,16 +310,18 @@ def csa_fwd_kernel(
         )  # fmt: skip
         kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-        v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
-        out = _sum_slots(v * p, TORCH_ORDER)
         if TAIL:
+            # The rows' positions and rotation tables are read before the pooling's math, which hides their
+            # latency (after the norm's barriers nothing would).
             pos = rows * 0
             if ROPE_DIM > 0:
                 pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
-            out, r = _tail_forward(
-                out, pos, cols, col_ok, w, norm_eps, cos_ptr, sin_ptr, max_position, HEAD_DIM, HAS_NORM, ROPE_DIM,
-                ROPE_INTERLEAVED
-            )  # fmt: skip
+            cos, sin = _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM,
+                                    ROPE_INTERLEAVED)  # fmt: skip
+        v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
+        out = _sum_slots(v * p, TORCH_ORDER)
+        if TAIL:
+            out, r = _tail_forward(out, cols, w, norm_eps, cos, sin, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED)
             if rstd_ptr is not None:
                 tl.store(rstd_ptr + rows, r, mask=row_ok)
         omask = row_ok[:, None] & col_ok[None, :]

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .forward import _OFFSETS, _TAIL_INTS, _TAIL_OFFSETS, _guard_row, _positions, _real_rows, _round, _segment_of
-from .norm_rope import _load_norm_weight, _tail_forward
+from .norm_rope import _load_norm_weight, _rope_tables, _tail_forward
 
 
 @triton.jit(
@@ -37,7 +37,6 @@ def csa_tail_fwd_kernel(
     xmask = row_ok[:, None] & col_ok[None, :]
     # 64-bit offsets: the API bounds N * HEAD_DIM below 2^31, not 3 * N * HEAD_DIM.
     x_offs = rows.to(tl.int64)[:, None] * (3 * HEAD_DIM) + 2 * HEAD_DIM + cols[None, :]
-    x = tl.load(stats_ptr + x_offs, mask=xmask, other=0.0)
     pos = rows * 0
     if ROPE_DIM > 0:
         seg = _segment_of(rows, cu_comp_ptr, B, n_iter)
@@ -45,11 +44,11 @@ def csa_tail_fwd_kernel(
         t0 = tl.load(cu_ptr + seg) + j * RATIO
         _t0, _hp, is_real = _guard_row(t0, j, rows < _real_rows(cu_comp_ptr, B, N), T, RATIO)
         pos = _positions(rows, is_real, True, seg, rows - j, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
+    # The tables first: their reads (after the position's) overlap the rows' and the norm's.
+    cos, sin = _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
+    x = tl.load(stats_ptr + x_offs, mask=xmask, other=0.0)
     w = _load_norm_weight(norm_w_ptr, cols, col_ok, HAS_NORM)
-    y, r = _tail_forward(
-        x, pos, cols, col_ok, w, norm_eps, cos_ptr, sin_ptr, max_position, HEAD_DIM, HAS_NORM, ROPE_DIM,
-        ROPE_INTERLEAVED,
-    )  # fmt: skip
+    y, r = _tail_forward(x, cols, w, norm_eps, cos, sin, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED)
     if rstd_ptr is not None:
         tl.store(rstd_ptr + rows, r, mask=row_ok)
     optrs = out_ptr + rows[:, None] * HEAD_DIM + cols[None, :]
