@@ -46,6 +46,7 @@ def _cases(forward, forward_long, backward, backward_tail, forward_tail):
     return [
         ("forward short", fwd, short, exact, False),
         ("forward short, tail", fwd, {**short, **_TAIL}, exact, True),
+        ("forward short, tail, tables first", fwd, {**short, **_TAIL, "TABLES_FIRST": True}, exact, True),
         ("forward long, stats", fwd_long, dict(long, WRITE_STATS=True), fast, False),
         ("forward long, depth 2", fwd_long, dict(long, WRITE_STATS=False, DEPTH=2), fast, False),
         ("tail forward", forward_tail.csa_tail_fwd_kernel, {**epilogue, **_TAIL}, fast, True),
@@ -112,7 +113,7 @@ def compiled():
 def test_every_family_compiles_for_sm90(compiled):
     failed = {name: r["error"] for name, r in compiled.items() if not r["ok"]}
     assert not failed, failed
-    assert len(compiled) == 13
+    assert len(compiled) == 14
 
 
 def test_a_tailless_launch_takes_no_tail_argument(compiled):

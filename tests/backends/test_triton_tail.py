@@ -135,6 +135,23 @@ def test_short_windows_with_rstd(name):
     T.check_backend(*_adapters(Route(rstd=True)), pack, tail)
 
 
+@pytest.mark.parametrize("name", ["r4c2d72-rope64-bf16w-pos", "r2c1d66-rope64-half-pos"])
+def test_tables_read_before_or_after_the_pooling(name):
+    """One-warp programs read the rows' rotation tables before the pooling's math, wider ones after the norm
+    (``TABLES_FIRST``): the same arithmetic, so the same bits of out and rstd, within the contract either way."""
+    pack, tail = case_pack_and_tail(name, seed=12, device=DEVICE)
+    one = config.choose_config("forward", pack.ratio, pack.coff, pack.head_dim, interpret=True)
+    wide = dataclasses.replace(one, num_warps=4)
+    assert one.num_warps == 1 and one.block_d >= pack.head_dim
+    inputs = (pack.kv, pack.score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp)
+    (out1, _s, rstd1), (out4, _s, rstd4) = (
+        _forward(inputs, tail, pack.ratio, pack.coff, pack.total_comp, Route(rstd=True), cfg) for cfg in (one, wide)
+    )
+    assert torch.equal(out1.view(torch.int16), out4.view(torch.int16))
+    assert torch.equal(rstd1.view(torch.int32), rstd4.view(torch.int32))
+    T.check_backend(*_adapters(Route(rstd=True), wide), pack, tail)
+
+
 @pytest.mark.parametrize(("name", "route"), LONG_CASE_ROUTES)
 def test_long_windows_meet_the_contract(name, route, monkeypatch):
     if LONG_ROUTES[route].dx:

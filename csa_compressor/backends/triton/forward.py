@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .norm_rope import _load_norm_weight, _rope_tables, _tail_forward
+from .norm_rope import _load_norm_weight, _rope_tables, _tail_forward, _tail_forward_with
 
 # Eviction policy of the forward kernels' window loads (kv, score): read exactly once, so "evict_first"
 # (``ld.global.L1::evict_first.L2::cache_hint`` with an evict-first L2 policy) makes the stream replace its own L2
@@ -265,7 +265,7 @@ def csa_fwd_kernel(
     RATIO: tl.constexpr, SP: tl.constexpr, COFF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, VEC: tl.constexpr, N_COL: tl.constexpr, PRECISE_EXP: tl.constexpr,
     MANUAL_RTNE: tl.constexpr, TORCH_ORDER: tl.constexpr, HAS_NORM: tl.constexpr = False, ROPE_DIM: tl.constexpr = 0,
-    ROPE_INTERLEAVED: tl.constexpr = True,
+    ROPE_INTERLEAVED: tl.constexpr = True, TABLES_FIRST: tl.constexpr = False,
 ):  # fmt: skip
     """Grid: ``ceil(N / (BLOCK_R * tiles_per_prog)) * N_COL`` programs; neighbours share rows.
 
@@ -274,7 +274,9 @@ def csa_fwd_kernel(
 
     The tail (``HAS_NORM``, ``ROPE_DIM > 0``; None pointers without it): the program owns whole rows
     (``N_COL == 1``), the pooled fp32 rows are normalised and rotated before the one rounding, and ``rstd_ptr``
-    (when not None) receives each row's ``rsqrt(mean(x * x) + eps)``.
+    (when not None) receives each row's ``rsqrt(mean(x * x) + eps)``. ``TABLES_FIRST``: the rows' rotation tables
+    are read before the pooling's math, whose work then hides their latency (one-warp programs; in wider ones the
+    registers held across the math cost more than the latency saved).
     """
     TAIL: tl.constexpr = HAS_NORM or ROPE_DIM > 0
     pid = tl.program_id(0)
@@ -310,9 +312,7 @@ def csa_fwd_kernel(
         )  # fmt: skip
         kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
-        if TAIL:
-            # The rows' positions and rotation tables are read before the pooling's math, which hides their
-            # latency (after the norm's barriers nothing would).
+        if TAIL and TABLES_FIRST:
             pos = rows * 0
             if ROPE_DIM > 0:
                 pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
@@ -321,7 +321,17 @@ def csa_fwd_kernel(
         v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
         out = _sum_slots(v * p, TORCH_ORDER)
         if TAIL:
-            out, r = _tail_forward(out, cols, w, norm_eps, cos, sin, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED)
+            if TABLES_FIRST:
+                out, r = _tail_forward_with(out, cols, w, norm_eps, cos, sin, HEAD_DIM, HAS_NORM, ROPE_DIM,
+                                            ROPE_INTERLEAVED)  # fmt: skip
+            else:
+                pos = rows * 0
+                if ROPE_DIM > 0:
+                    pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
+                out, r = _tail_forward(
+                    out, pos, cols, col_ok, w, norm_eps, cos_ptr, sin_ptr, max_position, HEAD_DIM, HAS_NORM,
+                    ROPE_DIM, ROPE_INTERLEAVED
+                )  # fmt: skip
             if rstd_ptr is not None:
                 tl.store(rstd_ptr + rows, r, mask=row_ok)
         omask = row_ok[:, None] & col_ok[None, :]

@@ -83,7 +83,7 @@ def _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED: tl.constexpr
 def _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position,
                  HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr):  # fmt: skip
     """``cos`` and ``sin`` of every (row, column) of the rows at ``pos`` (``_angles``); placeholders without a
-    rotation. Kept apart from ``_tail_forward`` so that a kernel issues these reads before its pooling's math."""
+    rotation. Kept apart from ``_tail_forward_with`` so that a kernel chooses when it issues these reads."""
     if ROPE_DIM > 0:
         is_rope, _first, angle, _partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
         return _angles(pos, angle, (is_rope & col_ok)[None, :], cos_ptr, sin_ptr, max_position, ROPE_DIM)
@@ -93,12 +93,12 @@ def _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position,
 
 
 @triton.jit
-def _tail_forward(x, cols, w, eps, cos, sin,
-                  HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr,
-                  ROPE_INTERLEAVED: tl.constexpr):  # fmt: skip
+def _tail_forward_with(x, cols, w, eps, cos, sin,
+                       HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr,
+                       ROPE_INTERLEAVED: tl.constexpr):  # fmt: skip
     """``(rope(rmsnorm(x)), rstd)`` of pooled rows ``x`` ``[R, D]`` fp32 (whole rows, zeros past ``head_dim``),
-    ``w`` the norm weight ``[D]`` fp32, ``cos`` / ``sin`` the rows' tables (``_rope_tables``); ``rstd`` is 1
-    without a norm."""
+    ``w`` the norm weight ``[D]`` fp32, ``cos`` / ``sin`` the rows' tables (``_rope_tables``, read where the kernel
+    chose); ``rstd`` is 1 without a norm."""
     if HAS_NORM:
         r = _row_rstd(x, eps, HEAD_DIM)
         y = x * r[:, None] * w[None, :]
@@ -107,6 +107,25 @@ def _tail_forward(x, cols, w, eps, cos, sin,
         y = x
     if ROPE_DIM > 0:
         is_rope, first, _angle, partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
+        y = _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED, HEAD_DIM % 2 == 0)
+    return y, r
+
+
+@triton.jit
+def _tail_forward(
+    x, pos, cols, col_ok, w, eps, cos_ptr, sin_ptr, max_position,
+    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
+):  # fmt: skip
+    """``_tail_forward_with`` reading the rows' tables after the norm."""
+    if HAS_NORM:
+        r = _row_rstd(x, eps, HEAD_DIM)
+        y = x * r[:, None] * w[None, :]
+    else:
+        r = tl.full([x.shape[0]], 1.0, tl.float32)
+        y = x
+    if ROPE_DIM > 0:
+        is_rope, first, angle, partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
+        cos, sin = _angles(pos, angle, (is_rope & col_ok)[None, :], cos_ptr, sin_ptr, max_position, ROPE_DIM)
         y = _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED, HEAD_DIM % 2 == 0)
     return y, r
 

@@ -163,6 +163,8 @@ class ForwardPlan(_Plan):
             consts.update(LANES=lanes, CS_IN=cs_in, NCH_HALF=nch_half, WRITE_STATS=with_stats, DEPTH=depth)
             self.kernel = BoundKernel(kernel, consts, self.index)
         else:
+            if tail is not None:
+                consts.update(TABLES_FIRST=cfg.num_warps == 1)  # the kernel's docstring says why
             consts.update(
                 SP=pow2(ratio), BLOCK_R=cfg.block_r, PRECISE_EXP=cfg.precise_exp and not interpret,
                 TORCH_ORDER=torch_order(cfg, ratio, coff),
