@@ -93,18 +93,23 @@ def _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position,
 
 
 @triton.jit
+def _row_norm(x, w, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+    """``(rmsnorm(x), rstd)`` of pooled rows ``x`` ``[R, D]`` fp32 (whole rows, zeros past ``head_dim``), ``w`` the
+    norm weight ``[D]`` fp32; without a norm ``x`` and an rstd of 1."""
+    if HAS_NORM:
+        r = _row_rstd(x, eps, HEAD_DIM)
+        return x * r[:, None] * w[None, :], r
+    else:
+        return x, tl.full([x.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
 def _tail_forward_with(x, cols, w, eps, cos, sin,
                        HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr,
                        ROPE_INTERLEAVED: tl.constexpr):  # fmt: skip
-    """``(rope(rmsnorm(x)), rstd)`` of pooled rows ``x`` ``[R, D]`` fp32 (whole rows, zeros past ``head_dim``),
-    ``w`` the norm weight ``[D]`` fp32, ``cos`` / ``sin`` the rows' tables (``_rope_tables``, read where the kernel
-    chose); ``rstd`` is 1 without a norm."""
-    if HAS_NORM:
-        r = _row_rstd(x, eps, HEAD_DIM)
-        y = x * r[:, None] * w[None, :]
-    else:
-        r = tl.full([x.shape[0]], 1.0, tl.float32)
-        y = x
+    """``(rope(rmsnorm(x)), rstd)`` of pooled rows ``x`` (``_row_norm``), ``cos`` / ``sin`` the rows' tables
+    (``_rope_tables``, read where the kernel chose)."""
+    y, r = _row_norm(x, w, eps, HEAD_DIM, HAS_NORM)
     if ROPE_DIM > 0:
         is_rope, first, _angle, partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
         y = _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED, HEAD_DIM % 2 == 0)
@@ -117,12 +122,7 @@ def _tail_forward(
     HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """``_tail_forward_with`` reading the rows' tables after the norm."""
-    if HAS_NORM:
-        r = _row_rstd(x, eps, HEAD_DIM)
-        y = x * r[:, None] * w[None, :]
-    else:
-        r = tl.full([x.shape[0]], 1.0, tl.float32)
-        y = x
+    y, r = _row_norm(x, w, eps, HEAD_DIM, HAS_NORM)
     if ROPE_DIM > 0:
         is_rope, first, angle, partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
         cos, sin = _angles(pos, angle, (is_rope & col_ok)[None, :], cos_ptr, sin_ptr, max_position, ROPE_DIM)
