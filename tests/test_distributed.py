@@ -1,8 +1,8 @@
 """csa_compressor.distributed: the CP pooling against the single-process op, bitwise (multi-rank: one gloo group
-per world size via tests/cp_worker.py; here: the host plan, layouts, a world of one).
-"""
+per world size via tests/cp_worker.py; here: the host plan, layouts, a world of one)."""
 
 import importlib.util
+import itertools
 import os
 import random
 import re
@@ -125,15 +125,10 @@ def test_world_of_one_matches_plain_op(ratio, coff, split):
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2), (2, 1)])
 def test_plan_moves_only_the_halo(ratio, coff):
     """Random splits: bounded halo received and packed per piece boundary; every row planned exactly once."""
-    rng = random.Random(ratio * 10 + coff)
+    rng, world, rows_seen = random.Random(ratio * 10 + coff), 3, []
     seqlens = [rng.randint(1, 5 * ratio) for _ in range(6)]
-    cu = [0]
-    for s in seqlens:
-        cu.append(cu[-1] + s)
-    world = 3
-    pieces = cp_worker._random_pieces(cu[-1], world, rng, 9, None)
-    normal = [list(CPLayout.from_pieces(cu, p).pieces) for p in pieces]
-    rows_seen = []
+    cu = [0, *itertools.accumulate(seqlens)]
+    normal = [list(CPLayout.from_pieces(cu, p).pieces) for p in cp_worker._random_pieces(cu[-1], world, rng, 9, None)]
     plans = [build_plan(cu, normal, rank, ratio, coff) for rank in range(world)]
     # Every rank takes the same collective decisions, and what q sends r is what r receives from q.
     assert len({plan.exchange for plan in plans}) == 1
@@ -168,14 +163,10 @@ def test_halo_formula_of_the_docs(ratio, coff, kind):
     for world in (2, 3, 4):
         seqlens = [2 * world * rng.randint(coff * ratio, 4 * ratio) + (kind == "contiguous") * rng.randint(0, 9)
                    for _ in range(3)]  # fmt: skip
-        cu = [0]
-        for n in seqlens:
-            cu.append(cu[-1] + n)
-        build = CPLayout.contiguous if kind == "contiguous" else CPLayout.load_balanced
-        layouts = [build(cu, rank, world) for rank in range(world)]
-        pieces = [layout._pieces_t for layout in layouts]
+        cu = [0, *itertools.accumulate(seqlens)]
+        layouts = [getattr(CPLayout, kind)(cu, rank, world) for rank in range(world)]
         for rank, layout in enumerate(layouts):
-            plan = build_plan(cu, pieces, rank, ratio, coff)
+            plan = build_plan(cu, [lay._pieces_t for lay in layouts], rank, ratio, coff)
             assert formula(cu, layout.pieces, ratio, coff) == sum(plan.recv_splits) - plan.recv_splits[rank]
 
 
