@@ -196,22 +196,29 @@ def test_cp_call_launches(seqlens, ratio, coff):
     assert all(len(c) == 1 for c in counts.values()), counts  # no launch per piece
 
 
-# World of one splits per row placement: name -> (seqlens, ratio, coff, head_dim, pieces, placement, grad_out sliced).
+# World of one splits per row placement: name -> (seqlens, ratio, coff, head_dim, cut, placement, grad_out sliced);
+# the pieces: tokens [cut, end) then [0, cut), or the whole pack (cut 0).
+_S = (37, 3, 20, 1, 50)
 _PLACEMENTS = {
-    "straight": ((37, 3, 20, 1, 50), 4, 2, 8, lambda t: [(0, t)], "straight", True),
-    "patch-c1": ((37, 3, 20, 1, 50), 4, 1, 8, lambda t: [(2, t - 2), (0, 2)], "patch", True),
-    "patch-c1-r128": ((300, 200, 600), 128, 1, 8, lambda t: [(100, t - 100), (0, 100)], "patch", True),
-    "patch-c2": ((37, 3, 20, 1, 50), 4, 2, 8, lambda t: [(2, t - 2), (0, 2)], "patch", False),
-    "patch-unaligned": ((37, 3, 20, 1, 50), 4, 1, 6, lambda t: [(2, t - 2), (0, 2)], "gather", True),
-    "gather-c2": ((37, 3, 20, 1, 50), 4, 2, 8, lambda t: [(16, t - 16), (0, 16)], "gather", False),
-    "gather-c1": ((37, 3, 20, 1, 50), 4, 1, 8, lambda t: [(5, t - 5), (0, 5)], "gather", False),
+    "straight": (_S, 4, 2, 8, 0, "straight", True),
+    "patch-c1": (_S, 4, 1, 8, 2, "patch", True),
+    "patch-c1-r128": ((300, 200, 600), 128, 1, 8, 100, "patch", True),
+    "patch-c2": (_S, 4, 2, 8, 2, "patch", False),
+    "patch-unaligned": (_S, 4, 1, 6, 2, "gather", True),
+    "gather-c2": (_S, 4, 2, 8, 16, "gather", False),
+    "gather-c1": (_S, 4, 1, 8, 5, "gather", False),
 }
 
 
+def _cut(p, cut):
+    end = sum(p.seqlens)
+    return CPLayout.from_pieces(p.cu_seqlens, [(cut, end - cut), (0, cut)] if cut else [(0, end)])
+
+
 def _placement_run(name, backend, misaligned=False):
-    seqlens, ratio, coff, head_dim, pieces, _, _ = _PLACEMENTS[name]
+    seqlens, ratio, coff, head_dim, cut, _, _ = _PLACEMENTS[name]
     p = make_pack(seqlens, head_dim, ratio, coff, seed=len(name))
-    layout = CPLayout.from_pieces(p.cu_seqlens, pieces(sum(p.seqlens)))
+    layout = _cut(p, cut)
     plans = layout._plans
 
     def undirect(kv, score, ape):
@@ -370,10 +377,10 @@ def test_world_of_one_side_stream_equals_plain_op(monkeypatch, name, head_dim):
     with the side stream off."""
     from csa_compressor.distributed import streams
 
-    seqlens, ratio, coff, _, pieces, _, _ = _PLACEMENTS[name]
+    seqlens, ratio, coff, _, cut, _, _ = _PLACEMENTS[name]
     seqlens = tuple(64 * n for n in seqlens)  # long enough that the two calls overlap
     p = make_pack(seqlens, head_dim, ratio, coff, device="cuda", seed=7)
-    layout = CPLayout.from_pieces(p.cu_seqlens, pieces(sum(seqlens)))
+    layout = _cut(p, cut)
     results = [_single_rank(p, layout, "cute")]
     assert streams._STREAMS, "the side stream was not used"
     monkeypatch.setattr(streams, "side_stream", lambda device: None)  # every call in order on one stream
