@@ -1,6 +1,5 @@
-"""Rank processes for tests/test_distributed.py (gloo on the CPU) and the two-GPU run (NCCL): each rank runs every
-world's suite and compares with the single-process op on the whole pack, writing ``ok`` per case to a file.
-"""
+"""Rank processes for tests/test_distributed.py (gloo, CPU) and the two-GPU run (NCCL): each rank runs every world's
+suite against the single-process op on the whole pack, writing ``ok`` per case to a file."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import random
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -30,7 +29,7 @@ class Case:
     backend: str = "reference"
     head_dim: int = 6
     seed: int = 0
-    grad: str = "disjoint"  # disjoint: each row's loss weight on one rank; shared: on every rank (world 2)
+    grad: str = "disjoint"  # each row's loss weight on one rank; shared: on every rank (world 2)
     reduce_ape: bool = False
     gather: bool = True  # False: the loss on out_local directly
     empty_rank: int | None = None  # pieces: a rank that holds no token
@@ -43,57 +42,50 @@ class Bad:
 
     name: str
     expect: str
-    build: str = field(default="")
 
 
-def _t(*seqlens):
-    return tuple(seqlens)
+# Bad layouts or calls (see run_bad): name -> what the error says.
+BAD = {
+    "cu-differs": "cu_seqlens differs between ranks",
+    "overlap": "are held by rank",
+    "missing": "are held by no rank",
+    "kinds-disagree": "layouts disagree",
+    "kv-rows": "kv_local has",
+    "world-size": "world_size",
+    "indivisible": "divisible by 2*world_size",
+    "bad-cu-one-rank": "non-decreasing",
+    "validate-per-call": "kv_local has",
+    "second-config": "kv_local has",
+}
 
 
 def suite(world: int, kind: str) -> list:
     """The cases of one process group."""
     if kind == "nccl":
         return _nccl_suite(world)
+    w, balanced = world, lambda *ns: tuple(2 * world * n for n in ns)
     cases = [
-        Case(f"w{world}-r4c2-contig", _t(37, 3, 29, 1, 18), 4, 2, "contiguous", seed=world),
-        Case(f"w{world}-r4c2-pieces", _t(37, 3, 29, 1, 18), 4, 2, "pieces", seed=world + 10, cuts=3 * world),
-        Case(
-            f"w{world}-r2c1-pieces", _t(13, 1, 22, 5), 2, 1, "pieces", head_dim=5, seed=world + 20, empty_rank=world - 1
-        ),
-        Case(f"w{world}-r128c1-contig", _t(300, 70, 200), 128, 1, "contiguous", seed=world + 30, head_dim=4),
-        Case(
-            f"w{world}-r128c2-pieces", _t(400, 100, 150), 128, 2, "pieces", seed=world + 40, head_dim=4, cuts=world + 2
-        ),
-        Case(f"w{world}-r4c2-tiny", _t(2, 3, 9, 1, 2, 7), 4, 2, "contiguous", seed=world + 50, gather=False),
+        Case(f"w{w}-r4c2-contig", (37, 3, 29, 1, 18), 4, 2, "contiguous", seed=w),
+        Case(f"w{w}-r4c2-pieces", (37, 3, 29, 1, 18), 4, 2, "pieces", seed=w + 10, cuts=3 * w),
+        Case(f"w{w}-r2c1-pieces", (13, 1, 22, 5), 2, 1, "pieces", head_dim=5, seed=w + 20, empty_rank=w - 1),
+        Case(f"w{w}-r128c1-contig", (300, 70, 200), 128, 1, "contiguous", seed=w + 30, head_dim=4),
+        Case(f"w{w}-r128c2-pieces", (400, 100, 150), 128, 2, "pieces", seed=w + 40, head_dim=4, cuts=w + 2),
+        Case(f"w{w}-r4c2-tiny", (2, 3, 9, 1, 2, 7), 4, 2, "contiguous", seed=w + 50, gather=False),
+        Case(f"w{w}-r4c2-balanced", balanced(5, 1, 3), 4, 2, "load_balanced", seed=w + 60, reduce_ape=True),
+        Case(f"w{w}-r128c2-balanced", balanced(40, 3), 128, 2, "load_balanced", seed=w + 70, head_dim=4),
     ]
-    balanced = tuple(2 * world * n for n in (5, 1, 3))
-    cases.append(Case(f"w{world}-r4c2-balanced", balanced, 4, 2, "load_balanced", seed=world + 60, reduce_ape=True))
-    cases.append(Case(f"w{world}-r128c2-balanced", tuple(2 * world * n for n in (40, 3)), 128, 2, "load_balanced",
-                      seed=world + 70, head_dim=4))  # fmt: skip
     if world == 2:
-        cases.append(Case("w2-r4c2-shared-grad", _t(21, 14), 4, 2, "pieces", seed=80, grad="shared", cuts=5))
+        cases.append(Case("w2-r4c2-shared-grad", (21, 14), 4, 2, "pieces", seed=80, grad="shared", cuts=5))
     if world == 2 and triton_on_cpu():
         cases += [
-            Case("w2-r4c2-triton", _t(13, 2, 10), 4, 2, "pieces", backend="triton", head_dim=8, seed=81, cuts=4),
+            Case("w2-r4c2-triton", (13, 2, 10), 4, 2, "pieces", backend="triton", head_dim=8, seed=81, cuts=4),
             Case("w2-r128c1-triton", (270,), 128, 1, "contiguous", backend="triton", head_dim=8, seed=82),
         ]
     if world == 4:
-        cases.append(Case("w4-r4c2-empty-rank", _t(9, 2, 6), 4, 2, "pieces", seed=90, empty_rank=1, cuts=7))
+        cases.append(Case("w4-r4c2-empty-rank", (9, 2, 6), 4, 2, "pieces", seed=90, empty_rank=1, cuts=7))
     cases += _random_cases(world, 5)
-    bad = [
-        Bad("cu-differs", "cu_seqlens differs between ranks"),
-        Bad("overlap", "are held by rank"),
-        Bad("missing", "are held by no rank"),
-        Bad("kinds-disagree", "layouts disagree"),
-        Bad("kv-rows", "kv_local has"),
-        Bad("world-size", "world_size"),
-        Bad("indivisible", "divisible by 2*world_size"),
-        Bad("bad-cu-one-rank", "non-decreasing"),
-        Bad("validate-per-call", "kv_local has"),
-        Bad("second-config", "kv_local has"),
-    ]
     # A good case after the bad ones: the group is still in step.
-    return [*cases, *bad, Case(f"w{world}-after-errors", _t(17, 11), 4, 2, "pieces", seed=99)]
+    return [*cases, *(Bad(*kv) for kv in BAD.items()), Case(f"w{w}-after-errors", (17, 11), 4, 2, "pieces", seed=99)]
 
 
 def _random_cases(world: int, count: int) -> list[Case]:
@@ -120,27 +112,19 @@ def triton_on_cpu() -> bool:
 
 def _nccl_suite(world: int) -> list:
     """Issue 28's checks on two GPUs: full head_dim, both GPU backends, Megatron's THD splits and a ragged one."""
-    cases = []
-    for backend in ("cute", "triton"):
+    cases, balanced = [], lambda *ns: tuple(2 * world * n for n in ns)
+    for b in ("cute", "triton"):
         cases += [
-            Case(f"{backend}-r4c2-contig", _t(5000, 1237, 3003, 7), 4, 2, "contiguous", backend, 512, seed=1),
-            Case(f"{backend}-r4c2-balanced", tuple(2 * world * n for n in (1001, 37, 499)), 4, 2, "load_balanced",
-                 backend, 512, seed=2),
-            Case(f"{backend}-r4c2-pieces", _t(3001, 17, 999), 4, 2, "pieces", backend, 512, seed=3, cuts=9),
-            Case(f"{backend}-r128c1-contig", _t(9000, 300, 4101), 128, 1, "contiguous", backend, 512, seed=4),
-            Case(f"{backend}-r128c1-balanced", tuple(2 * world * n for n in (2001, 97)), 128, 1, "load_balanced",
-                 backend, 512, seed=5, reduce_ape=True),
-        ]  # fmt: skip
-    return [*cases, Bad("cu-differs", "cu_seqlens differs between ranks"), Bad("overlap", "are held by rank")]
+            Case(f"{b}-r4c2-contig", (5000, 1237, 3003, 7), 4, 2, "contiguous", b, 512, seed=1),
+            Case(f"{b}-r4c2-balanced", balanced(1001, 37, 499), 4, 2, "load_balanced", b, 512, seed=2),
+            Case(f"{b}-r4c2-pieces", (3001, 17, 999), 4, 2, "pieces", b, 512, seed=3, cuts=9),
+            Case(f"{b}-r128c1-contig", (9000, 300, 4101), 128, 1, "contiguous", b, 512, seed=4),
+            Case(f"{b}-r128c1-balanced", balanced(2001, 97), 128, 1, "load_balanced", b, 512, seed=5, reduce_ape=True),
+        ]
+    return [*cases, *(Bad(n, BAD[n]) for n in ("cu-differs", "overlap"))]
 
 
 # ---------------------------------------------------------------- one rank
-
-
-def _pack(case: Case, device):
-    from csa_compressor.testing import make_pack
-
-    return make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, seed=case.seed, device=device)
 
 
 def _random_pieces(total: int, world: int, rng: random.Random, cuts: int, empty_rank):
@@ -158,12 +142,10 @@ def _random_pieces(total: int, world: int, rng: random.Random, cuts: int, empty_
 def _layout(case: Case, cu, rank: int, world: int):
     from csa_compressor.distributed import CPLayout
 
-    if case.layout == "contiguous":
-        return CPLayout.contiguous(cu, rank, world)
-    if case.layout == "load_balanced":
-        return CPLayout.load_balanced(cu, rank, world)
-    pieces = _random_pieces(int(cu[-1]), world, random.Random(case.seed), case.cuts, case.empty_rank)
-    return CPLayout.from_pieces(cu, pieces[rank])
+    if case.layout == "pieces":
+        pieces = _random_pieces(int(cu[-1]), world, random.Random(case.seed), case.cuts, case.empty_rank)
+        return CPLayout.from_pieces(cu, pieces[rank])
+    return getattr(CPLayout, case.layout)(cu, rank, world)  # contiguous | load_balanced
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -184,8 +166,10 @@ def _weights(case: Case, rows: int, d: int, rank: int, world: int, device):
 def run_case(case: Case, rank: int, world: int, group, device) -> dict:
     from csa_compressor import compressor_pool
     from csa_compressor.distributed import compressor_pool_cp, gather_rows
+    from csa_compressor.testing import make_pack
+    from csa_compressor.thd import row_layout
 
-    p = _pack(case, device)
+    p = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, seed=case.seed, device=device)
     mine, total = _weights(case, p.total_comp, case.head_dim, rank, world, device)
     leaves = [t.clone().requires_grad_(True) for t in (p.kv, p.score, p.ape)]
     ref = compressor_pool(*leaves, p.cu_seqlens, p.cu_seqlens_comp, case.ratio, case.coff, p.total_comp, case.backend)
@@ -194,13 +178,11 @@ def run_case(case: Case, rank: int, world: int, group, device) -> dict:
     idx = layout.local_token_index(device)
     kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
     ape = p.ape.clone().requires_grad_(True)
-    out, rows = compressor_pool_cp(
-        kv, score, ape, layout, ratio=case.ratio, coff=case.coff, group=group, backend=case.backend,
-        reduce_ape_grad=case.reduce_ape,
-    )  # fmt: skip
+    out, rows = compressor_pool_cp(kv, score, ape, layout, ratio=case.ratio, coff=case.coff, group=group,
+                                   backend=case.backend, reduce_ape_grad=case.reduce_ape)  # fmt: skip
     problems = []
-    last_token = _row_last_tokens(p, case.ratio)
-    expected_rows = torch.nonzero(torch.isin(last_token, idx)).flatten()
+    first_token = row_layout(p.cu_seqlens, p.cu_seqlens_comp, p.total_comp, case.ratio)[0]
+    expected_rows = torch.nonzero(torch.isin(first_token + case.ratio - 1, idx)).flatten()
     if not torch.equal(rows, expected_rows):
         problems.append(
             f"rows {rows.tolist()[:8]}... != rows whose last token is local {expected_rows.tolist()[:8]}..."
@@ -216,9 +198,14 @@ def run_case(case: Case, rank: int, world: int, group, device) -> dict:
         _backward(out, total[rows])
     for name, got, want in (("kv", kv.grad, leaves[0].grad[idx]), ("score", score.grad, leaves[1].grad[idx])):
         if not _bits_equal(got, want):
-            bad = int((got != want).any(1).sum())
-            problems.append(f"grad_{name}: {bad} of {got.shape[0]} local tokens differ")
-    problems += _check_ape(ape.grad, leaves[2].grad, case, group)
+            problems.append(f"grad_{name}: {int((got != want).any(1).sum())} of {got.shape[0]} local tokens differ")
+    summed = ape.grad.double().clone()
+    if not case.reduce_ape:
+        dist.all_reduce(summed, group=group)
+    ref_ape = leaves[2].grad.double()
+    err = float((summed - ref_ape).norm() / ref_ape.norm().clamp_min(1e-30))
+    if err > 1e-6:
+        problems.append(f"grad_ape relative error {err:.3g} > 1e-6")
     return {"ok": not problems, "problems": problems, "rows": int(rows.numel()), "tokens": int(kv.shape[0])}
 
 
@@ -227,69 +214,49 @@ def _backward(out: torch.Tensor, weights: torch.Tensor) -> None:
     (out.float() * weights.float()).sum().backward()
 
 
-def _row_last_tokens(p, ratio: int) -> torch.Tensor:
-    from csa_compressor.thd import row_layout
-
-    t0, _, _ = row_layout(p.cu_seqlens, p.cu_seqlens_comp, p.total_comp, ratio)
-    return t0 + ratio - 1
-
-
-def _check_ape(grad, ref, case: Case, group) -> list[str]:
-    summed = grad.double().clone()
-    if not case.reduce_ape:
-        dist.all_reduce(summed, group=group)
-    err = float((summed - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
-    return [] if err <= 1e-6 else [f"grad_ape relative error {err:.3g} > 1e-6"]
-
-
 def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
     """Build the bad layout (or call) of ``bad`` and report whether this rank raised the expected error."""
     from csa_compressor.distributed import CPLayout, compressor_pool_cp
 
-    seqlens = [2 * world * 3, 2 * world * 2 + 1] if bad.name == "indivisible" else [2 * world * 3, 2 * world * 2]
+    name, last, validate = bad.name, rank == world - 1, False
+    seqlens = [2 * world * 3, 2 * world * 2 + (name == "indivisible")]
     cu = torch.tensor([0, seqlens[0], sum(seqlens)], dtype=torch.int32, device=device)
-    total = int(cu[-1])
-    width, validate = 8, False
-    rows = None
-    if bad.name == "cu-differs":
-        layout = CPLayout.contiguous(
-            cu if rank else cu - torch.tensor([0, 1, 0], dtype=torch.int32, device=device), rank, world
-        )
-    elif bad.name in ("overlap", "missing"):  # rank 0 also holds rank 1's first token / the last token is lost
+    if name == "cu-differs":
+        shifted = cu - torch.tensor([0, 1, 0], dtype=torch.int32, device=device)
+        layout = CPLayout.contiguous(cu if rank else shifted, rank, world)
+    elif name in ("overlap", "missing"):  # rank 0 also holds rank 1's first token / the last token is lost
+        total = int(cu[-1])
         start, end = rank * total // world, (rank + 1) * total // world
-        end += (bad.name == "overlap" and rank == 0) - (bad.name == "missing" and rank == world - 1)
+        end += (name == "overlap" and rank == 0) - (name == "missing" and last)
         layout = CPLayout.from_pieces(cu, [(start, end - start)])
-    elif bad.name == "kinds-disagree":
+    elif name == "kinds-disagree":
         layout = (CPLayout.contiguous if rank == 0 else CPLayout.load_balanced)(cu, rank, world)
-    elif bad.name == "world-size":
-        layout = CPLayout.contiguous(cu, rank, world + (rank == world - 1))
-    elif bad.name == "indivisible":
+    elif name == "world-size":
+        layout = CPLayout.contiguous(cu, rank, world + last)
+    elif name == "indivisible":
         layout = CPLayout.load_balanced(cu, rank, world)
-    elif bad.name == "bad-cu-one-rank":
+    elif name == "bad-cu-one-rank":
         wrong = torch.tensor([0, seqlens[0] + 3, seqlens[0]], dtype=torch.int32, device=device)
         layout = CPLayout.contiguous(wrong if rank == 0 else cu, rank, world)
     else:  # kv-rows, validate-per-call, second-config
         layout = CPLayout.contiguous(cu, rank, world)
-        validate = bad.name == "validate-per-call"
-    local = layout.local_tokens if layout._error is None else 4
-    kv = torch.randn(local, 2 * width, device=device).to(torch.bfloat16)
-    ape = torch.zeros(4, 2 * width, device=device)
-    ratio, coff = 4, 2
-    if bad.name in ("validate-per-call", "second-config"):
-        # A good first call; then a bad one on the last rank (checked by validate=True, or as another
+        validate = name == "validate-per-call"
+    kv = torch.randn(layout.local_tokens if layout._error is None else 4, 16, device=device).to(torch.bfloat16)
+    ape, ratio, coff = torch.zeros(4, 16, device=device), 4, 2
+    if name in ("validate-per-call", "second-config"):
+        # A good first call, then a bad one on the last rank (found by validate=True, or as another
         # configuration's first call).
         compressor_pool_cp(kv, kv, ape, layout, ratio=4, coff=2, group=group, validate=validate)
-        if bad.name == "second-config":
-            ratio, coff, ape = 2, 1, torch.zeros(2, 2 * width, device=device)
-    if bad.name in ("kv-rows", "validate-per-call", "second-config") and rank == world - 1:
+        if name == "second-config":
+            ratio, coff, ape = 2, 1, torch.zeros(2, 16, device=device)
+    if name in ("kv-rows", "validate-per-call", "second-config") and last:
         kv = kv[:-1]
     try:
-        out, rows = compressor_pool_cp(
-            kv, kv, ape, layout, ratio=ratio, coff=coff, group=group, validate=validate or None
-        )
+        out, rows = compressor_pool_cp(kv, kv, ape, layout, ratio=ratio, coff=coff, group=group,
+                                       validate=validate or None)  # fmt: skip
     except ValueError as exc:
-        message = str(exc)
-        return {"ok": bad.expect in message, "problems": [] if bad.expect in message else [message], "message": message}
+        ok = bad.expect in str(exc)
+        return {"ok": ok, "problems": [] if ok else [str(exc)], "message": str(exc)}
     return {"ok": False, "problems": [f"no ValueError (got {tuple(out.shape)} rows {rows.numel()})"]}
 
 
@@ -304,16 +271,22 @@ def main(rank: int, worlds, kind: str, store_path: str, result_dir: str, only, s
         if kind == "nccl":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
-            dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=rank, world_size=size,
-                                    timeout=timedelta(seconds=120), device_id=device)  # fmt: skip
+            extra = dict(timeout=timedelta(seconds=120), device_id=device)
         else:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=size,
-                                    timeout=timedelta(seconds=100))  # fmt: skip
+            device, extra = torch.device("cpu"), dict(timeout=timedelta(seconds=100))
+        dist.init_process_group(kind, init_method=f"file://{store_path}", rank=rank, world_size=size, **extra)
         for world in worlds:
             group = dist.new_group(list(range(world))) if world < size else dist.group.WORLD
-            if rank < world:
-                _run_suite(results[world], world, kind, rank, group, device, only)
+            for item in suite(world, kind) if rank < world else ():
+                if only and item.name not in only:
+                    continue
+                start = time.perf_counter()
+                try:
+                    runner = run_bad if isinstance(item, Bad) else run_case
+                    results[world][item.name] = runner(item, rank, world, group, device)
+                except Exception:  # reported to the parent, which fails the case
+                    results[world][item.name] = {"ok": False, "problems": [traceback.format_exc(limit=8)]}
+                results[world][item.name]["seconds"] = time.perf_counter() - start
             dist.barrier()
         dist.destroy_process_group()
     except Exception:  # reported to the parent, which fails every case
@@ -323,19 +296,6 @@ def main(rank: int, worlds, kind: str, store_path: str, result_dir: str, only, s
         pickle.dump(results, f)
 
 
-def _run_suite(results: dict, world: int, kind: str, rank: int, group, device, only) -> None:
-    for item in suite(world, kind):
-        if only and item.name not in only:
-            continue
-        start = time.perf_counter()
-        try:
-            runner = run_bad if isinstance(item, Bad) else run_case
-            results[item.name] = runner(item, rank, world, group, device)
-        except Exception:  # reported to the parent, which fails the case
-            results[item.name] = {"ok": False, "problems": [traceback.format_exc(limit=8)]}
-        results[item.name]["seconds"] = time.perf_counter() - start
-
-
 def launch(worlds=(2, 3, 4), kind: str = "gloo", timeout_s: float = 100.0, only=None) -> dict[int, list[dict]]:
     """Run the suites of ``worlds`` on ``max(worlds)`` processes; per world, per rank, ``{case: result}``; a rank past
     ``timeout_s`` is killed and reported as ``<timeout>``."""
@@ -343,15 +303,12 @@ def launch(worlds=(2, 3, 4), kind: str = "gloo", timeout_s: float = 100.0, only=
 
     if kind == "nccl":  # fresh interpreters: a forked rank could inherit an initialised CUDA context
         ctx = mp.get_context("spawn")
-    else:
-        # A fork server that has imported torch once: every rank forks from it (a fresh interpreter costs
-        # seconds).
+    else:  # every rank forks from a server that has imported torch once (a fresh interpreter costs seconds)
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["tests.cp_worker", "csa_compressor.distributed", "csa_compressor.testing"])
     size = max(worlds)
     with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        args = (tuple(worlds), kind, store, tmp, only, max(1.0, timeout_s - 5.0))
+        args = (tuple(worlds), kind, os.path.join(tmp, "store"), tmp, only, max(1.0, timeout_s - 5.0))
         procs = [ctx.Process(target=main, args=(r, *args), daemon=True) for r in range(size)]
         for p in procs:
             p.start()
@@ -364,15 +321,14 @@ def launch(worlds=(2, 3, 4), kind: str = "gloo", timeout_s: float = 100.0, only=
             procs[r].join()
         per_rank = []
         for r in range(size):
-            path = os.path.join(tmp, f"rank{r}.pkl")
+            path, stack = os.path.join(tmp, f"rank{r}.pkl"), os.path.join(tmp, f"stack{r}.txt")
             if os.path.exists(path):
                 with open(path, "rb") as f:
                     per_rank.append(pickle.load(f))
-            else:
-                why = "hung (killed at the timeout)" if r in hung else f"exited {procs[r].exitcode} without results"
-                stack = os.path.join(tmp, f"stack{r}.txt")
-                if os.path.exists(stack):
-                    with open(stack) as f:
-                        why += "; its stack:\n" + f.read()[-3000:]
-                per_rank.append({w: {"<timeout>": {"ok": False, "problems": [f"rank {r} {why}"]}} for w in worlds})
+                continue
+            why = "hung (killed at the timeout)" if r in hung else f"exited {procs[r].exitcode} without results"
+            if os.path.exists(stack):
+                with open(stack) as f:
+                    why += "; its stack:\n" + f.read()[-3000:]
+            per_rank.append({w: {"<timeout>": {"ok": False, "problems": [f"rank {r} {why}"]}} for w in worlds})
         return {w: [per_rank[r][w] for r in range(w)] for w in worlds}

@@ -185,8 +185,15 @@ def test_kernel_us_per_call_subtracts_the_timers_work_and_skips_annotations():
         kernel_us_per_call(acts[1:2], calls=1, excluded_us=60.0)
 
 
+def act(start, dur, ann=False):
+    """A device activity named k."""
+    return DeviceActivity("k", dur, ann, start)
+
+
+Kernel = namedtuple("Kernel", "name device duration")
+
+
 def test_busy_time_counts_overlapping_kernels_once():
-    act = lambda start, dur, ann=False: DeviceActivity("k", dur, ann, start)  # noqa: E731
     assert bench.busy_us([]) == 0.0
     # Serial kernels: the sum of durations; a dependent that starts under its predecessor: their common span once.
     assert bench.busy_us([act(0, 4), act(5, 2)]) == pytest.approx(6.0)
@@ -196,7 +203,6 @@ def test_busy_time_counts_overlapping_kernels_once():
 
 
 def test_device_idle_counts_gaps_between_busy_spans():
-    act = lambda start, dur, ann=False: DeviceActivity("k", dur, ann, start)  # noqa: E731
     assert bench.device_idle([]) == (0.0, 0.0)
     # Busy 0-10, 5-12 (overlap), idle 12-20, busy 20-25, an annotation over the gap does not fill it, idle 25-26.
     acts = [act(0, 10), act(5, 7), act(20, 5), act(11, 9, ann=True), act(26, 1)]
@@ -205,14 +211,12 @@ def test_device_idle_counts_gaps_between_busy_spans():
 
 
 def test_range_device_us_walks_the_range_tree():
-    kernel = namedtuple("Kernel", "name device duration")
-
     class Ev:
         def __init__(self, kernels=(), children=()):
             self.kernels, self.cpu_children = list(kernels), list(children)
 
-    fill = Ev([kernel("FillFunctor<double>", 0, 25.0)])
-    rng = Ev([kernel(bench_timer.FLUSH_RANGE, 0, 26.0)], children=[Ev(children=[fill]), Ev()])
+    fill = Ev([Kernel("FillFunctor<double>", 0, 25.0)])
+    rng = Ev([Kernel(bench_timer.FLUSH_RANGE, 0, 26.0)], children=[Ev(children=[fill]), Ev()])
     assert bench.range_device_us(rng) == pytest.approx(25.0)  # the range's own GPU mirror is skipped
     assert bench.range_device_us(Ev()) == 0.0
 
@@ -244,14 +248,13 @@ SPIN = "at::cuda::(anonymous namespace)::spin_kernel(long)"
 
 def _profile(calls, kernel_us, gap_us=0.0, cold=True, spin_us=100.0, spin_before_us=0.0):
     """Events of one profiled loop: the queue spin, then per call (a spin,) (the flush under its range,) the kernel."""
-    kernel = namedtuple("Kernel", "name device duration")
     events, t = [_Event(SPIN, 0.0, spin_us)], spin_us
     for _ in range(calls):
         if spin_before_us:
             events.append(_Event(SPIN, t, spin_before_us))
             t += spin_before_us
         if cold:
-            events.append(_Event(bench_timer.FLUSH_RANGE, 0.0, 1.0, DeviceType.CPU, True, [kernel("fill", 0, 30.0)]))
+            events.append(_Event(bench_timer.FLUSH_RANGE, 0.0, 1.0, DeviceType.CPU, True, [Kernel("fill", 0, 30.0)]))
             events.append(_Event(bench_timer.FLUSH_RANGE, t, 30.0, annotation=True))
             events.append(_Event("void at::native::FillFunctor<double>", t, 30.0))
             t += 30.0
@@ -554,7 +557,7 @@ def test_write_outputs_and_a_small_chart(tmp_path):
     result = BenchResult(records=recs, markdown=format_markdown(recs, META), meta=META)
     paths = bench.write_outputs(result, tmp_path / "out", "run1")
     text = paths["json"].read_text()
-    assert bench.expand_records(json.loads(text)) == bench.run._rounded(json.loads(json.dumps(recs)))
+    assert bench.expand_records(json.loads(text)) == _rounded_copy(recs)
     assert sum(line.startswith('{"run":') for line in text.splitlines()) == len(recs)  # one row per line
     kernel = [r["kernel_us_cold"] for r in bench.expand_records(json.loads(text))]
     assert kernel == pytest.approx([r["kernel_us_cold"] for r in recs], rel=1e-5)
@@ -810,8 +813,6 @@ def test_the_bench_packs_meet_the_contract(backend, case):
 @pytest.mark.parametrize("padding_rows", [0, 3])
 def test_flat_gather_pool_is_the_eager_region_bitwise(ratio, coff, head_dim, padding_rows):
     """torch.compile's fallback region computes exactly what the reference's eager region does."""
-    import torch
-
     from csa_compressor import reference
     from csa_compressor.bench.calls import flat_gather_pool
     from csa_compressor.thd import compute_cu_seqlens_comp

@@ -1,8 +1,8 @@
 """csa_compressor.distributed: the CP pooling against the single-process op, bitwise (multi-rank: one gloo group
-per world size via tests/cp_worker.py; here: the host plan, layouts, a world of one).
-"""
+per world size via tests/cp_worker.py; here: the host plan, layouts, a world of one)."""
 
 import importlib.util
+import itertools
 import os
 import random
 import re
@@ -125,15 +125,10 @@ def test_world_of_one_matches_plain_op(ratio, coff, split):
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2), (2, 1)])
 def test_plan_moves_only_the_halo(ratio, coff):
     """Random splits: bounded halo received and packed per piece boundary; every row planned exactly once."""
-    rng = random.Random(ratio * 10 + coff)
+    rng, world, rows_seen = random.Random(ratio * 10 + coff), 3, []
     seqlens = [rng.randint(1, 5 * ratio) for _ in range(6)]
-    cu = [0]
-    for s in seqlens:
-        cu.append(cu[-1] + s)
-    world = 3
-    pieces = cp_worker._random_pieces(cu[-1], world, rng, 9, None)
-    normal = [list(CPLayout.from_pieces(cu, p).pieces) for p in pieces]
-    rows_seen = []
+    cu = [0, *itertools.accumulate(seqlens)]
+    normal = [list(CPLayout.from_pieces(cu, p).pieces) for p in cp_worker._random_pieces(cu[-1], world, rng, 9, None)]
     plans = [build_plan(cu, normal, rank, ratio, coff) for rank in range(world)]
     # Every rank takes the same collective decisions, and what q sends r is what r receives from q.
     assert len({plan.exchange for plan in plans}) == 1
@@ -168,14 +163,10 @@ def test_halo_formula_of_the_docs(ratio, coff, kind):
     for world in (2, 3, 4):
         seqlens = [2 * world * rng.randint(coff * ratio, 4 * ratio) + (kind == "contiguous") * rng.randint(0, 9)
                    for _ in range(3)]  # fmt: skip
-        cu = [0]
-        for n in seqlens:
-            cu.append(cu[-1] + n)
-        build = CPLayout.contiguous if kind == "contiguous" else CPLayout.load_balanced
-        layouts = [build(cu, rank, world) for rank in range(world)]
-        pieces = [layout._pieces_t for layout in layouts]
+        cu = [0, *itertools.accumulate(seqlens)]
+        layouts = [getattr(CPLayout, kind)(cu, rank, world) for rank in range(world)]
         for rank, layout in enumerate(layouts):
-            plan = build_plan(cu, pieces, rank, ratio, coff)
+            plan = build_plan(cu, [lay._pieces_t for lay in layouts], rank, ratio, coff)
             assert formula(cu, layout.pieces, ratio, coff) == sum(plan.recv_splits) - plan.recv_splits[rank]
 
 
@@ -205,22 +196,29 @@ def test_cp_call_launches(seqlens, ratio, coff):
     assert all(len(c) == 1 for c in counts.values()), counts  # no launch per piece
 
 
-# World of one splits per row placement: name -> (seqlens, ratio, coff, head_dim, pieces, placement, grad_out sliced).
+# World of one splits per row placement: name -> (seqlens, ratio, coff, head_dim, cut, placement, grad_out sliced);
+# the pieces: tokens [cut, end) then [0, cut), or the whole pack (cut 0).
+_S = (37, 3, 20, 1, 50)
 _PLACEMENTS = {
-    "straight": ((37, 3, 20, 1, 50), 4, 2, 8, lambda t: [(0, t)], "straight", True),
-    "patch-c1": ((37, 3, 20, 1, 50), 4, 1, 8, lambda t: [(2, t - 2), (0, 2)], "patch", True),
-    "patch-c1-r128": ((300, 200, 600), 128, 1, 8, lambda t: [(100, t - 100), (0, 100)], "patch", True),
-    "patch-c2": ((37, 3, 20, 1, 50), 4, 2, 8, lambda t: [(2, t - 2), (0, 2)], "patch", False),
-    "patch-unaligned": ((37, 3, 20, 1, 50), 4, 1, 6, lambda t: [(2, t - 2), (0, 2)], "gather", True),
-    "gather-c2": ((37, 3, 20, 1, 50), 4, 2, 8, lambda t: [(16, t - 16), (0, 16)], "gather", False),
-    "gather-c1": ((37, 3, 20, 1, 50), 4, 1, 8, lambda t: [(5, t - 5), (0, 5)], "gather", False),
+    "straight": (_S, 4, 2, 8, 0, "straight", True),
+    "patch-c1": (_S, 4, 1, 8, 2, "patch", True),
+    "patch-c1-r128": ((300, 200, 600), 128, 1, 8, 100, "patch", True),
+    "patch-c2": (_S, 4, 2, 8, 2, "patch", False),
+    "patch-unaligned": (_S, 4, 1, 6, 2, "gather", True),
+    "gather-c2": (_S, 4, 2, 8, 16, "gather", False),
+    "gather-c1": (_S, 4, 1, 8, 5, "gather", False),
 }
 
 
+def _cut(p, cut):
+    end = sum(p.seqlens)
+    return CPLayout.from_pieces(p.cu_seqlens, [(cut, end - cut), (0, cut)] if cut else [(0, end)])
+
+
 def _placement_run(name, backend, misaligned=False):
-    seqlens, ratio, coff, head_dim, pieces, _, _ = _PLACEMENTS[name]
+    seqlens, ratio, coff, head_dim, cut, _, _ = _PLACEMENTS[name]
     p = make_pack(seqlens, head_dim, ratio, coff, seed=len(name))
-    layout = CPLayout.from_pieces(p.cu_seqlens, pieces(sum(p.seqlens)))
+    layout = _cut(p, cut)
     plans = layout._plans
 
     def undirect(kv, score, ape):
@@ -379,10 +377,10 @@ def test_world_of_one_side_stream_equals_plain_op(monkeypatch, name, head_dim):
     with the side stream off."""
     from csa_compressor.distributed import streams
 
-    seqlens, ratio, coff, _, pieces, _, _ = _PLACEMENTS[name]
+    seqlens, ratio, coff, _, cut, _, _ = _PLACEMENTS[name]
     seqlens = tuple(64 * n for n in seqlens)  # long enough that the two calls overlap
     p = make_pack(seqlens, head_dim, ratio, coff, device="cuda", seed=7)
-    layout = CPLayout.from_pieces(p.cu_seqlens, pieces(sum(seqlens)))
+    layout = _cut(p, cut)
     results = [_single_rank(p, layout, "cute")]
     assert streams._STREAMS, "the side stream was not used"
     monkeypatch.setattr(streams, "side_stream", lambda device: None)  # every call in order on one stream

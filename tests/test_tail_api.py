@@ -1,6 +1,5 @@
 """The fused tail (RMSNorm, RoPE) through the public API: ``tail.check_backend`` per entry point and backend, bounds,
-the identity tail, opcheck; ``python -m tests.test_tail_api`` prints the entry points' host cost per call.
-"""
+the identity tail, opcheck; ``python -m tests.test_tail_api`` prints the entry points' host cost per call."""
 
 from __future__ import annotations
 
@@ -38,18 +37,30 @@ def _kwargs(tail: T.Tail) -> dict:
     return {name: getattr(tail, name) for name in NAMES}
 
 
-def _triton_tail_reason() -> str | None:
-    reason = dispatch.unavailable_reason("triton")
-    if reason is not None:
-        return reason
-    if not hasattr(dispatch.backend_module("triton"), "supports_tail"):
-        return "the Triton backend has no supports_tail yet (its fused tail is on branch tritontail)"
-    return None
+def _rc(pack, **kw) -> dict:
+    """``pack``'s ratio and coff, and ``kw``."""
+    return dict(ratio=pack.ratio, coff=pack.coff, **kw)
 
 
-_TRITON_REASON = _triton_tail_reason()
+def _pool_kw(pack, **kw) -> dict:
+    return _rc(pack, total_comp=pack.total_comp, **kw)
 
 
+def _leaves(*tensors) -> list:
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _buffers(pack):
+    """An output and three gradient buffers for the classes."""
+    out = torch.empty((pack.total_comp, pack.head_dim), dtype=torch.bfloat16)
+    return out, [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
+
+
+_TRITON_REASON = dispatch.unavailable_reason("triton") or (
+    None
+    if hasattr(dispatch.backend_module("triton"), "supports_tail")
+    else "the Triton backend has no supports_tail yet (its fused tail is on branch tritontail)"
+)
 _CUTE_REASON = dispatch.unavailable_reason("cute") or (None if torch.cuda.is_available() else "needs a CUDA GPU")
 
 
@@ -91,6 +102,10 @@ def _entry_cases(entries):
 # ---------------------------------------------------------------- the entry points as check_backend pairs
 
 
+def _grads(result):
+    return result["grad_kv"], result["grad_score"], result["grad_ape"], result.get("grad_norm_weight")
+
+
 def _wrappers(backend):
     def forward_fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, tail, *, ratio, coff, total_comp):
         kw = dict(ratio=ratio, coff=coff, total_comp=total_comp, backend=backend, **_kwargs(tail))
@@ -100,7 +115,7 @@ def _wrappers(backend):
         kw = dict(ratio=ratio, coff=coff, backend=backend, **_kwargs(tail))
         result = csa_compressor_backward_wrapper(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, **kw)
         assert ("grad_norm_weight" in result) is tail.has_norm
-        return result["grad_kv"], result["grad_score"], result["grad_ape"], result.get("grad_norm_weight")
+        return _grads(result)
 
     return forward_fn, backward_fn
 
@@ -114,7 +129,7 @@ def _wrappers_with_stats(backend):
         inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
         fwd = csa_compressor_forward_wrapper(*inputs, total_comp=grad_out.shape[0], return_softmax_stats=True, **kw)
         result = csa_compressor_backward_wrapper(*inputs, grad_out, softmax_stats=fwd["softmax_stats"], **kw)
-        return result["grad_kv"], result["grad_score"], result["grad_ape"], result.get("grad_norm_weight")
+        return _grads(result)
 
     return forward_fn, backward_fn
 
@@ -152,7 +167,7 @@ def _autograd_backward(region):
     """A backward pair through autograd of ``region``; an fp32 weight (bf16: see the bf16 weight gradient test)."""
 
     def backward_fn(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, tail, *, ratio, coff):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (kv, score, ape)]
+        leaves = _leaves(kv, score, ape)
         weight = tail.norm_weight.detach().float().clone().requires_grad_(True) if tail.has_norm else None
         tail = dataclasses.replace(tail, norm_weight=weight)
         out = region(*leaves, cu_seqlens, cu_seqlens_comp, tail, ratio=ratio, coff=coff, total_comp=grad_out.shape[0])
@@ -224,8 +239,7 @@ def test_torch_compile_fullgraph_meets_the_contract(backend, name):
     # The compiled graph and plain eager agree bitwise, the norm weight's gradient included.
     eager, compiled = (_on_device(backend, (_autograd_backward(_pool_region(backend, c)),))[0] for c in (False, True))
     args = (*pack.inputs, pack.grad_out, tail)
-    kw = dict(ratio=pack.ratio, coff=pack.coff)
-    for got, want in zip(compiled(*args, **kw), eager(*args, **kw), strict=True):
+    for got, want in zip(compiled(*args, **_rc(pack)), eager(*args, **_rc(pack)), strict=True):
         assert (got is None and want is None) or torch.equal(got, want)
 
 
@@ -238,7 +252,7 @@ def test_bf16_weight_gradient_is_the_fp32_one_rounded():
         "reference", **_kwargs(dataclasses.replace(tail, norm_weight=weight)),
     )  # fmt: skip
     out.backward(pack.grad_out)
-    want = T.backward(*pack.inputs, pack.grad_out, tail, ratio=pack.ratio, coff=pack.coff)
+    want = T.backward(*pack.inputs, pack.grad_out, tail, **_rc(pack))
     assert weight.grad.dtype == torch.bfloat16 and torch.equal(weight.grad, want[3].to(torch.bfloat16))
     assert torch.equal(kv.grad, want[0])
 
@@ -269,17 +283,15 @@ IDENTITY_ARGS = [dict(), dict(norm_eps=1e-5, rope_interleaved=False), dict(norm_
 def test_identity_tail_is_the_pooling_bitwise(monkeypatch, identity):
     calls = _record_launches(monkeypatch)
     pack, _ = case_pack_and_tail("r4c2d5-rope2-pos", seed=14)
-    kw = dict(ratio=pack.ratio, coff=pack.coff, backend="reference")
-    want = reference.forward(
-        *pack.inputs, ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, precision="fp32"
-    )
-    want_grads = reference.backward(*pack.inputs, pack.grad_out, ratio=pack.ratio, coff=pack.coff, precision="fp32")
+    kw = _rc(pack, backend="reference")
+    want = reference.forward(*pack.inputs, **_pool_kw(pack), precision="fp32")
+    want_grads = reference.backward(*pack.inputs, pack.grad_out, **_rc(pack), precision="fp32")
     out = csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw, **identity)["out"]
     grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw, **identity)
     assert torch.equal(out, want) and list(grads.keys()) == ["grad_kv", "grad_score", "grad_ape"]
     for got, expected in zip(grads, want_grads, strict=True):
         assert torch.equal(got, expected)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape)]
+    leaves = _leaves(pack.kv, pack.score, pack.ape)
     pooled = compressor_pool(*leaves, *pack.inputs[3:], pack.ratio, pack.coff, pack.total_comp, "reference", **identity)
     pooled.backward(pack.grad_out)
     assert torch.equal(pooled.detach(), want)
@@ -295,7 +307,7 @@ def test_identity_tail_is_the_pooling_bitwise(monkeypatch, identity):
 def test_tail_reaches_the_backend_as_a_tail(monkeypatch):
     calls = _record_launches(monkeypatch)
     pack, tail = case_pack_and_tail("r4c1d7-norm", seed=15)
-    kw = dict(ratio=pack.ratio, coff=pack.coff, backend="reference", **_kwargs(tail))
+    kw = _rc(pack, backend="reference", **_kwargs(tail))
     csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)
     csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
     assert calls == [("forward", ["rstd", "tail"]), ("backward", ["grad_norm_weight", "rstd", "tail"])]
@@ -306,10 +318,7 @@ def test_tail_reaches_the_backend_as_a_tail(monkeypatch):
 
 def _entry_calls(pack, tail):
     """Each entry point called with ``tail``: name -> thunk."""
-    base = dict(ratio=pack.ratio, coff=pack.coff, backend="reference")
-    kw = _kwargs(tail)
-    out = torch.empty((pack.total_comp, pack.head_dim), dtype=torch.bfloat16)
-    grads = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
+    base, kw, (out, grads) = _rc(pack, backend="reference"), _kwargs(tail), _buffers(pack)
     good = _kwargs(case_pack_and_tail("r4c2d8-padding-only")[1])
     return {
         "forward wrapper": lambda: csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **base, **kw),
@@ -335,7 +344,7 @@ def test_every_entry_point_names_the_broken_bound(bound, entry):
 
 def test_execute_refuses_another_tail_configuration():
     pack, tail = case_pack_and_tail("r4c2d8-padding-only")
-    out = torch.empty((pack.total_comp, pack.head_dim), dtype=torch.bfloat16)
+    out, _ = _buffers(pack)
     fwd = CSACompressorForward(*pack.inputs, out, backend="reference", **_kwargs(tail))
     fwd.execute(*pack.inputs, out, **_kwargs(tail))
     for other in (dict(rope_interleaved=False), dict(position_start=None), dict(norm_weight=None)):
@@ -353,9 +362,7 @@ def test_execute_refuses_another_tail_configuration():
 
 def test_buffers_of_the_tail_are_checked():
     pack, tail = case_pack_and_tail("r4c2d8-padding-only")
-    kw = dict(backend="reference", **_kwargs(tail))
-    out = torch.empty((pack.total_comp, pack.head_dim), dtype=torch.bfloat16)
-    grads = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
+    kw, (out, grads) = dict(backend="reference", **_kwargs(tail)), _buffers(pack)
     fwd = CSACompressorForward(*pack.inputs, out, **kw)
     with pytest.raises(ValueError, match=re.escape(f"rstd shape must be ({pack.total_comp},)")):
         fwd.execute(*pack.inputs, out, rstd=torch.empty(pack.total_comp + 1), **_kwargs(tail))
@@ -377,7 +384,7 @@ def test_a_backend_without_the_tail_is_refused(monkeypatch):
     for cache in ("_OPS", "_FWD_TAIL_FAST", "_BWD_TAIL_FAST"):
         monkeypatch.setattr(api, cache, {})
     monkeypatch.delattr(reference_launch, "supports_tail")
-    kw = dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, **_kwargs(tail))
+    kw = _pool_kw(pack, **_kwargs(tail))
     with pytest.raises(ValueError, match="backend 'reference' has no fused tail"):
         csa_compressor_forward_wrapper(*pack.inputs, backend="reference", **kw)
     monkeypatch.setattr(reference_launch, "supports_tail", lambda *a: False, raising=False)
@@ -401,7 +408,7 @@ def test_auto_on_a_gpu_takes_the_next_backend_with_a_tail(monkeypatch):
 def test_validate_checks_the_positions():
     pack, tail = case_pack_and_tail("r4c2d5-rope2-pos")
     short = dataclasses.replace(tail, rope_cos=tail.rope_cos[:-1], rope_sin=tail.rope_sin[:-1])
-    kw = dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, backend="reference", validate=True)
+    kw = _pool_kw(pack, backend="reference", validate=True)
     csa_compressor_forward_wrapper(*pack.inputs, **kw, **_kwargs(tail))
     with pytest.raises(ValueError, match="row positions must lie in"):
         csa_compressor_forward_wrapper(*pack.inputs, **kw, **_kwargs(short))
@@ -411,7 +418,7 @@ def test_validate_checks_the_positions():
 def test_positions_outside_the_tables_through_the_api(backend):
     """Without validation a row outside the tables is not rotated; with it, every entry point raises naming the bound."""
     pack, tail = out_of_table_tail("r4c2d5-rope2-pos", seed=22)
-    kw = dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp, backend=backend, **_kwargs(tail))
+    kw = _pool_kw(pack, backend=backend, **_kwargs(tail))
     out = csa_compressor_forward_wrapper(*pack.inputs, **kw)["out"]
     grads = csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
     report = T.contract_report(pack, tail, out, tuple(grads.values()))
@@ -430,7 +437,7 @@ def test_positions_outside_the_tables_through_the_api(backend):
 
 def test_empty_output_zeroes_the_weight_gradient():
     pack, tail = case_pack_and_tail("r4c2d5-rope2-pos")
-    kw = dict(ratio=pack.ratio, coff=pack.coff, backend="reference", **_kwargs(tail))
+    kw = _rc(pack, backend="reference", **_kwargs(tail))
     empty = pack.grad_out[:0]
     out = csa_compressor_forward_wrapper(*pack.inputs, total_comp=0, **kw)["out"]
     assert out.shape == (0, pack.head_dim)
@@ -446,7 +453,7 @@ def test_module_takes_the_tail():
     out = module(
         pack.kv[:, None], pack.score[:, None], pack.cu_seqlens, pack.cu_seqlens_comp, pack.total_comp, **_kwargs(tail)
     )
-    want = T.forward(*pack.inputs, tail, ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp)
+    want = T.forward(*pack.inputs, tail, **_pool_kw(pack))
     assert out.shape == (pack.total_comp, 1, pack.head_dim) and torch.equal(out[:, 0], want)
 
 
@@ -474,12 +481,8 @@ def test_opcheck_tail_ops(name):
     bwd_args = (*pack.inputs, pack.grad_out, pack.ratio, pack.coff, "reference", bwd_tensors, *scalars)
     torch.library.opcheck(torch.ops.csa_compressor.pool_backward_tail.default, bwd_args)
     grads = torch.ops.csa_compressor.pool_backward_tail(*bwd_args)
-    want = T.backward(*pack.inputs, pack.grad_out, tail, ratio=pack.ratio, coff=pack.coff)
+    want = T.backward(*pack.inputs, pack.grad_out, tail, **_rc(pack))
     assert torch.equal(grads[0], want[0]) and grads[3].shape == ((pack.head_dim,) if tail.has_norm else (0,))
-
-
-def _pool_kw(pack):
-    return dict(ratio=pack.ratio, coff=pack.coff, total_comp=pack.total_comp)
 
 
 def test_tail_ops_name_a_wrong_tensor_list():
@@ -503,12 +506,12 @@ def test_tail_op_with_an_identity_tail_is_the_pooling_op():
 def test_function_apply_keeps_the_positional_tail():
     """``CompressorPoolFunction.apply`` takes validate and the tail arguments positionally, in compressor_pool's order."""
     pack, tail = case_pack_and_tail("r4c2d5-rope2-pos", seed=21)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape, tail.norm_weight)]
+    leaves = _leaves(pack.kv, pack.score, pack.ape, tail.norm_weight)
     head = (*leaves[:3], *pack.inputs[3:], pack.ratio, pack.coff, pack.total_comp, "reference", False)
     out = CompressorPoolFunction.apply(*head, leaves[3], *(getattr(tail, n) for n in NAMES[1:]))
     out.backward(pack.grad_out)
     assert torch.equal(out, T.forward(*pack.inputs, tail, **_pool_kw(pack)))
-    grads = T.backward(*pack.inputs, pack.grad_out, tail, ratio=pack.ratio, coff=pack.coff)
+    grads = T.backward(*pack.inputs, pack.grad_out, tail, **_rc(pack))
     assert torch.equal(leaves[0].grad, grads[0]) and torch.equal(leaves[3].grad, grads[3].to(leaves[3].dtype))
     norm_only = CompressorPoolFunction.apply(*head, tail.norm_weight)  # the other six at their defaults
     assert torch.equal(norm_only, T.forward(*pack.inputs, T.Tail(tail.norm_weight), **_pool_kw(pack)))
@@ -522,7 +525,7 @@ def test_cuda_graph_captures_the_tail(backend):
     """compressor_pool with a full tail captured and replayed: no host sync, the replay bitwise the eager call."""
     pack = make_pack((96, 50, 7), 64, 4, 2, comp_padding=3, device="cuda", seed=19)
     tail = T.random_tail(pack, rope_dim=32, positions=True, seed=20)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (pack.kv, pack.score, pack.ape, tail.norm_weight)]
+    leaves = _leaves(pack.kv, pack.score, pack.ape, tail.norm_weight)
     kw = _kwargs(dataclasses.replace(tail, norm_weight=leaves[3]))
 
     def step():
@@ -559,9 +562,7 @@ def host_costs(with_tail: bool) -> dict[str, float]:
     pack = make_pack((64, 40), 128, 4, 2, comp_padding=1)
     tail = T.random_tail(pack, rope_dim=64, positions=True) if with_tail else T.Tail()
     kw = _kwargs(tail) if with_tail else {}
-    base = dict(ratio=4, coff=2, backend="reference")
-    out = torch.empty(pack.total_comp, 128, dtype=torch.bfloat16)
-    grads = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
+    base, (out, grads) = dict(ratio=4, coff=2, backend="reference"), _buffers(pack)
     bkw = dict(kw, grad_norm_weight=torch.empty(128)) if with_tail else {}
     fwd = CSACompressorForward(*pack.inputs, out, **base, **kw)
     bwd = CSACompressorBackward(*pack.inputs, pack.grad_out, *grads, **base, **kw)
