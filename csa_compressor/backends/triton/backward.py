@@ -224,7 +224,10 @@ def _long_window_base(
     own = k >= (COFF - 1) * SP
     colw = cols[None, None, :] + own.to(tl.int32) * ((COFF - 1) * HEAD_DIM)
     aoffs = s * W + colw
-    return k, aoffs - tl.where(own, 0, RATIO * W), aoffs, (s < RATIO) & col_ok, col_ok, cols
+    # The previous group's slots sit RATIO tokens back. A product rather than tl.where keeps the offsets' proof of
+    # contiguity and alignment along the columns, so that the window is read and written in vectors.
+    back = (1 - own.to(tl.int32)) * (RATIO * W)
+    return k, aoffs - back, aoffs, (s < RATIO) & col_ok, col_ok, cols
 
 
 @triton.jit
