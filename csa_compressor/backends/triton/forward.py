@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .norm_rope import _load_norm_weight, _rope_tables, _tail_forward, _tail_forward_with
+from .norm_rope import _load_norm_weight, _rope_tables, _row_norm, _row_rope
 
 # Eviction policy of the forward kernels' window loads (kv, score): read exactly once, so "evict_first"
 # (``ld.global.L1::evict_first.L2::cache_hint`` with an evict-first L2 policy) makes the stream replace its own L2
@@ -255,6 +255,16 @@ def _softmax(kv, score, ape, valid, PRECISE_EXP: tl.constexpr):
     return v, tl.fma(resid, inv, q)
 
 
+@triton.jit
+def _tile_positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO: tl.constexpr,
+                    ROPE_DIM: tl.constexpr):  # fmt: skip
+    """The rotary positions of the tile's rows (``_positions``; zeros without a rotation, which reads none)."""
+    pos = rows * 0
+    if ROPE_DIM > 0:
+        pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
+    return pos
+
+
 @triton.jit(
     do_not_specialize=["N", "T", "B", "n_iter", "tiles_per_prog", *_TAIL_INTS],
     do_not_specialize_on_alignment=_OFFSETS + _TAIL_OFFSETS,
@@ -313,25 +323,20 @@ def csa_fwd_kernel(
         kv_next = tl.load(kv_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         score_next = tl.load(score_ptr + offs, mask=lmask, other=0.0, eviction_policy=WINDOW_EVICT)
         if TAIL and TABLES_FIRST:
-            pos = rows * 0
-            if ROPE_DIM > 0:
-                pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
+            pos = _tile_positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO, ROPE_DIM)
             cos, sin = _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM,
                                     ROPE_INTERLEAVED)  # fmt: skip
         v, p = _softmax(kv_cur, score_cur, ape, valid, PRECISE_EXP)
         out = _sum_slots(v * p, TORCH_ORDER)
         if TAIL:
-            if TABLES_FIRST:
-                out, r = _tail_forward_with(out, cols, w, norm_eps, cos, sin, HEAD_DIM, HAS_NORM, ROPE_DIM,
-                                            ROPE_INTERLEAVED)  # fmt: skip
-            else:
-                pos = rows * 0
-                if ROPE_DIM > 0:
-                    pos = _positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO)
-                out, r = _tail_forward(
-                    out, pos, cols, col_ok, w, norm_eps, cos_ptr, sin_ptr, max_position, HEAD_DIM, HAS_NORM,
-                    ROPE_DIM, ROPE_INTERLEAVED
-                )  # fmt: skip
+            if not TABLES_FIRST:
+                pos = _tile_positions(rows, is_real, uniform, seg0, comp0, cu_comp_ptr, pos_ptr, B, n_iter, RATIO,
+                                      ROPE_DIM)  # fmt: skip
+            out, r = _row_norm(out, w, norm_eps, HEAD_DIM, HAS_NORM)
+            if not TABLES_FIRST:
+                cos, sin = _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM,
+                                        ROPE_INTERLEAVED)  # fmt: skip
+            out = _row_rope(out, cols, cos, sin, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
             if rstd_ptr is not None:
                 tl.store(rstd_ptr + rows, r, mask=row_ok)
         omask = row_ok[:, None] & col_ok[None, :]

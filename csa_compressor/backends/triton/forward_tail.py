@@ -4,7 +4,7 @@ wrote (``stats[:, 2]``, fp32), then the one rounding.
 A long window's pooling programs own a column block of a row, at the tiling that reads the window fastest; the
 tail needs whole rows (the norm's sum of squares, the rotation's partner column). So the long-window forward with a
 tail is the pooling's own statistics forward, then this kernel over whole rows: one more read of ``N x head_dim``
-fp32, small against the window's. The tail's arithmetic is ``norm_rope._tail_forward_with``, the short-window fused
+fp32, small against the window's. The tail's arithmetic is ``norm_rope``'s ``_row_norm`` and ``_row_rope``, the short-window fused
 forward's, on the same fp32 pooled values.
 """
 
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .forward import _OFFSETS, _TAIL_INTS, _TAIL_OFFSETS, _guard_row, _positions, _real_rows, _round, _segment_of
-from .norm_rope import _load_norm_weight, _rope_tables, _tail_forward_with
+from .norm_rope import _load_norm_weight, _rope_tables, _row_norm, _row_rope
 
 
 @triton.jit(
@@ -48,7 +48,8 @@ def csa_tail_fwd_kernel(
     cos, sin = _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
     x = tl.load(stats_ptr + x_offs, mask=xmask, other=0.0)
     w = _load_norm_weight(norm_w_ptr, cols, col_ok, HAS_NORM)
-    y, r = _tail_forward_with(x, cols, w, norm_eps, cos, sin, HEAD_DIM, HAS_NORM, ROPE_DIM, ROPE_INTERLEAVED)
+    y, r = _row_norm(x, w, norm_eps, HEAD_DIM, HAS_NORM)
+    y = _row_rope(y, cols, cos, sin, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
     if rstd_ptr is not None:
         tl.store(rstd_ptr + rows, r, mask=row_ok)
     optrs = out_ptr + rows[:, None] * HEAD_DIM + cols[None, :]

@@ -83,7 +83,7 @@ def _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED: tl.constexpr
 def _rope_tables(pos, cols, col_ok, cos_ptr, sin_ptr, max_position,
                  HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr):  # fmt: skip
     """``cos`` and ``sin`` of every (row, column) of the rows at ``pos`` (``_angles``); placeholders without a
-    rotation. Kept apart from ``_tail_forward_with`` so that a kernel chooses when it issues these reads."""
+    rotation. Kept apart from ``_row_rope`` so that a kernel chooses when it issues these reads."""
     if ROPE_DIM > 0:
         is_rope, _first, angle, _partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
         return _angles(pos, angle, (is_rope & col_ok)[None, :], cos_ptr, sin_ptr, max_position, ROPE_DIM)
@@ -104,30 +104,13 @@ def _row_norm(x, w, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
 
 
 @triton.jit
-def _tail_forward_with(x, cols, w, eps, cos, sin,
-                       HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr,
-                       ROPE_INTERLEAVED: tl.constexpr):  # fmt: skip
-    """``(rope(rmsnorm(x)), rstd)`` of pooled rows ``x`` (``_row_norm``), ``cos`` / ``sin`` the rows' tables
-    (``_rope_tables``, read where the kernel chose)."""
-    y, r = _row_norm(x, w, eps, HEAD_DIM, HAS_NORM)
+def _row_rope(y, cols, cos, sin, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr):
+    """The rotation of whole rows ``y`` ``[R, D]`` by their tables (``_rope_tables``); ``y`` without a rotation."""
     if ROPE_DIM > 0:
         is_rope, first, _angle, partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
-        y = _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED, HEAD_DIM % 2 == 0)
-    return y, r
-
-
-@triton.jit
-def _tail_forward(
-    x, pos, cols, col_ok, w, eps, cos_ptr, sin_ptr, max_position,
-    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROPE_DIM: tl.constexpr, ROPE_INTERLEAVED: tl.constexpr,
-):  # fmt: skip
-    """``_tail_forward_with`` reading the rows' tables after the norm."""
-    y, r = _row_norm(x, w, eps, HEAD_DIM, HAS_NORM)
-    if ROPE_DIM > 0:
-        is_rope, first, angle, partner = _rope_columns(cols, HEAD_DIM, ROPE_DIM, ROPE_INTERLEAVED)
-        cos, sin = _angles(pos, angle, (is_rope & col_ok)[None, :], cos_ptr, sin_ptr, max_position, ROPE_DIM)
-        y = _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED, HEAD_DIM % 2 == 0)
-    return y, r
+        return _rotate(y, cos, sin, is_rope, first, partner, ROPE_INTERLEAVED, HEAD_DIM % 2 == 0)
+    else:
+        return y
 
 
 @triton.jit
