@@ -268,8 +268,8 @@ _pool_backward_tail_op = torch.ops.csa_compressor.pool_backward_tail.default
 def _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp) -> bool:
     """True when the custom op can be skipped: plain eager tensors, nothing tracing or intercepting.
 
-    The custom op's dispatch (Python autograd and backend shims around the same wrapper) costs about
-    10 us of host time per call on a desktop CPU. It is what torch.compile / export / make_fx
+    The custom op's dispatch (Python autograd and backend shims around the same wrapper) costs host time on
+    every call, more than the launch itself. It is what torch.compile / export / make_fx
     (``is_compiling``, proxy and fake dispatch modes) and tensor subclasses (FakeTensor, DTensor,
     FunctionalTensor) need; in plain eager mode the result is the same without it.
     """
