@@ -578,6 +578,12 @@ OWN_CASES = {
                                      dict(rope_dim=64, interleaved=False, norm_dtype=BF16)),
     "r128c2d128-rope64-only": (128, 2, 128, (9000, 300), 0, 37, dict(norm=False, rope_dim=64)),
     "r5c1d7-rope2-pos": (5, 1, 7, (300, 41, 7), 0, 9, dict(rope_dim=2, positions=True)),
+    # The long-window forward with the tail in clusters: half-split partners in the other CTA of the row, five
+    # ragged chunks with interleaved pairs across them, eight chunks.
+    "r128c1d128-rope128-half-pos": (128, 1, 128, (1030, 7, 515), 1, 5,
+                                    dict(rope_dim=128, interleaved=False, positions=True)),
+    "r128c1d65-rope64-pos": (128, 1, 65, (700, 129, 3), 2, 2, dict(rope_dim=64, positions=True)),
+    "r32c2d512-rope64-half-only": (32, 2, 512, (640, 31, 96), 0, 3, dict(norm=False, rope_dim=64, interleaved=False)),
 }  # fmt: skip
 
 
@@ -605,6 +611,40 @@ def test_protocol_meets_the_contract(name, route):
     _gpu_launch()
     pack, tail = _case(name, seed=31)
     T.check_backend(*_protocol(*ROUTES[route]), pack, tail)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["r128c1d512-rope64", "r128c1d128-rope128-half-pos", "r128c1d65-rope64-pos",
+                                  "r128c2d512-rope64-half-bf16w"])  # fmt: skip
+def test_long_forward_with_tail_is_one_launch_with_the_pooling_statistics(name):
+    """The fused long-window forward: one kernel, the statistics bitwise the pooling's statistics forward's, the
+    rows within the contract of the composed route's (the same x, rstd from another summation order)."""
+    _gpu_launch()
+    from torch.profiler import ProfilerActivity, profile
+
+    pack, tail = _case(name, seed=41)
+    tail = _to_cuda(tail)
+    inputs = tuple(t.cuda() for t in pack.inputs)
+    n, d = pack.total_comp, pack.kv.shape[1] // pack.coff
+    args = (pack.ratio, pack.coff, None)
+    assert tail_launch._lookup("forward", inputs[0], pack.ratio, pack.coff, d, tail, _nan((1,))).fused is not None
+    out, stats, rstd = _nan((n, d), BF16), _nan((n, 3, d)), _nan((n,))
+    launch.forward(*inputs, out, *args, stats, tail, rstd)
+    plain_stats = _nan((n, 3, d))
+    launch.forward(*inputs, _nan((n, d), BF16), *args, plain_stats)
+    assert torch.equal(stats, plain_stats)
+    composed = tail_launch._route("forward", pack.ratio, pack.coff, d, BF16, 0, tail_launch.spec_of(tail), False)
+    out_c, rstd_c = _nan((n, d), BF16), _nan((n,))
+    tail_launch._composed_forward(composed, inputs, out_c, None, tail_launch.tail_arguments(tail, rstd_c), None)
+    torch.testing.assert_close(rstd, rstd_c, rtol=1e-6, atol=0)
+    ulp = (out_c.float().abs() * 2.0**-7).clamp(min=2.0**-133)
+    assert bool(((out.float() - out_c.float()).abs() <= ulp).all())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        launch.forward(*inputs, out, *args, stats, tail, rstd)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
 
 
 @pytest.mark.gpu

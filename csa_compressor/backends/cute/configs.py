@@ -145,6 +145,10 @@ class ForwardLongConfig(_Tile):
     # Let the next kernel of the stream start its prologue while this one runs (programmatic dependent launch):
     # the composed tail's forward, which reads the rows only after griddepcontrol.wait.
     signals_dependents: bool = False
+    # The fused tail (``tail_configs.fused_forward_for_sm90``): the column chunks of a row block are one thread
+    # block cluster, whose CTAs add their rows' sums of squares and exchange rotary partners through
+    # distributed shared memory; statistics are written where the launch passes them.
+    tail: TailSpec | None = None
 
     @property
     def threads(self) -> int:
@@ -154,6 +158,12 @@ class ForwardLongConfig(_Tile):
     def smem_bytes(self) -> int:
         """The cross-group combine buffers: (max, sum e, sum e*v) per group, row lane and column."""
         return 3 * self.rows_per_cta * self.slot_groups * self.columns_per_cta * 4 + 64
+
+    @property
+    def tail_rows(self) -> int:
+        """With the tail, a CTA's threads as rows of ``columns_per_cta`` threads, one column each (the rows past
+        ``rows_per_cta`` hold no row and add zeros)."""
+        return self.threads // self.columns_per_cta
 
 
 def forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, stats: bool = False):

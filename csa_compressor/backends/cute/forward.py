@@ -26,6 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
+from .cluster_tail import ClusterRowTail
 from .configs import ForwardLongConfig, ForwardShortConfig, launch_bound
 from .norm_rope import RowTail, ordered_sum, select
 from .ptx import ex2, mul_rn
@@ -232,6 +233,9 @@ class ForwardLongWindow:
         c = config
         self.slots = WindowSlots(c.ratio, c.coff, c.head_dim, c.vector_width, c.slots_per_batch,
                                  c.slots_per_batch * c.batches, True)  # fmt: skip
+        if config.tail is not None:
+            self.tail = ClusterRowTail(config)
+            self.__call__ = self.fused_host
 
     @cute.jit
     def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
@@ -321,9 +325,8 @@ class ForwardLongWindow:
     def combine(self, parts, out, stats, tidx, rblk, chunk, N):
         """Column-parallel combine: one thread per (row lane, column), groups in a fixed order."""
         cfg = self.config
-        sm_m, sm_l, sm_a = parts
-        cw, d, groups = cfg.columns_per_cta, cfg.head_dim, cfg.slot_groups
-        smem_row = groups * cw
+        cw, d = cfg.columns_per_cta, cfg.head_dim
+        smem_row = cfg.slot_groups * cw
         for q in cutlass.range(tidx, cfg.rows_per_cta * cw, cfg.threads):
             rq = q // cw
             cq = q % cw
@@ -333,21 +336,100 @@ class ForwardLongWindow:
             if cutlass.const_expr(not cfg.columns_exact):
                 ok = ok & (col < d)
             if ok:
-                qb = rq * smem_row + cq
-                mx = sm_m[qb]
-                for h in cutlass.range_constexpr(1, groups):
-                    mx = cute.arch.fmax(mx, sm_m[qb + h * cw], nan=True)
-                total = Float32(0.0)
-                acc = Float32(0.0)
-                for h in cutlass.range_constexpr(groups):
-                    scale = ex2(sm_m[qb + h * cw] - mx)
-                    total = total + sm_l[qb + h * cw] * scale
-                    acc = acc + sm_a[qb + h * cw] * scale
+                mx, total, res_q = self.combine_column(parts, rq * smem_row + cq)
                 out_t = cute.make_tensor(out, cute.make_layout(N * d))
-                res_q = acc / total
                 out_t[row * d + col] = BFloat16(res_q)
                 if cutlass.const_expr(cfg.write_stats):
-                    st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * d))
-                    st_t[row * 3 * d + col] = mx
-                    st_t[row * 3 * d + d + col] = Float32(1.0) / total
-                    st_t[row * 3 * d + 2 * d + col] = res_q
+                    write_stats(stats, row, col, d, N, mx, total, res_q)
+
+    @cute.jit
+    def combine_column(self, parts, qb):
+        """One column's groups (at ``qb`` of the shared buffers) in a fixed order: (max, sum e, output)."""
+        cfg = self.config
+        sm_m, sm_l, sm_a = parts
+        cw, groups = cfg.columns_per_cta, cfg.slot_groups
+        mx = sm_m[qb]
+        for h in cutlass.range_constexpr(1, groups):
+            mx = cute.arch.fmax(mx, sm_m[qb + h * cw], nan=True)
+        total = Float32(0.0)
+        acc = Float32(0.0)
+        for h in cutlass.range_constexpr(groups):
+            scale = ex2(sm_m[qb + h * cw] - mx)
+            total = total + sm_l[qb + h * cw] * scale
+            acc = acc + sm_a[qb + h * cw] * scale
+        return mx, total, acc / total
+
+    # ------------------------------------------------------------ the fused tail (RMSNorm, RoPE)
+
+    @cute.jit
+    def fused_host(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                   cu_seqlens_comp: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, segments: Int32,
+                   total_comp: Int32, tokens: Int32, norm_weight: cute.Pointer, rope_cos: cute.Pointer,
+                   rope_sin: cute.Pointer, position_start: cute.Pointer, rstd: cute.Pointer, norm_eps: Float32,
+                   max_position: Int32, stream: cuda.CUstream):  # fmt: skip
+        """Host function with the tail (arguments: ``build.py``): a row block's column chunks are one cluster;
+        ``stats`` (0: none) and ``rstd`` (0: none) are written where given."""
+        cfg = self.config
+        chunks = cfg.column_chunks
+        blocks = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta
+        bounds = dict(min_blocks_per_mp=launch_bound(cfg.threads), preferred_smem_carveout=50)
+        if cutlass.const_expr(self.tail.remote):
+            bounds["cluster"] = [chunks, 1, 1]
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens)
+        tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
+        self.fused_kernel(*args, *tail_args).launch(
+            grid=[blocks * chunks, 1, 1],
+            block=[cfg.threads, 1, 1],
+            smem=cfg.smem_bytes + self.tail.smem_bytes(),
+            stream=stream,
+            **bounds,
+        )
+
+    @cute.kernel
+    def fused_kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
+                     cuc: cute.Pointer, out: cute.Pointer, stats: cute.Pointer, B: Int32, N: Int32, T: Int32,
+                     norm_weight: cute.Pointer, rope_cos: cute.Pointer, rope_sin: cute.Pointer,
+                     position_start: cute.Pointer, rstd: cute.Pointer, eps: Float32, max_position: Int32):  # fmt: skip
+        cfg = self.config
+        tail = self.tail
+        th = forward_coordinates(cfg, cfg.slot_groups, True)
+        seg = Segments(cu, cuc, B)
+        col_ok = _columns_ok(cfg, th.c)
+        active = (th.r < N) & col_ok
+        t0, first = row_start(seg, th.r, active, T, N, cfg.ratio)
+        buffers = self.start_window(kv, score, th.g, th.c, active, t0, first)
+        smem = cutlass.memory.SmemAllocator()
+        parts = [
+            smem.allocate_tensor(Float32, cute.make_layout(cfg.rows_per_cta * cfg.slot_groups * cfg.columns_per_cta),
+                                 byte_alignment=16)
+            for _ in range(3)
+        ]  # fmt: skip
+        shared = tail.allocate(smem)
+        col = tail.column(th.tidx, th.rblk, th.chunk, N)
+        tables = (norm_weight, rope_cos, rope_sin, position_start, max_position)
+        if cutlass.const_expr(cfg.batches == 1):
+            # One batch per group: the tail's operands (L2 hits) are in flight while the window arrives. Windows
+            # of several batches load them after the fold, whose registers they would otherwise spill.
+            operands = tail.load_operands(seg, col, *tables, N)
+        vm, vl, va = self.fold_window(kv, score, ape, buffers, th.g, th.c, col_ok, active, t0, first)
+        if cutlass.const_expr(cfg.batches > 1):
+            operands = tail.load_operands(seg, col, *tables, N)
+        base = th.rl * cfg.slot_groups * cfg.columns_per_cta + th.g * cfg.columns_per_cta + th.tc * cfg.vector_width
+        for part, value in zip(parts, (vm, vl, va), strict=True):
+            vec_view(part.iterator, base, cfg.vector_width).store(value.load())
+        cute.arch.sync_threads()
+        x = Float32(0.0)
+        if col.ok:
+            mx, total, x = self.combine_column(parts, col.lane * cfg.slot_groups * cfg.columns_per_cta + col.index)
+            if stats.toint() != 0:
+                write_stats(stats, col.row, col.column, cfg.head_dim, N, mx, total, x)
+        tail.finish(x, col, operands, shared, out, rstd, eps, N, th.tidx)
+
+
+@cute.jit
+def write_stats(stats, row, col, d: cutlass.Constexpr, N: Int32, mx, total, res):
+    """One column's softmax statistics (``reference.softmax_stats``): log2-domain max, 1 / sum, the output."""
+    st_t = cute.make_tensor(stats, cute.make_layout(N * 3 * d))
+    st_t[row * 3 * d + col] = mx
+    st_t[row * 3 * d + d + col] = Float32(1.0) / total
+    st_t[row * 3 * d + 2 * d + col] = res

@@ -12,8 +12,10 @@ forward that also writes them) and ``backward_stats`` (the backward that reads t
 
 With the fused tail (``configs.TailSpec``; ``tail_route``) a call takes one of two routes:
 
-- fused: the pooling kernel with the tail inside, where ``fused_tail_config`` has a configuration for it;
-- composed, every other window: forward = the statistics forward (``ForwardLongWindow`` with ``write_stats``, for
+- fused: the pooling kernel with the tail inside, where ``fused_tail_config`` has a configuration for it: the
+  one-group short windows' forward and backward (whole rows per CTA), and the forward of other windows whose row
+  block's column chunks fit one cluster (``ForwardLongWindow`` with a tail, ``cluster_tail``);
+- composed, every other window and direction: forward = the statistics forward (``ForwardLongWindow`` with ``write_stats``, for
   any window: ``tail_configs.stats_forward_for_sm90``) then ``TailForward`` on ``stats[:, 2]``; backward = the
   statistics forward again where no statistics were saved, ``TailGradient`` (dx, fp32) and ``BackwardWithStats``
   reading dx (``grad_float32``); with a norm and the slab form, ``BackwardWithStatsNorm``, whose reduction also
@@ -96,8 +98,9 @@ _FUSED_FACTORIES = {
 
 def fused_tail_config(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail_spec):
     """The configuration that fuses the tail (``configs.TailSpec``) into ``direction``'s kernel ("forward" or
-    "backward"), or None where the window has no fused kernel (the composed route serves it): short windows of one
-    power-of-two slot group (``ForwardShortWindow``, ``BackwardShortWindow`` with whole rows per CTA)."""
+    "backward"), or None where there is no fused kernel (the composed route serves it): short windows of one
+    power-of-two slot group (``ForwardShortWindow``, ``BackwardShortWindow`` with whole rows per CTA); the forward
+    of other windows (``ForwardLongWindow``, ``tail_configs.long_forward_with_tail``)."""
     forward, backward = _FUSED_FACTORIES["sm_100" if device.arch.startswith("sm_10") else "sm_90"]
     if direction == "forward":
         return forward(ratio, coff, head_dim, device, tail_spec)

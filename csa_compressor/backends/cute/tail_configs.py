@@ -144,6 +144,10 @@ FUSED_ROW_THREADS_CAP = 1024
 FUSED_FORWARD_THREADS = 128
 # Registers per thread of a fused forward whose CTA is one row: the most that the kernel takes without spilling.
 ONE_ROW_FORWARD_REGISTERS = 72
+# The long-window forward with the tail: CTAs per cluster at most (the portable size), and rows per CTA whose
+# sums cross warps at most (one named barrier each).
+MAX_CLUSTER_CTAS = 8
+MAX_ROW_BARRIERS = 15
 
 
 def _row_threads(head_dim: int, width: int) -> int:
@@ -162,12 +166,13 @@ def _one_exact_group(ratio: int, coff: int) -> bool:
 
 
 def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
-    """The short-window forward with the tail, or None where it cannot fuse it: whole rows (one column chunk) of a
-    power-of-two thread count, 4-column vectors (8 for rows past FUSED_ROW_THREADS_CAP threads), rows side by side
-    up to FUSED_FORWARD_THREADS threads; one-row CTAs of FUSED_FORWARD_THREADS threads with interleaved pairs (or no
-    rotation) built for ONE_ROW_FORWARD_REGISTERS registers."""
+    """The forward with the tail, or None where it cannot fuse it. Short windows of one group: whole rows (one
+    column chunk) of a power-of-two thread count, 4-column vectors (8 for rows past FUSED_ROW_THREADS_CAP threads),
+    rows side by side up to FUSED_FORWARD_THREADS threads; one-row CTAs of FUSED_FORWARD_THREADS threads with
+    interleaved pairs (or no rotation) built for ONE_ROW_FORWARD_REGISTERS registers. Other windows:
+    ``long_forward_with_tail``."""
     if not _one_exact_group(ratio, coff):
-        return None
+        return long_forward_with_tail(ratio, coff, head_dim, device, tail)
     for cap in (4, 8):
         width = vector_width(head_dim, cap)
         threads = _row_threads(head_dim, width)
@@ -184,6 +189,20 @@ def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
     ctas = REGISTERS_PER_SM // (ONE_ROW_FORWARD_REGISTERS * threads) if one_row else 0
     return ForwardShortConfig(ratio, coff, head_dim, width, threads, rows_per_cta=rows, ctas_per_sm_cap=ctas,
                               tail=tail)  # fmt: skip
+
+
+def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    """The statistics forward's tile (``stats_forward_for_sm90``) with the tail, its column chunks one cluster, or
+    None where the tile does not allow it: more chunks than a portable cluster, threads that are not whole rows of
+    one column each (``ForwardLongConfig.tail_rows``), or more such rows than named barriers."""
+    config = stats_forward_for_sm90(ratio, coff, head_dim, device)
+    columns = config.columns_per_cta
+    if config.column_chunks > MAX_CLUSTER_CTAS or config.threads % columns:
+        return None
+    rows = config.threads // columns
+    if rows < config.rows_per_cta or (columns > 32 and rows > MAX_ROW_BARRIERS):
+        return None
+    return replace(config, chunk_major=True, signals_dependents=False, tail=tail)
 
 
 def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):

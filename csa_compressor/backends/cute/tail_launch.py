@@ -3,8 +3,9 @@ routes of ``select.tail_route``, one set of launchers per (direction, ratio, cof
 ``configs.TailSpec``), each function primed when it is built (so nothing compiles or loads later, under CUDA-graph
 capture in particular).
 
-- fused: the pooling kernel with the tail's block (``tail_arguments``) after its own arguments; a backward's slabs
-  have ``config.slab_entries`` floats per CTA (their entries past ape_size reduce into grad_norm_weight);
+- fused: the pooling kernel with the tail's block (``tail_arguments``) after its own arguments; the long-window
+  forward writes the statistics where the call asks for them; a backward's slabs have ``config.slab_entries``
+  floats per CTA (their entries past ape_size reduce into grad_norm_weight);
 - composed: the statistics forward into ``stats`` (the caller's, else a workspace) and ``TailForward``; backward:
   the statistics recomputed into a workspace where none were given, ``TailGradient`` into a dx workspace, then the
   statistics backward reading dx. With a norm and the statistics backward's slab form (``pool_reduces``) the
@@ -24,7 +25,7 @@ import contextlib
 import torch
 
 from . import launch as base
-from .configs import TailSpec
+from .configs import ForwardLongConfig, TailSpec
 from .device import device_spec
 from .select import tail_route
 
@@ -93,15 +94,21 @@ def _route(direction, ratio, coff, head_dim, dtype, index, spec, fuse=True) -> T
 
 
 def _lookup(direction, kv, ratio, coff, head_dim, tail, stats) -> TailRoute:
-    """The call's route: the fused one unless statistics are given (the fused kernels take none)."""
+    """The call's route: the fused one unless statistics are given to a fused kernel that takes none (all but the
+    long-window forward, which writes them)."""
     spec = spec_of(tail)
     index = kv.device.index
     route = _ROUTES.get((direction, ratio, coff, head_dim, kv.dtype, index, spec, True))
     if route is None:
         route = _route(direction, ratio, coff, head_dim, kv.dtype, index, spec)
-    if route.fused is not None and stats is not None:
+    if route.fused is not None and stats is not None and not takes_stats(route.fused.config):
         route = _route(direction, ratio, coff, head_dim, kv.dtype, index, spec, fuse=False)
     return route
+
+
+def takes_stats(config) -> bool:
+    """Whether a fused configuration writes the softmax statistics where a launch passes them."""
+    return isinstance(config, ForwardLongConfig)
 
 
 def _on_device(index: int):
@@ -137,7 +144,7 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, strea
         if route.fused is not None:
             fused = route.fused
             function = fused.function if out.shape[0] < fused.wide_rows else fused.wide
-            base.call_forward(function, *inputs, out, None, stream, block)
+            base.call_forward(function, *inputs, out, stats, stream, block)
         else:
             _composed_forward(route, inputs, out, stats, block, stream)
 
