@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -103,55 +104,57 @@ def test_fused_kernels_compile(arch, name, direction):
         assert ("shfl.sync.bfly" in ptx) == (cfg.column_threads > 1)
 
 
-# (name, ratio, coff, head_dim, spec): the long-window forward with the tail, a row block's chunks one cluster.
+# (name, ratio, coff, head_dim, spec): the long-window forward with the tail, whole rows per CTA.
 LONG_BUILDS = [
     ("r128c1d128-rope64", 128, 1, 128, spec("fp32", 64)),
-    ("r128c1d128-rope128-half-pos", 128, 1, 128, spec("fp32", 128, False, True)),  # partners across the CTAs
-    ("r128c1d512-half-bf16-pos", 128, 1, 512, spec("bf16", 64, False, True)),
-    ("r128c2d512-rope64", 128, 2, 512, spec("fp32", 64)),
-    ("r128c1d65-rope2-pos", 128, 1, 65, spec("fp32", 2, True, True)),  # ragged chunks, pairs across the CTAs
-    ("r16c2d512-rope64-half-only", 16, 2, 512, spec(None, 64, False)),  # nothing read across CTAs: no cluster
+    ("r128c1d128-rope128-half-pos", 128, 1, 128, spec("fp32", 128, False, True)),  # partners across warps
+    ("r128c2d512-half-bf16-pos", 128, 2, 512, spec("bf16", 64, False, True)),  # batches: operands after the fold
+    ("r16c2d128-rope64-pos", 16, 2, 128, spec("fp32", 64, True, True)),  # two rows per CTA: named barriers
+    ("r128c2d7-rope2-half-only", 128, 2, 7, spec(None, 2, False)),  # rows within a warp, no norm
 ]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("name", [b[0] for b in LONG_BUILDS])
 def test_long_forward_with_tail_compiles(arch, name):
-    """The cluster's reads: the partial sums of every CTA with a norm, one partner where pairs cross CTAs, each
-    after a cluster barrier, and a last barrier before exit; no local memory; the statistics pointer among the
-    parameters."""
+    """One kernel with the statistics pointer among its parameters, no local memory, the launch bound of its
+    threads, row sums by shuffles (across warps: named barriers where a CTA has several rows), correctly rounded
+    rstd."""
     from csa_compressor.backends.cute.forward import ForwardLongWindow
 
     _, ratio, coff, head_dim, tail = next(b for b in LONG_BUILDS if b[0] == name)
     cfg = select.fused_tail_config("forward", ratio, coff, head_dim, offline_spec(arch), tail)
     kernel = select.kernel_class_of(cfg)(cfg)
-    assert isinstance(kernel, ForwardLongWindow) and cfg.chunk_major and not cfg.signals_dependents
+    assert isinstance(kernel, ForwardLongWindow) and cfg.column_chunks == 1 and not cfg.signals_dependents
     with tempfile.TemporaryDirectory() as dump:
         artifacts = compile_kernel(kernel, arch, dump_dir=dump).artifacts
         ptx, used = artifacts.PTX, _CUBINS.resources(bytes(artifacts.CUBIN))
     assert "ld.local" not in ptx and "st.local" not in ptx and used["frame"] == 0, used
     assert [_kinds(p) for _n, p in ENTRY.findall(ptx)] == ["ppppppp" + "iii" + "ppppp" + "fi"]
-    crosses = kernel.tail.crosses
-    norm_reads = cfg.column_chunks if tail.has_norm and cfg.column_chunks > 1 else 0
-    assert ptx.count("ld.shared::cluster.f32") == norm_reads + crosses
-    barriers = (norm_reads > 0) + crosses + kernel.tail.remote
-    assert ptx.count("barrier.cluster.arrive") == barriers and ptx.count("barrier.cluster.wait") == barriers
-    assert kernel.tail.remote == (barriers > 0)
+    assert f".minnctapersm {configs.launch_bound(cfg.threads)}" in ptx
+    assert ("shfl.sync.bfly" in ptx) == (tail.has_norm and cfg.columns_per_cta > 1)
+    named = cfg.tail_rows > 1 and cfg.columns_per_cta > 32 and tail.has_norm
+    assert bool(re.search(r"bar(rier)?\.sync(\.aligned)?\s+\S+,\s*\d+;", ptx)) == named  # id, thread count
     if tail.has_norm:
         assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "rcp.rn.f32" in ptx
 
 
 def test_long_forward_with_tail_only_where_the_tile_allows():
-    """Whole rows of one column per thread, a portable cluster (at most 8 chunks), otherwise the composed route."""
+    """The statistics tile widened to whole rows of power-of-two threads, at most WHOLE_ROW_THREADS; otherwise
+    the composed route."""
     tail = spec("fp32", 64)
-    assert tail_configs.long_forward_with_tail(3, 2, 128, H200, tail) is None  # 3 groups x 4 columns: 96 threads
-    assert tail_configs.long_forward_with_tail(128, 1, 1024, H200, tail) is None  # 16 chunks of 64 columns
-    for ratio, coff, head_dim in ((128, 1, 128), (128, 1, 512), (128, 2, 512), (16, 2, 64), (32, 2, 130)):
+    for ratio, coff, head_dim in ((3, 2, 128), (128, 1, 512), (128, 1, 65), (128, 1, 1024)):
+        assert tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail) is None
+    for ratio, coff, head_dim in ((128, 1, 128), (128, 2, 512), (128, 2, 128), (16, 2, 128), (16, 1, 64)):
         cfg = tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail)
         stats = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, H200)
-        assert cfg == dataclasses.replace(stats, chunk_major=True, signals_dependents=False, tail=tail)
-        assert cfg.column_chunks <= tail_configs.MAX_CLUSTER_CTAS and cfg.threads % cfg.columns_per_cta == 0
-        assert cfg.tail_rows >= cfg.rows_per_cta
+        chunks = stats.column_chunks
+        assert cfg.column_chunks == 1 and cfg.column_threads == stats.column_threads * chunks
+        assert cfg.rows_per_cta == max(1, stats.rows_per_cta // chunks) and cfg.tail == tail
+        assert (cfg.slot_groups, cfg.slots_per_batch, cfg.batches) == (
+            stats.slot_groups, stats.slots_per_batch, stats.batches)  # fmt: skip
+        assert cfg.threads <= tail_configs.WHOLE_ROW_THREADS and cfg.threads % cfg.columns_per_cta == 0
+        assert cfg.write_stats and not cfg.signals_dependents
 
 
 CONFIG_SPACE = [(r, c) for r in (1, 2, 3, 4, 5, 8, 16, 32, 128) for c in (1, 2)]

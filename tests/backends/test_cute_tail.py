@@ -578,8 +578,8 @@ OWN_CASES = {
                                      dict(rope_dim=64, interleaved=False, norm_dtype=BF16)),
     "r128c2d128-rope64-only": (128, 2, 128, (9000, 300), 0, 37, dict(norm=False, rope_dim=64)),
     "r5c1d7-rope2-pos": (5, 1, 7, (300, 41, 7), 0, 9, dict(rope_dim=2, positions=True)),
-    # The long-window forward with the tail in clusters: half-split partners in the other CTA of the row, five
-    # ragged chunks with interleaved pairs across them, eight chunks.
+    # The long-window forward with the tail (whole rows per CTA) or, past its tile, the composed route: half-split
+    # partners across warps, an odd head_dim (composed), rope only.
     "r128c1d128-rope128-half-pos": (128, 1, 128, (1030, 7, 515), 1, 5,
                                     dict(rope_dim=128, interleaved=False, positions=True)),
     "r128c1d65-rope64-pos": (128, 1, 65, (700, 129, 3), 2, 2, dict(rope_dim=64, positions=True)),
@@ -614,8 +614,8 @@ def test_protocol_meets_the_contract(name, route):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["r128c1d512-rope64", "r128c1d128-rope128-half-pos", "r128c1d65-rope64-pos",
-                                  "r128c2d512-rope64-half-bf16w"])  # fmt: skip
+@pytest.mark.parametrize("name", ["r128c1d128-rope128-half-pos", "r128c1d128-rope64-pos-many",
+                                  "r128c2d512-rope64-half-bf16w", "r128c2d128-rope64-half-bf16w"])  # fmt: skip
 def test_long_forward_with_tail_is_one_launch_with_the_pooling_statistics(name):
     """The fused long-window forward: one kernel, the statistics bitwise the pooling's statistics forward's, the
     rows within the contract of the composed route's (the same x, rstd from another summation order)."""

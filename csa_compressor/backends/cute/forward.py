@@ -26,8 +26,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
-from .cluster_tail import ClusterRowTail
 from .configs import ForwardLongConfig, ForwardShortConfig, launch_bound
+from .long_tail import WholeRowTail
 from .norm_rope import RowTail, ordered_sum, select
 from .ptx import ex2, mul_rn
 from .softmax import exact_probabilities, online_fold, torch_order_sum
@@ -234,7 +234,7 @@ class ForwardLongWindow:
         self.slots = WindowSlots(c.ratio, c.coff, c.head_dim, c.vector_width, c.slots_per_batch,
                                  c.slots_per_batch * c.batches, True)  # fmt: skip
         if config.tail is not None:
-            self.tail = ClusterRowTail(config)
+            self.tail = WholeRowTail(config)
             self.__call__ = self.fused_host
 
     @cute.jit
@@ -367,18 +367,15 @@ class ForwardLongWindow:
                    total_comp: Int32, tokens: Int32, norm_weight: cute.Pointer, rope_cos: cute.Pointer,
                    rope_sin: cute.Pointer, position_start: cute.Pointer, rstd: cute.Pointer, norm_eps: Float32,
                    max_position: Int32, stream: cuda.CUstream):  # fmt: skip
-        """Host function with the tail (arguments: ``build.py``): a row block's column chunks are one cluster;
-        ``stats`` (0: none) and ``rstd`` (0: none) are written where given."""
+        """Host function with the tail (arguments: ``build.py``): whole rows per CTA; ``stats`` (0: none) and
+        ``rstd`` (0: none) are written where given."""
         cfg = self.config
-        chunks = cfg.column_chunks
         blocks = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta
         bounds = dict(min_blocks_per_mp=launch_bound(cfg.threads), preferred_smem_carveout=50)
-        if cutlass.const_expr(self.tail.remote):
-            bounds["cluster"] = [chunks, 1, 1]
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens)
         tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
         self.fused_kernel(*args, *tail_args).launch(
-            grid=[blocks * chunks, 1, 1],
+            grid=[blocks, 1, 1],
             block=[cfg.threads, 1, 1],
             smem=cfg.smem_bytes + self.tail.smem_bytes(),
             stream=stream,
@@ -392,7 +389,7 @@ class ForwardLongWindow:
                      position_start: cute.Pointer, rstd: cute.Pointer, eps: Float32, max_position: Int32):  # fmt: skip
         cfg = self.config
         tail = self.tail
-        th = forward_coordinates(cfg, cfg.slot_groups, True)
+        th = forward_coordinates(cfg, cfg.slot_groups, False)
         seg = Segments(cu, cuc, B)
         col_ok = _columns_ok(cfg, th.c)
         active = (th.r < N) & col_ok
@@ -405,7 +402,7 @@ class ForwardLongWindow:
             for _ in range(3)
         ]  # fmt: skip
         shared = tail.allocate(smem)
-        col = tail.column(th.tidx, th.rblk, th.chunk, N)
+        col = tail.column(th.tidx, th.rblk, N)
         tables = (norm_weight, rope_cos, rope_sin, position_start, max_position)
         if cutlass.const_expr(cfg.batches == 1):
             # One batch per group: the tail's operands (L2 hits) are in flight while the window arrives. Windows
@@ -420,7 +417,7 @@ class ForwardLongWindow:
         cute.arch.sync_threads()
         x = Float32(0.0)
         if col.ok:
-            mx, total, x = self.combine_column(parts, col.lane * cfg.slot_groups * cfg.columns_per_cta + col.index)
+            mx, total, x = self.combine_column(parts, col.lane * cfg.slot_groups * cfg.columns_per_cta + col.column)
             if stats.toint() != 0:
                 write_stats(stats, col.row, col.column, cfg.head_dim, N, mx, total, x)
         tail.finish(x, col, operands, shared, out, rstd, eps, N, th.tidx)

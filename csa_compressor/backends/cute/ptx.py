@@ -110,13 +110,3 @@ def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
     """``prefetch.global.L2`` of the 128-byte line holding ``ptr``: no register, no wait, never removed."""
     address = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
     inline_ptx("prefetch.global.L2 [$0];", [address], "l", side_effects=True)
-
-
-@dsl_user_op
-def load_cluster_f32(smem_ptr, rank, *, loc=None, ip=None) -> Float32:
-    """The fp32 at a shared-memory address in the cluster's CTA ``rank`` (``mapa``, ``ld.shared::cluster``); a
-    volatile statement with a memory clobber, so that it stays after the cluster barrier that publishes it."""
-    address = cutlass.Int32(smem_ptr.toint()).ir_value(loc=loc, ip=ip)
-    operands = [address, cutlass.Int32(rank).ir_value(loc=loc, ip=ip)]
-    text = "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $1, $2; ld.shared::cluster.f32 $0, [remote]; }"
-    return Float32(inline_ptx(text, operands, "=f,r,r,~{memory}", T.f32(), side_effects=True))

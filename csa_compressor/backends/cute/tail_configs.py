@@ -144,9 +144,9 @@ FUSED_ROW_THREADS_CAP = 1024
 FUSED_FORWARD_THREADS = 128
 # Registers per thread of a fused forward whose CTA is one row: the most that the kernel takes without spilling.
 ONE_ROW_FORWARD_REGISTERS = 72
-# The long-window forward with the tail: CTAs per cluster at most (the portable size), and rows per CTA whose
-# sums cross warps at most (one named barrier each).
-MAX_CLUSTER_CTAS = 8
+# The long-window forward with the tail: threads per CTA at most (whole rows; one CTA per SM at the kernels'
+# register budget), and rows per CTA whose sums cross warps at most (one named barrier each).
+WHOLE_ROW_THREADS = 512
 MAX_ROW_BARRIERS = 15
 
 
@@ -192,17 +192,24 @@ def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
 
 
 def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
-    """The statistics forward's tile (``stats_forward_for_sm90``) with the tail, its column chunks one cluster, or
-    None where the tile does not allow it: more chunks than a portable cluster, threads that are not whole rows of
-    one column each (``ForwardLongConfig.tail_rows``), or more such rows than named barriers."""
+    """The statistics forward's tile (``stats_forward_for_sm90``) widened to whole rows (its column chunks side by
+    side in one CTA, in place of its rows where it has several) with the tail, or None where that takes more
+    than WHOLE_ROW_THREADS threads or the threads are not whole rows of one column each
+    (``ForwardLongConfig.tail_rows``); the composed route serves those."""
     config = stats_forward_for_sm90(ratio, coff, head_dim, device)
-    columns = config.columns_per_cta
-    if config.column_chunks > MAX_CLUSTER_CTAS or config.threads % columns:
+    chunks = config.column_chunks
+    column_threads = config.column_threads * chunks
+    if chunks > 1 and column_threads & (column_threads - 1):
         return None
-    rows = config.threads // columns
-    if rows < config.rows_per_cta or (columns > 32 and rows > MAX_ROW_BARRIERS):
+    rows = max(1, config.rows_per_cta // chunks)  # the tile's threads where its rows allow
+    whole = replace(config, column_threads=column_threads, rows_per_cta=rows, chunk_major=False,
+                    signals_dependents=False, tail=tail)  # fmt: skip
+    if whole.threads > WHOLE_ROW_THREADS or whole.threads % whole.columns_per_cta:
         return None
-    return replace(config, chunk_major=True, signals_dependents=False, tail=tail)
+    rows = whole.threads // whole.columns_per_cta
+    if whole.columns_per_cta > 32 and rows > MAX_ROW_BARRIERS:
+        return None
+    return whole
 
 
 def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):

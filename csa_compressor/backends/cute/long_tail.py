@@ -1,0 +1,91 @@
+"""The fused tail (RMSNorm, then RoPE) of the long-window forward, whose CTA holds whole rows
+(``tail_configs.long_forward_with_tail``).
+
+After the combine a thread holds one column of one row: the CTA's threads are ``ForwardLongConfig.tail_rows`` rows
+of ``columns_per_cta`` threads (a power of two), and rows past ``rows_per_cta`` hold zeros. The norm and the
+rotation are ``norm_rope.RowTail``'s with one column per thread: a row's sum in one fixed order, partners through
+shared memory.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32
+
+from .norm_rope import RowTail
+from .ptx import mul_rn
+from .window import real_rows, registers
+
+
+class WholeRowTail:
+    """The tail of ``ForwardLongWindow`` with a ``tail``: its shared buffers, operand loads and row epilogue."""
+
+    def __init__(self, config):
+        if config.column_chunks != 1:
+            raise ValueError(f"the long-window forward fuses the tail for whole rows only, got {config}")
+        self.config = config
+        self.spec = config.tail
+        self.columns = config.columns_per_cta
+        self.rows = config.tail_rows
+        self.row = RowTail(config.tail, config.head_dim, 1, self.columns, self.rows)
+
+    def exchange_floats(self) -> int:
+        return self.rows * self.columns if self.row.has_rope else 0
+
+    def smem_bytes(self) -> int:
+        """Row sums across warps and the rotation's exchange rows."""
+        return (self.row.sum_floats(1) + self.exchange_floats()) * 4 + 2 * 16
+
+    @cute.jit
+    def allocate(self, smem):
+        def buffer(floats):
+            return smem.allocate_tensor(Float32, cute.make_layout(max(1, floats)), byte_alignment=16)
+
+        return SimpleNamespace(sums=buffer(self.row.sum_floats(1)), rows=buffer(self.exchange_floats()))
+
+    @cute.jit
+    def column(self, tidx, rblk, N: Int32):
+        """This thread's column of the tail: its lane (row of the CTA), row, column and whether it is a real (row,
+        column) of the output."""
+        cfg = self.config
+        lane = tidx // self.columns
+        column = tidx % self.columns
+        row = rblk * cfg.rows_per_cta + lane
+        ok = (lane < cfg.rows_per_cta) & (row < N)
+        if cutlass.const_expr(not cfg.columns_exact):
+            ok = ok & (column < cfg.head_dim)
+        return SimpleNamespace(lane=lane, row=row, column=column, ok=ok)
+
+    @cute.jit
+    def load_operands(self, seg, col, norm_weight, rope_cos, rope_sin, position_start, max_position, N: Int32):
+        """The column's norm weight (fp32), and its cos and sin at the row's position (1 and 0 outside the block)."""
+        weight, cos, sin = registers(1), registers(1), registers(1)
+        if cutlass.const_expr(self.spec.has_norm):
+            self.row.load_weight(norm_weight, weight, col.column, col.column < self.config.head_dim)
+        if cutlass.const_expr(self.row.has_rope):
+            pos = self.row.row_position(seg, col.row, real_rows(seg, N), self.config.ratio, position_start)
+            self.row.load_angles(rope_cos, rope_sin, pos, max_position, col.column, cos, sin)
+        return weight, cos, sin
+
+    @cute.jit
+    def finish(self, x, col, operands, shared, out, rstd, eps, N: Int32, tidx):
+        """``x`` (the pooled column, 0 where not ``col.ok``) normalised and rotated, stored as bf16; the row's
+        rstd (1 without a norm) where ``rstd`` is given. Every thread of the CTA calls this."""
+        weight, cos, sin = operands
+        y = registers(1)
+        y[0] = x
+        row_rstd = Float32(1.0)
+        if cutlass.const_expr(self.spec.has_norm):
+            total = self.row.row_sums([mul_rn(x, x)], shared.sums, 0, col.lane, tidx)[0]
+            row_rstd = self.row.rstd(total, eps)
+            y[0] = mul_rn(mul_rn(x, row_rstd), weight[0])
+        if cutlass.const_expr(self.row.has_rope):
+            self.row.rotate(y, cos, sin, col.column, shared.rows, col.lane * self.columns)
+        d = self.config.head_dim
+        if col.ok:
+            cute.make_tensor(out, cute.make_layout(N * d))[col.row * d + col.column] = BFloat16(y[0])
+        if col.ok & (col.column == 0) & (rstd.toint() != 0):
+            cute.make_tensor(rstd, cute.make_layout(N))[col.row] = row_rstd
