@@ -108,9 +108,9 @@ def test_fused_kernels_compile(arch, name, direction):
 LONG_BUILDS = [
     ("r128c1d128-rope64", 128, 1, 128, spec("fp32", 64)),
     ("r128c1d128-rope128-half-pos", 128, 1, 128, spec("fp32", 128, False, True)),  # partners across warps
-    ("r128c2d512-half-bf16-pos", 128, 2, 512, spec("bf16", 64, False, True)),  # batches: operands after the fold
+    ("r16c2d512-norm-bf16", 16, 2, 512, spec("bf16")),  # a 512-column row
     ("r16c2d128-rope64-pos", 16, 2, 128, spec("fp32", 64, True, True)),  # two rows per CTA: named barriers
-    ("r128c2d7-rope2-half-only", 128, 2, 7, spec(None, 2, False)),  # rows within a warp, no norm
+    ("r32c2d64-rope64-half-only", 32, 2, 64, spec(None, 64, False)),  # no norm
 ]
 
 
@@ -140,12 +140,14 @@ def test_long_forward_with_tail_compiles(arch, name):
 
 
 def test_long_forward_with_tail_only_where_the_tile_allows():
-    """The statistics tile widened to whole rows of power-of-two threads, at most WHOLE_ROW_THREADS; otherwise
-    the composed route."""
+    """The statistics tile of one batch per group widened to whole rows of power-of-two threads, at most
+    WHOLE_ROW_THREADS, one column per thread in the tail; otherwise the composed route."""
     tail = spec("fp32", 64)
-    for ratio, coff, head_dim in ((3, 2, 128), (128, 1, 512), (128, 1, 65), (128, 1, 1024)):
+    # Three groups x 4 columns; 1024 threads; ragged chunks; several batches per group (streaming windows); more
+    # columns than threads per row.
+    for ratio, coff, head_dim in ((3, 2, 128), (128, 1, 512), (128, 1, 65), (128, 2, 512), (128, 2, 128), (16, 1, 64)):
         assert tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail) is None
-    for ratio, coff, head_dim in ((128, 1, 128), (128, 2, 512), (128, 2, 128), (16, 2, 128), (16, 1, 64)):
+    for ratio, coff, head_dim in ((128, 1, 128), (64, 2, 128), (16, 2, 512), (16, 2, 128), (32, 2, 64)):
         cfg = tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail)
         stats = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, H200)
         chunks = stats.column_chunks
@@ -154,6 +156,7 @@ def test_long_forward_with_tail_only_where_the_tile_allows():
         assert (cfg.slot_groups, cfg.slots_per_batch, cfg.batches) == (
             stats.slot_groups, stats.slots_per_batch, stats.batches)  # fmt: skip
         assert cfg.threads <= tail_configs.WHOLE_ROW_THREADS and cfg.threads % cfg.columns_per_cta == 0
+        assert cfg.batches == 1 and cfg.tail_rows >= cfg.rows_per_cta
         assert cfg.write_stats and not cfg.signals_dependents
 
 

@@ -193,21 +193,21 @@ def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
 
 def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
     """The statistics forward's tile (``stats_forward_for_sm90``) widened to whole rows (its column chunks side by
-    side in one CTA, in place of its rows where it has several) with the tail, or None where that takes more
-    than WHOLE_ROW_THREADS threads or the threads are not whole rows of one column each
-    (``ForwardLongConfig.tail_rows``); the composed route serves those."""
+    side in one CTA, in place of its rows where it has several) with the tail, or None where the composed route
+    serves the window: tiles of several batches per group (whose CTA would hold a row's whole stream), of more than
+    WHOLE_ROW_THREADS threads, or whose threads are not whole rows of one column each (``tail_rows``)."""
     config = stats_forward_for_sm90(ratio, coff, head_dim, device)
     chunks = config.column_chunks
     column_threads = config.column_threads * chunks
-    if chunks > 1 and column_threads & (column_threads - 1):
+    if config.batches > 1 or (chunks > 1 and column_threads & (column_threads - 1)):
         return None
     rows = max(1, config.rows_per_cta // chunks)  # the tile's threads where its rows allow
     whole = replace(config, column_threads=column_threads, rows_per_cta=rows, chunk_major=False,
                     signals_dependents=False, tail=tail)  # fmt: skip
-    if whole.threads > WHOLE_ROW_THREADS or whole.threads % whole.columns_per_cta:
+    columns = whole.columns_per_cta
+    if whole.threads > WHOLE_ROW_THREADS or whole.threads % columns or whole.tail_rows < rows:
         return None
-    rows = whole.threads // whole.columns_per_cta
-    if whole.columns_per_cta > 32 and rows > MAX_ROW_BARRIERS:
+    if columns > 32 and whole.tail_rows > MAX_ROW_BARRIERS:
         return None
     return whole
 
