@@ -30,9 +30,10 @@ class PersistentBackward:
         self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
 
-def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream) -> None:
+def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream, dependent: bool = False) -> None:
     """Launch a backward's main kernel (``kernel_call``: the kernel applied to its arguments) over ``[num_ctas,
-    config.tiles]`` CTAs of ``config.threads`` threads, with the config's shared memory and carveout."""
+    config.tiles]`` CTAs of ``config.threads`` threads, with the config's shared memory and carveout;
+    ``dependent``: as a programmatic dependent launch (the kernel waits for its inputs itself)."""
     kernel_call.launch(
         grid=[num_ctas, config.tiles, 1],
         block=[config.threads, 1, 1],
@@ -40,4 +41,5 @@ def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream) ->
         stream=stream,
         min_blocks_per_mp=launch_bound(config.threads),
         preferred_smem_carveout=config.carveout,
+        use_pdl=dependent,
     )
