@@ -80,8 +80,7 @@ def test_every_window_class_has_the_composed_route(ratio, coff):
         assert fwd["tail"][0] is TailForward and bwd["tail"][0] is TailGradient
         pool_class, pool = bwd["pool"]
         # With a norm, the slab form's reduction also sums TailGradient's weight slabs (whole tiles reduce none).
-        plain = configs.stats_backward_for_sm90(ratio, coff, head_dim, H200)
-        plain = dataclasses.replace(plain, grad_float32=True, waits_for_grad=True)
+        plain = dataclasses.replace(configs.stats_backward_for_sm90(ratio, coff, head_dim, H200), grad_float32=True)
         merged = not plain.whole_tile
         assert pool_class is (BackwardWithStatsNorm if merged else BackwardWithStats) and pool.grad_float32
         assert pool == dataclasses.replace(plain, norm_entries=head_dim if merged else 0)
@@ -185,8 +184,7 @@ POOL_BUILDS = [
     ("stats forward r2c1", ForwardLongWindow, lambda: tail_configs.stats_forward_for_sm90(2, 1, 65, H200)),
     ("stats forward r3c2", ForwardLongWindow, lambda: tail_configs.stats_forward_for_sm90(3, 2, 36, H200)),
     ("dx backward r4c2", BackwardWithStats,
-     lambda: dataclasses.replace(configs.stats_backward_for_sm90(4, 2, 64, H200), grad_float32=True,
-                                 waits_for_grad=True)),
+     lambda: dataclasses.replace(configs.stats_backward_for_sm90(4, 2, 64, H200), grad_float32=True)),
     ("bf16 backward r4c2", BackwardWithStats, lambda: configs.stats_backward_for_sm90(4, 2, 64, H200)),
     ("dx backward whole tile", BackwardWithStats,
      lambda: dataclasses.replace(configs.stats_backward_for_sm90(128, 1, 512, H200), grad_float32=True)),
@@ -249,8 +247,6 @@ def test_tail_kernels_compile(built, name):
     else:
         main = "ppppppiiiipppppfi"  # ... dx, slabs; B, N, T, rows_per_cta; the tail's pointers; eps, max_position
         assert _entries(ptx) == sorted([main, "ppi"] if cfg.tail.has_norm else [main])
-        # The statistics backward behind it may start at once (it waits for dx itself).
-        assert ptx.count("griddepcontrol.launch_dependents;") == 1
     if cfg.tail.has_norm:
         # Correctly rounded rstd steps; the row's sums over its threads by butterfly shuffles.
         assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx
@@ -272,8 +268,6 @@ def test_pool_kernels_of_the_tail_compile(built, name):
     else:
         main = "ppppppppppiiii"
         assert _entries(ptx) == sorted([main] if cfg.whole_tile else [main, "ppi"])
-    # The dx readers wait for TailGradient (a programmatic dependent launch) before their first grad_out read.
-    assert ptx.count("griddepcontrol.wait;") == int(getattr(cfg, "waits_for_grad", False))
     if name == "dx backward r4c2":
         # dx is read as 16-byte vectors of 4 fp32 where grad_out was 8-byte vectors of 4 bf16.
         bf16 = kernels["bf16 backward r4c2"][1]

@@ -83,8 +83,7 @@ class BackwardWithStats:
         if cutlass.const_expr(cfg.whole_tile):
             partials = grad_ape  # one row range: its slab is grad_ape itself
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, partials, stats)
-        kernel_call = self.kernel(*args, segments, total_comp, tokens, rows_per_cta)
-        launch_tiles(cfg, kernel_call, num_ctas, stream, dependent=cfg.waits_for_grad)
+        launch_tiles(cfg, self.kernel(*args, segments, total_comp, tokens, rows_per_cta), num_ctas, stream)
         if cutlass.const_expr(not cfg.whole_tile):
             self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
@@ -147,8 +146,6 @@ class BackwardWithStats:
             # A row that fails the bounds guard reads as a padding row (t0 = 0, in bounds) and stores nothing.
             _b0, t00, first0, _real0 = locate_row(seg, row_first, th.T, cfg.ratio)
             self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t00, first0)
-            if cutlass.const_expr(cfg.waits_for_grad):
-                cute.arch.griddepcontrol_wait()  # every grad_out read of the thread comes after this one
             if col_ok:
                 self.load_row_inputs(io.gout, io.stats, row_first, c, ahead)
         return ahead

@@ -351,10 +351,6 @@ class BackwardStatsConfig(_Tile):
     row_lanes: int
     whole_tile: bool  # one CTA per tile over all rows writes grad_ape itself (no slabs, no reduction kernel)
     grad_float32: bool = False  # grad_out is fp32 (the fused tail's dx) instead of bf16
-    # Launched as a programmatic dependent of the kernel that writes grad_out (the composed tail's TailGradient):
-    # the prologue and the first window loads run while that kernel does, and grad_out is read after
-    # griddepcontrol.wait.
-    waits_for_grad: bool = False
     # The composed tail's TailGradient slabs of this many floats follow the grad_ape slabs, and the reduction
     # sums them into grad_norm_weight (``BackwardWithStatsNorm``; slab form only).
     norm_entries: int = 0

@@ -30,10 +30,9 @@ class PersistentBackward:
         self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
 
-def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream, dependent: bool = False) -> None:
+def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream) -> None:
     """Launch a backward's main kernel (``kernel_call``: the kernel applied to its arguments) over ``[num_ctas,
-    config.tiles]`` CTAs of ``config.threads`` threads, with the config's shared memory and carveout;
-    ``dependent``: as a programmatic dependent launch (the kernel waits for its inputs itself)."""
+    config.tiles]`` CTAs of ``config.threads`` threads, with the config's shared memory and carveout."""
     kernel_call.launch(
         grid=[num_ctas, config.tiles, 1],
         block=[config.threads, 1, 1],
@@ -41,5 +40,4 @@ def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream, de
         stream=stream,
         min_blocks_per_mp=launch_bound(config.threads),
         preferred_smem_carveout=config.carveout,
-        use_pdl=dependent,
     )

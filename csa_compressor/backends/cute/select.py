@@ -125,7 +125,7 @@ def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
     tail = tail_configs.tail_rows(kind, ratio, head_dim, tail_spec, 3 * head_dim, 2 * head_dim)
     steps = {"stats": stats_forward(ratio, coff, head_dim, device), "tail": tail}
     if direction == "backward":
-        pool = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True, waits_for_grad=True)
+        pool = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)
         if tail_spec.has_norm and not pool.whole_tile:
             # The weight's slabs join the grad_ape slabs' reduction: one launch less (whole tiles reduce none).
             pool = replace(pool, norm_entries=head_dim)

@@ -300,8 +300,6 @@ class TailGradient(_TailRows):
                rope_cos: cute.Pointer, rope_sin: cute.Pointer, position_start: cute.Pointer, rstd: cute.Pointer,
                eps: Float32, max_position: Int32):  # fmt: skip
         cfg = self.config
-        # The statistics backward behind it starts its prologue and window loads now; it reads dx after waiting.
-        cute.arch.griddepcontrol_launch_dependents()
         tc, rl, bx = self.coordinates()
         seg = Segments(cu, cuc, B)
         smem = cutlass.memory.SmemAllocator()
