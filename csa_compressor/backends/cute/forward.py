@@ -403,14 +403,10 @@ class ForwardLongWindow:
         ]  # fmt: skip
         shared = tail.allocate(smem)
         col = tail.column(th.tidx, th.rblk, N)
+        # The tail's operands (L2 hits) are in flight while the window arrives (one batch per group).
         tables = (norm_weight, rope_cos, rope_sin, position_start, max_position)
-        if cutlass.const_expr(cfg.batches == 1):
-            # One batch per group: the tail's operands (L2 hits) are in flight while the window arrives. Windows
-            # of several batches load them after the fold, whose registers they would otherwise spill.
-            operands = tail.load_operands(seg, col, *tables, N)
+        operands = tail.load_operands(seg, col, *tables, N)
         vm, vl, va = self.fold_window(kv, score, ape, buffers, th.g, th.c, col_ok, active, t0, first)
-        if cutlass.const_expr(cfg.batches > 1):
-            operands = tail.load_operands(seg, col, *tables, N)
         base = th.rl * cfg.slot_groups * cfg.columns_per_cta + th.g * cfg.columns_per_cta + th.tc * cfg.vector_width
         for part, value in zip(parts, (vm, vl, va), strict=True):
             vec_view(part.iterator, base, cfg.vector_width).store(value.load())
