@@ -145,9 +145,8 @@ class ForwardLongConfig(_Tile):
     # Let the next kernel of the stream start its prologue while this one runs (programmatic dependent launch):
     # the composed tail's forward, which reads the rows only after griddepcontrol.wait.
     signals_dependents: bool = False
-    # The fused tail (``tail_configs.fused_forward_for_sm90``): the column chunks of a row block are one thread
-    # block cluster, whose CTAs add their rows' sums of squares and exchange rotary partners through
-    # distributed shared memory; statistics are written where the launch passes them.
+    # The fused tail (whole rows in one column chunk: ``tail_configs.long_forward_with_tail``); statistics are then
+    # written where the launch passes them.
     tail: TailSpec | None = None
 
     @property

@@ -13,13 +13,13 @@ forward that also writes them) and ``backward_stats`` (the backward that reads t
 With the fused tail (``configs.TailSpec``; ``tail_route``) a call takes one of two routes:
 
 - fused: the pooling kernel with the tail inside, where ``fused_tail_config`` has a configuration for it: the
-  one-group short windows' forward and backward (whole rows per CTA), and the forward of other windows whose row
-  block's column chunks fit one cluster (``ForwardLongWindow`` with a tail, ``cluster_tail``);
-- composed, every other window and direction: forward = the statistics forward (``ForwardLongWindow`` with ``write_stats``, for
-  any window: ``tail_configs.stats_forward_for_sm90``) then ``TailForward`` on ``stats[:, 2]``; backward = the
-  statistics forward again where no statistics were saved, ``TailGradient`` (dx, fp32) and ``BackwardWithStats``
-  reading dx (``grad_float32``); with a norm and the slab form, ``BackwardWithStatsNorm``, whose reduction also
-  sums TailGradient's weight slabs (``norm_entries``, ``pool_reduces``).
+  one-group short windows' forward and backward (whole rows per CTA), and the forward of other windows of one
+  batch per slot group whose rows fit one CTA (``ForwardLongWindow`` with a tail, ``long_tail``);
+- composed, every other window and direction: forward = the statistics forward (``ForwardLongWindow`` with
+  ``write_stats``, for any window: ``tail_configs.stats_forward_for_sm90``) then ``TailForward`` on ``stats[:, 2]``;
+  backward = the statistics forward again where no statistics were saved, ``TailGradient`` (dx, fp32) and
+  ``BackwardWithStats`` reading dx (``grad_float32``); with a norm and the slab form, ``BackwardWithStatsNorm``,
+  whose reduction also sums TailGradient's weight slabs (``norm_entries``, ``pool_reduces``).
 """
 
 from __future__ import annotations
