@@ -247,16 +247,18 @@ class ForwardLongWindow:
         grid = [rows, cfg.column_chunks, 1]
         if cutlass.const_expr(cfg.chunk_major):
             grid = [rows * cfg.column_chunks, 1, 1]
-        # At most MAX_REGISTERS per thread (two 256-thread CTAs per SM). A carveout hint must come with
-        # min_blocks_per_mp > 1, or the DSL queries the device at compile time.
-        bounds = dict(min_blocks_per_mp=launch_bound(cfg.threads), preferred_smem_carveout=50)
-        launch = dict(grid=grid, block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream, **bounds)
+        launch = dict(grid=grid, block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream, **self.bounds())
         if cutlass.const_expr(cfg.write_stats):
             args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens)
             self.kernel_with_stats(*args).launch(**launch)
         else:
             args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, segments, total_comp, tokens)
             self.kernel(*args).launch(**launch)
+
+    def bounds(self) -> dict:
+        """Launch bounds: at most MAX_REGISTERS per thread (two 256-thread CTAs per SM). A carveout hint must come
+        with min_blocks_per_mp > 1, or the DSL queries the device at compile time."""
+        return dict(min_blocks_per_mp=launch_bound(self.config.threads), preferred_smem_carveout=50)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
@@ -274,25 +276,45 @@ class ForwardLongWindow:
         cfg = self.config
         if cutlass.const_expr(cfg.signals_dependents):
             cute.arch.griddepcontrol_launch_dependents()
+        win = self.open_window(kv, score, cu, cuc, B, N, T)
+        self.fold_to_shared(kv, score, ape, win)
+        self.combine(win.parts, out, stats, win.th.tidx, win.th.rblk, win.th.chunk, N)
+
+    @cute.jit
+    def open_window(self, kv, score, cu, cuc, B: Int32, N: Int32, T: Int32):
+        """The thread's coordinates and row, the first batch's loads issued, and the combine's shared buffers
+        (max, sum e, sum e*v per row lane, group and column)."""
+        cfg = self.config
         th = forward_coordinates(cfg, cfg.slot_groups, cfg.chunk_major)
-        g, c = th.g, th.c
         seg = Segments(cu, cuc, B)
-        col_ok = _columns_ok(cfg, c)
+        col_ok = _columns_ok(cfg, th.c)
         active = (th.r < N) & col_ok
         t0, first = row_start(seg, th.r, active, T, N, cfg.ratio)
-        buffers = self.start_window(kv, score, g, c, active, t0, first)
-        smem_row = cfg.slot_groups * cfg.columns_per_cta  # floats per (quantity, row lane)
+        buffers = self.start_window(kv, score, th.g, th.c, active, t0, first)
         smem = cutlass.memory.SmemAllocator()
         parts = [
-            smem.allocate_tensor(Float32, cute.make_layout(cfg.rows_per_cta * smem_row), byte_alignment=16)
+            smem.allocate_tensor(Float32, cute.make_layout(cfg.rows_per_cta * self.smem_row), byte_alignment=16)
             for _ in range(3)
         ]
-        vm, vl, va = self.fold_window(kv, score, ape, buffers, g, c, col_ok, active, t0, first)
-        base = th.rl * smem_row + g * cfg.columns_per_cta + th.tc * cfg.vector_width
-        for part, value in zip(parts, (vm, vl, va), strict=True):
+        return SimpleNamespace(th=th, seg=seg, col_ok=col_ok, active=active, t0=t0, first=first, buffers=buffers,
+                               smem=smem, parts=parts)  # fmt: skip
+
+    @cute.jit
+    def fold_to_shared(self, kv, score, ape, win):
+        """The group's fold of its batches, stored into the combine buffers; then one barrier."""
+        cfg = self.config
+        th = win.th
+        vm, vl, va = self.fold_window(kv, score, ape, win.buffers, th.g, th.c, win.col_ok, win.active, win.t0,
+                                      win.first)  # fmt: skip
+        base = th.rl * self.smem_row + th.g * cfg.columns_per_cta + th.tc * cfg.vector_width
+        for part, value in zip(win.parts, (vm, vl, va), strict=True):
             vec_view(part.iterator, base, cfg.vector_width).store(value.load())
         cute.arch.sync_threads()
-        self.combine(parts, out, stats, th.tidx, th.rblk, th.chunk, N)
+
+    @property
+    def smem_row(self) -> int:
+        """Floats of one combine buffer per row lane: a column's value per slot group."""
+        return self.config.slot_groups * self.config.columns_per_cta
 
     @cute.jit
     def start_window(self, kv, score, g, c, active, t0, first):
@@ -326,7 +348,6 @@ class ForwardLongWindow:
         """Column-parallel combine: one thread per (row lane, column), groups in a fixed order."""
         cfg = self.config
         cw, d = cfg.columns_per_cta, cfg.head_dim
-        smem_row = cfg.slot_groups * cw
         for q in cutlass.range(tidx, cfg.rows_per_cta * cw, cfg.threads):
             rq = q // cw
             cq = q % cw
@@ -336,7 +357,7 @@ class ForwardLongWindow:
             if cutlass.const_expr(not cfg.columns_exact):
                 ok = ok & (col < d)
             if ok:
-                mx, total, res_q = self.combine_column(parts, rq * smem_row + cq)
+                mx, total, res_q = self.combine_column(parts, rq * self.smem_row + cq)
                 out_t = cute.make_tensor(out, cute.make_layout(N * d))
                 out_t[row * d + col] = BFloat16(res_q)
                 if cutlass.const_expr(cfg.write_stats):
@@ -371,7 +392,6 @@ class ForwardLongWindow:
         ``rstd`` (0: none) are written where given."""
         cfg = self.config
         blocks = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta
-        bounds = dict(min_blocks_per_mp=launch_bound(cfg.threads), preferred_smem_carveout=50)
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens)
         tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
         self.fused_kernel(*args, *tail_args).launch(
@@ -379,7 +399,7 @@ class ForwardLongWindow:
             block=[cfg.threads, 1, 1],
             smem=cfg.smem_bytes + self.tail.smem_bytes(),
             stream=stream,
-            **bounds,
+            **self.bounds(),
         )
 
     @cute.kernel
@@ -389,34 +409,19 @@ class ForwardLongWindow:
                      position_start: cute.Pointer, rstd: cute.Pointer, eps: Float32, max_position: Int32):  # fmt: skip
         cfg = self.config
         tail = self.tail
-        th = forward_coordinates(cfg, cfg.slot_groups, False)
-        seg = Segments(cu, cuc, B)
-        col_ok = _columns_ok(cfg, th.c)
-        active = (th.r < N) & col_ok
-        t0, first = row_start(seg, th.r, active, T, N, cfg.ratio)
-        buffers = self.start_window(kv, score, th.g, th.c, active, t0, first)
-        smem = cutlass.memory.SmemAllocator()
-        parts = [
-            smem.allocate_tensor(Float32, cute.make_layout(cfg.rows_per_cta * cfg.slot_groups * cfg.columns_per_cta),
-                                 byte_alignment=16)
-            for _ in range(3)
-        ]  # fmt: skip
-        shared = tail.allocate(smem)
-        col = tail.column(th.tidx, th.rblk, N)
+        win = self.open_window(kv, score, cu, cuc, B, N, T)
+        shared = tail.allocate(win.smem)
+        col = tail.column(win.th.tidx, win.th.rblk, N)
         # The tail's operands (L2 hits) are in flight while the window arrives (one batch per group).
         tables = (norm_weight, rope_cos, rope_sin, position_start, max_position)
-        operands = tail.load_operands(seg, col, *tables, N)
-        vm, vl, va = self.fold_window(kv, score, ape, buffers, th.g, th.c, col_ok, active, t0, first)
-        base = th.rl * cfg.slot_groups * cfg.columns_per_cta + th.g * cfg.columns_per_cta + th.tc * cfg.vector_width
-        for part, value in zip(parts, (vm, vl, va), strict=True):
-            vec_view(part.iterator, base, cfg.vector_width).store(value.load())
-        cute.arch.sync_threads()
+        operands = tail.load_operands(win.seg, col, *tables, N)
+        self.fold_to_shared(kv, score, ape, win)
         x = Float32(0.0)
         if col.ok:
-            mx, total, x = self.combine_column(parts, col.lane * cfg.slot_groups * cfg.columns_per_cta + col.column)
+            mx, total, x = self.combine_column(win.parts, col.lane * self.smem_row + col.column)
             if stats.toint() != 0:
                 write_stats(stats, col.row, col.column, cfg.head_dim, N, mx, total, x)
-        tail.finish(x, col, operands, shared, out, rstd, eps, N, th.tidx)
+        tail.finish(x, col, operands, shared, out, rstd, eps, N, win.th.tidx)
 
 
 @cute.jit
