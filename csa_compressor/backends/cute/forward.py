@@ -256,8 +256,8 @@ class ForwardLongWindow:
             self.kernel(*args).launch(**launch)
 
     def bounds(self) -> dict:
-        """Launch bounds: at most MAX_REGISTERS per thread (two 256-thread CTAs per SM). A carveout hint must come
-        with min_blocks_per_mp > 1, or the DSL queries the device at compile time."""
+        """Launch bounds: at most MAX_REGISTERS per thread (``launch_bound``: the CTAs per SM that budget allows), with
+        a carveout hint so that the DSL does not query the device at compile time."""
         return dict(min_blocks_per_mp=launch_bound(self.config.threads), preferred_smem_carveout=50)
 
     @cute.kernel
