@@ -167,7 +167,8 @@ CONFIG_SPACE = [(r, c) for r in (1, 2, 3, 4, 5, 8, 16, 32, 128) for c in (1, 2)]
 @pytest.mark.parametrize("ratio,coff", CONFIG_SPACE)
 def test_fused_configs_exactly_for_one_power_of_two_group(ratio, coff, pairs):
     """Short fused configurations exist exactly for one power-of-two slot group; whole rows, power-of-two threads,
-    the pooling kernel's vectors; defaults without a tail unchanged. Other windows fuse the forward alone."""
+    the pooling kernel's vectors; defaults without a tail unchanged. Other windows: the long-window forward and the
+    statistics backward with the tail."""
     tail = spec("fp32", 64, pairs == "interleaved", True)
     for head_dim in (7, 64, 65, 128, 130, 512):
         for direction, kernel_class in (("forward", ForwardShortWindow), ("backward", BackwardShortWindow)):
@@ -175,7 +176,9 @@ def test_fused_configs_exactly_for_one_power_of_two_group(ratio, coff, pairs):
             default_class, default = select.kernel_for(direction, ratio, coff, head_dim, H200)
             if default_class is not kernel_class or getattr(default, "slot_groups", 1) != 1:
                 if direction == "backward":
-                    assert fused is None, (direction, ratio, coff, head_dim)
+                    assert fused == tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, tail)
+                    plain = configs.stats_backward_for_sm90(ratio, coff, head_dim, H200)
+                    assert fused == dataclasses.replace(plain, tail=tail), (ratio, coff, head_dim)
                 else:
                     assert fused == tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail)
                 continue

@@ -67,8 +67,15 @@ def test_every_window_class_has_the_composed_route(ratio, coff):
             route = select.tail_route(direction, ratio, coff, head_dim, H200, SPEC_FULL)
             if fused is None:
                 assert "fused" not in route
-            else:
-                assert route == {"fused": (select.KERNEL_OF_CONFIG[type(fused)], fused)} and fused.tail == SPEC_FULL
+                continue
+            expected = {"fused": (select.KERNEL_OF_CONFIG[type(fused)], fused)}
+            if isinstance(fused, configs.BackwardStatsConfig):
+                # The statistics backward with the tail: statistics computed first where a call saved none.
+                stats = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, H200)
+                expected["stats"] = (ForwardLongWindow, stats)
+                assert fused == dataclasses.replace(configs.stats_backward_for_sm90(ratio, coff, head_dim, H200),
+                                                    tail=SPEC_FULL)  # fmt: skip
+            assert route == expected and fused.tail == SPEC_FULL
         fwd = select.tail_route("forward", ratio, coff, head_dim, H200, SPEC_FULL, fuse=False)
         bwd = select.tail_route("backward", ratio, coff, head_dim, H200, SPEC_FULL, fuse=False)
         assert set(fwd) == {"stats", "tail"} and set(bwd) == {"stats", "tail", "pool"}

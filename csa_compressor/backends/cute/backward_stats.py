@@ -38,6 +38,7 @@ from .persistent import launch_tiles
 from .ptx import ex2
 from .reduce import ApeReduce
 from .softmax import LOG2E
+from .stats_tail import StatsTail
 from .window import (
     Segments,
     WindowSlots,
@@ -67,8 +68,13 @@ class BackwardWithStats:
                                  c.slots_per_group, False)  # fmt: skip
         self.zeros = ZeroStores(c.ratio, c.coff, c.head_dim, c.vector_width)
         self.reduce = None if c.whole_tile else ApeReduce(c.reduce)
-        # grad_out's element type: the fused tail's dx is fp32 (``grad_float32``).
+        # grad_out's element type: the composed tail's dx is fp32 (``grad_float32``).
         self.grad_dtype = Float32 if c.grad_float32 else BFloat16
+        self.tail = None
+        if c.tail is not None:
+            self.tail = StatsTail(c)
+            # cute.compile traces the instance's __call__: with a tail, the host function that takes its arguments.
+            self.__call__ = self.fused_host
 
     @cute.jit
     def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
@@ -87,10 +93,53 @@ class BackwardWithStats:
         if cutlass.const_expr(not cfg.whole_tile):
             self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
+    @cute.jit
+    def fused_host(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                   cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                   grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
+                   segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
+                   norm_weight: cute.Pointer, rope_cos: cute.Pointer, rope_sin: cute.Pointer,
+                   position_start: cute.Pointer, rstd: cute.Pointer, grad_norm_weight: cute.Pointer,
+                   norm_eps: Float32, max_position: Int32, stream: cuda.CUstream):  # fmt: skip
+        """Host function with the tail (arguments: ``build.py``): ``grad_out`` is the gradient of the tail's output,
+        ``rstd`` (0: recomputed) the forward's; ``grad_norm_weight`` is written with a norm, by the main kernel in
+        the whole-tile form, else by the reduction of the slabs."""
+        cfg = self.config
+        partials = slabs
+        if cutlass.const_expr(cfg.whole_tile):
+            partials = grad_ape
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, partials, stats)
+        tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, grad_norm_weight, norm_eps, max_position)
+        launch_tiles(cfg, self.fused_kernel(*args, segments, total_comp, tokens, rows_per_cta, *tail_args), num_ctas,
+                     stream)  # fmt: skip
+        if cutlass.const_expr(not cfg.whole_tile):
+            if cutlass.const_expr(cfg.has_norm):
+                self.reduce.launch_with_norm(slabs, grad_ape, grad_norm_weight, num_ctas, stream)
+            else:
+                self.reduce.launch(slabs, grad_ape, num_ctas, stream)
+
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
                cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
                stats: cute.Pointer, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):  # fmt: skip
+        self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B, N, T, rows_per_cta, None)
+
+    @cute.kernel
+    def fused_kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
+                     cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
+                     stats: cute.Pointer, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32,
+                     norm_weight: cute.Pointer, rope_cos: cute.Pointer, rope_sin: cute.Pointer,
+                     position_start: cute.Pointer, rstd: cute.Pointer, grad_norm_weight: cute.Pointer, eps: Float32,
+                     max_position: Int32):  # fmt: skip
+        tail_io = SimpleNamespace(norm_weight=norm_weight, rope_cos=rope_cos, rope_sin=rope_sin,
+                                  position_start=position_start, rstd=rstd, grad_norm_weight=grad_norm_weight,
+                                  eps=eps, max_position=max_position, has_rstd=rstd.toint() != 0)  # fmt: skip
+        self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B, N, T, rows_per_cta, tail_io)
+
+    @cute.jit
+    def body(self, kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B: Int32, N: Int32, T: Int32,
+             rows_per_cta: Int32, tail_io):  # fmt: skip
+        """The kernel; ``tail_io``: the fused tail's pointers and scalars, or None."""
         cfg = self.config
         width, sg, groups, lanes = cfg.vector_width, cfg.slots_per_group, cfg.slot_groups, cfg.row_lanes
         tidx, _, _ = cute.arch.thread_idx()
@@ -124,20 +173,47 @@ class BackwardWithStats:
         row_lim = cutlass.min(row_begin + rows_per_cta, nreal)
         row_first = row_begin + rl
         io = SimpleNamespace(kv=kv, score=score, gout=gout, stats=stats, gkv=gkv, gsc=gsc)
-        th = SimpleNamespace(gg=gg, c=c, col_ok=col_ok, T=T, N=N)
-        regs.ahead = self.first_loads(io, seg, regs.window, row_first, row_lim, th)
-        for r in cutlass.range(row_first, row_lim, lanes):
-            self.row_step(io, seg, r, row_lim, regs, th)
+        th = SimpleNamespace(gg=gg, c=c, col_ok=col_ok, T=T, N=N, tail=tail_io)
+        if cutlass.const_expr(tail_io is not None):
+            regs.tail = self.tail.registers()
+            th.shared = self.tail.allocate(cutlass.memory.SmemAllocator())
+            th.norm_owner = (bz == 0) & (gl == 0)  # one thread per (row, column) adds the weight's gradient
+        regs.ahead = self.first_loads(io, seg, regs, row_first, row_lim, th)
+        if cutlass.const_expr(cfg.has_norm):
+            self.blocked_rows(io, seg, regs, th, row_begin, row_lim, nreal)
+        else:
+            for r in cutlass.range(row_first, row_lim, lanes):
+                self.row_step(io, seg, r, row_lim, regs, th)
         # Exact zeros: segments with no produced row and token-capacity padding (the first slot chunk's CTAs).
         if col_ok & (bz == 0):
             self.zeros.unowned(gkv, gsc, regs.zero, seg, T, N, bx, gdx, rl * groups + gl, groups * lanes, c)
         self.write_slab(ws, regs.dape, tc, gl, rl, gg, c, col_ok, bx)
+        if cutlass.const_expr(cfg.has_norm):
+            self.tail.write_norm(ws, tail_io.grad_norm_weight, th.shared, regs.tail.acc, th.norm_owner, rl, tc, c,
+                                 col_ok, bx)  # fmt: skip
 
     @cute.jit
-    def first_loads(self, io, seg, window, row_first, row_lim, th):
-        """Registers for the next row step's grad_out and statistics, and the loads of the thread's first row."""
+    def blocked_rows(self, io, seg, regs, th, row_begin, row_lim, nreal):
+        """The row steps of a fused norm: per block of ``term_rows`` rows, the rows' terms first (every CTA of the
+        row range computes them), then the block's row steps (whose prefetch runs into the next block)."""
         cfg = self.config
-        _, _, nxt_kv, nxt_sc = window
+        tidx, _, _ = cute.arch.thread_idx()
+        rl = tidx // (cfg.column_threads * cfg.slot_groups)
+        terms = th.shared.terms
+        for blk in cutlass.range(row_begin, row_lim, cfg.term_rows):
+            blk_end = cutlass.min(blk + cfg.term_rows, row_lim)
+            self.tail.row_terms(io, th.tail, seg, terms, blk, blk_end, nreal, tidx)
+            cute.arch.sync_threads()
+            for r in cutlass.range(blk + rl, blk_end, cfg.row_lanes):
+                self.row_step(io, seg, r, row_lim, regs, th, blk)
+            cute.arch.sync_threads()  # the terms are read before the next block's overwrite them
+
+    @cute.jit
+    def first_loads(self, io, seg, regs, row_first, row_lim, th):
+        """Registers for the next row step's grad_out and statistics, and the loads of the thread's first row (with
+        the tail, its operands too)."""
+        cfg = self.config
+        _, _, nxt_kv, nxt_sc = regs.window
         gg, c, col_ok = th.gg, th.c, th.col_ok
         ahead = (registers(cfg.vector_width, self.grad_dtype), *(registers(cfg.vector_width) for _ in range(3)))
         for t in ahead:
@@ -164,8 +240,9 @@ class BackwardWithStats:
         o_dst.store(vec_view(stats, base + 2 * d, width).load())
 
     @cute.jit
-    def row_step(self, io, seg, r, row_lim, regs, th):
-        """Row ``r``: its registers from the step ahead, the next step's loads issued, then the gradients."""
+    def row_step(self, io, seg, r, row_lim, regs, th, blk=None):
+        """Row ``r``: its registers from the step ahead, the next step's loads issued, then the gradients (with a
+        fused norm, ``blk``: the first row of the block whose terms are in shared memory)."""
         cfg = self.config
         cur_kv, cur_sc, nxt_kv, nxt_sc = regs.window
         ahead = regs.ahead
@@ -183,10 +260,13 @@ class BackwardWithStats:
             self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, first_n)
             if col_ok:
                 self.load_row_inputs(io.gout, io.stats, r + lanes, c, ahead)
+        if cutlass.const_expr(self.tail is not None):
+            # The row's operands: read by this CTA's terms already (cached), so not held a step ahead.
+            self.tail.load_operands(io, th.tail, seg, b, r, c, col_ok, regs.tail.operands)
         # A row that fails the bounds guard (read as a padding row) stores and adds nothing.
         active = col_ok & real
         if active:
-            self.gradients(io.gkv, io.gsc, regs, t0, first, col_ok, th)
+            self.gradients(io.gkv, io.gsc, regs, t0, first, col_ok, th, r - blk if blk is not None else 0)
         # Exact zeros owned by a segment's last produced row (this thread's slots and columns).
         last, seg_end = segment_owner(seg, b, r, th.N, th.T)
         if active & last:
@@ -194,16 +274,21 @@ class BackwardWithStats:
                                     cfg.slots_per_group, c)  # fmt: skip
 
     @cute.jit
-    def gradients(self, gkv, gsc, regs, t0, first, active, th):
+    def gradients(self, gkv, gsc, regs, t0, first, active, th, term):
         """dv and dlogit of the thread's slots and columns of one row, stored at once; dlogit into grad_ape
-        (``active``: the thread's columns exist and the row passed the bounds guard)."""
+        (``active``: the thread's columns exist and the row passed the bounds guard). With the tail, grad_out is
+        turned into dx first (``term``: the row's place in the block of terms)."""
         cfg = self.config
         width = cfg.vector_width
         cur_kv, cur_sc, _, _ = regs.window
         gb, vm, vl, vo, dvo, dlo = regs.step
         apf, dape = regs.apf, regs.dape
         gg, c = th.gg, th.c
-        gw = widen_plain(gb, width)
+        if cutlass.const_expr(self.tail is None):
+            gw = widen_plain(gb, width)
+        else:
+            terms = th.shared.terms
+            gw = self.tail.dx(gb, vo, regs.tail, th.tail, terms, term, th.norm_owner, c, th.col_ok)
         for k in cutlass.range_constexpr(cfg.slots_per_group):
             s = gg * cfg.slots_per_group + k
             half = s // cfg.ratio
@@ -243,7 +328,7 @@ class BackwardWithStats:
         if col_ok & (rl == 0):
             for k in cutlass.range_constexpr(sg):
                 aoff = self.slots.ape_offset(gg * sg + k) + c
-                vec_view(ws, bx * cfg.ape_size + aoff, width).store(dape[k].load())
+                vec_view(ws, bx * cfg.slab_entries + aoff, width).store(dape[k].load())
 
 
 class BackwardWithStatsNorm(BackwardWithStats):

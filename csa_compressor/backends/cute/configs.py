@@ -33,6 +33,8 @@ STATS_CHUNKS = 16
 # share of the SMs (below it the slab form's row ranges keep the GPU busy).
 WHOLE_TILE_THREADS = 512
 WHOLE_TILE_FILL = 0.72
+# Statistics backward with the fused tail: rows whose norm terms a CTA computes per pass (one warp per row).
+STATS_TAIL_TERM_ROWS = 64
 # grad_ape reduction: warps per CTA and slabs per walker step (their loads are all in flight before the adds).
 REDUCE_WARPS = 8
 REDUCE_UNROLL = 8
@@ -353,6 +355,7 @@ class BackwardStatsConfig(_Tile):
     # The composed tail's TailGradient slabs of this many floats follow the grad_ape slabs, and the reduction
     # sums them into grad_norm_weight (``BackwardWithStatsNorm``; slab form only).
     norm_entries: int = 0
+    tail: TailSpec | None = None  # the fused tail (``stats_tail.py``; ``tail_configs.stats_backward_with_tail``)
 
     @property
     def threads(self) -> int:
@@ -368,22 +371,38 @@ class BackwardStatsConfig(_Tile):
         return self.column_chunks * (self.window // self.slots_per_cta)
 
     @property
+    def has_norm(self) -> bool:
+        return self.tail is not None and self.tail.has_norm
+
+    @property
+    def term_rows(self) -> int:
+        """Rows whose norm terms a CTA of the fused tail computes at once: a multiple of the row lanes."""
+        return -(-STATS_TAIL_TERM_ROWS // self.row_lanes) * self.row_lanes
+
+    @property
     def smem_bytes(self) -> int:
-        """The fixed-order combine of the row lanes' grad_ape accumulators, fp32."""
+        """The fixed-order combine of the row lanes' grad_ape accumulators, fp32; with a norm, the rows' terms and
+        the combine of the norm weight's gradient."""
         tile = self.slots_per_cta * self.columns_per_cta * 4
-        return 128 + (self.row_lanes * tile if self.row_lanes > 1 else 0)
+        lanes = self.row_lanes > 1
+        total = 128 + (self.row_lanes * tile if lanes else 0)
+        if self.has_norm:
+            total += 2 * self.term_rows * 4 + (self.row_lanes * self.columns_per_cta * 4 if lanes else 0) + 32
+        return total
 
     carveout = 100
 
     @property
     def slab_entries(self) -> int:
-        """fp32 entries of one CTA's slab (the grad_ape partials)."""
-        return self.ape_size
+        """fp32 entries of one CTA's slab: the grad_ape partials, then with a fused norm the weight's."""
+        return self.ape_size + (self.head_dim if self.has_norm else 0)
 
     @property
     def reduce(self) -> ApeReduceConfig | None:
         if self.whole_tile:
             return None
+        if self.tail is not None:
+            return ApeReduceConfig(self.ape_size, 1, self.slab_entries - self.ape_size)
         return ApeReduceConfig(self.ape_size, 1, self.norm_entries, norm_apart=self.norm_entries > 0)
 
 

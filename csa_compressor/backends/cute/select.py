@@ -117,9 +117,14 @@ def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
     if direction not in ("forward", "backward"):
         raise ValueError(f"a tail's direction must be 'forward' or 'backward', got {direction!r}")
     fused = fused_tail_config(direction, ratio, coff, head_dim, device, tail_spec) if fuse else None
-    if fused is not None:
-        return {"fused": (KERNEL_OF_CONFIG[type(fused)], fused)}
     _, _, stats_backward, stats_forward = _family(device)
+    if fused is not None:
+        steps = {"fused": (KERNEL_OF_CONFIG[type(fused)], fused)}
+        if isinstance(fused, configs.BackwardStatsConfig):
+            # Calls that saved no statistics compute them first.
+            config = stats_forward(ratio, coff, head_dim, device)
+            steps["stats"] = (KERNEL_OF_CONFIG[type(config)], config)
+        return steps
     # The pooled rows x are stats[:, 2]: rows of 3 * head_dim floats from column 2 * head_dim.
     kind = tail_configs.TailForwardConfig if direction == "forward" else tail_configs.TailGradientConfig
     tail = tail_configs.tail_rows(kind, ratio, head_dim, tail_spec, 3 * head_dim, 2 * head_dim)

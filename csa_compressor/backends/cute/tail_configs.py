@@ -11,11 +11,13 @@ from .configs import (
     SHORT_BACKWARD_THREADS,
     ApeReduceConfig,
     BackwardShortConfig,
+    BackwardStatsConfig,
     ForwardLongConfig,
     ForwardShortConfig,
     TailSpec,
     forward_for_sm90,
     slots_per_group,
+    stats_backward_for_sm90,
     tile_shape,
     vector_width,
 )
@@ -213,11 +215,11 @@ def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceS
 
 
 def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
-    """The short-window backward with the tail, or None where it cannot fuse it: the pooling-only backward's
-    2-column vectors and SHORT_BACKWARD_THREADS-thread CTAs, each row lane a whole row (a power-of-two thread
-    count, at most the CTA)."""
+    """The backward with the tail, or None where it cannot fuse it. Short windows of one group: the pooling-only
+    backward's 2-column vectors and SHORT_BACKWARD_THREADS-thread CTAs, each row lane a whole row (a power-of-two
+    thread count, at most the CTA). Other windows: ``stats_backward_with_tail``."""
     if not _one_exact_group(ratio, coff):
-        return None
+        return stats_backward_with_tail(ratio, coff, head_dim, device, tail)
     width = vector_width(head_dim, 2)
     threads = _row_threads(head_dim, width)
     if threads > SHORT_BACKWARD_THREADS:
@@ -225,6 +227,13 @@ def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: Device
     window = coff * ratio
     lanes = SHORT_BACKWARD_THREADS // threads
     return BackwardShortConfig(ratio, coff, head_dim, width, threads, 1, window, lanes, tail=tail)
+
+
+def stats_backward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    """The statistics backward's tile (``stats_backward_for_sm90``) with the tail (``stats_tail.py``: every CTA
+    computes its rows' norm terms, then dx of its columns), or None where its shared memory would not fit."""
+    config: BackwardStatsConfig = replace(stats_backward_for_sm90(ratio, coff, head_dim, device), tail=tail)
+    return config if config.smem_bytes <= device.shared_memory_per_block else None
 
 
 def fused_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):

@@ -25,7 +25,7 @@ import contextlib
 import torch
 
 from . import launch as base
-from .configs import ForwardLongConfig, TailSpec
+from .configs import BackwardStatsConfig, ForwardLongConfig, TailSpec
 from .device import device_spec
 from .select import tail_route
 
@@ -107,8 +107,9 @@ def _lookup(direction, kv, ratio, coff, head_dim, tail, stats) -> TailRoute:
 
 
 def takes_stats(config) -> bool:
-    """Whether a fused configuration writes the softmax statistics where a launch passes them."""
-    return isinstance(config, ForwardLongConfig)
+    """Whether a fused configuration writes (the long-window forward) or reads (the statistics backward) the
+    softmax statistics where a launch passes them."""
+    return isinstance(config, (ForwardLongConfig, BackwardStatsConfig))
 
 
 def _on_device(index: int):
@@ -173,9 +174,29 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
     block = tail_arguments(tail, rstd, grad_norm_weight, gradient=True)
     with _on_device(kv.device.index):
         if route.fused is not None:
-            base.call_backward(route.fused, tensors, stream, None, tail_block=block)
+            _fused_backward(route, tensors, stream, stats, block)
         else:
             _composed_backward(route, tensors, stream, stats, block, grad_norm_weight)
+
+
+def _fused_backward(route, tensors, stream, stats, block, scratch: bool = True) -> None:
+    """The fused backward; the statistics backward's statistics computed first where none were given."""
+    if isinstance(route.fused.config, BackwardStatsConfig):
+        if stats is None:
+            stats = _recomputed_stats(route, tensors, stream)
+    else:
+        stats = None  # the short-window backward reads none
+    base.call_backward(route.fused, tensors, stream, stats, scratch=scratch, tail_block=block)
+
+
+def _recomputed_stats(route, tensors, stream):
+    """The statistics forward's statistics of the call into a workspace (its pooled rows into another, unread)."""
+    kv, _, _, _, _, grad_out = tensors[:6]
+    n, d = grad_out.shape
+    stats = workspace((n, 3, d), torch.float32, kv.device, stream)
+    pooled = workspace((n, d), torch.bfloat16, kv.device, stream)
+    base.call_forward(route.stats.function, *tensors[:5], pooled, stats, stream)
+    return stats
 
 
 def _composed_backward(route, tensors, stream, stats, block, grad_norm_weight, scratch: bool = True) -> None:
@@ -184,9 +205,7 @@ def _composed_backward(route, tensors, stream, stats, block, grad_norm_weight, s
     n, d = grad_out.shape
     inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
     if stats is None:
-        stats = workspace((n, 3, d), torch.float32, kv.device, stream)
-        pooled = workspace((n, d), torch.bfloat16, kv.device, stream)  # the pooled rows' copy (not read)
-        base.call_forward(route.stats.function, *inputs, pooled, stats, stream)
+        stats = _recomputed_stats(route, tensors, stream)
     dx = workspace((n, d), torch.float32, kv.device, stream)
     gradient = (grad_out, stats, cu_seqlens, cu_seqlens_comp, dx, kv.shape[0])
     grid = base.backward_grid(route.tail, n, d)  # (rows_per_cta, num_ctas): one weight slab per CTA
@@ -254,7 +273,7 @@ def _prime(route, direction: str, ratio: int, coff: int, head_dim: int, index: i
     grad_w = torch.empty(head_dim, dtype=torch.float32, device=dev) if spec.has_norm else None
     block = tail_arguments(tail, rstd, grad_w, gradient=True)
     if route.fused is not None:
-        base.call_backward(route.fused, tensors, None, None, scratch=False, tail_block=block)
+        _fused_backward(route, tensors, None, None, block, scratch=False)
     else:
         _composed_backward(route, tensors, None, None, block, grad_w, scratch=False)
 
