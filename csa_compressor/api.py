@@ -70,8 +70,10 @@ def _fast_key(kv, ratio, coff, head_dim, backend):
         return None
 
 
-def _tail_key(key, norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start):
-    """``key`` with the tail's raw configuration, or None (the full path); the op's TailCheck tests the rest."""
+def _tail_key(kv, ratio, coff, head_dim, backend, tail_args):
+    """``_fast_key`` with the tail's raw configuration, or None (the full path); the op's TailCheck tests the rest."""
+    key = _fast_key(kv, ratio, coff, head_dim, backend)
+    norm_weight, _eps, _cos, _sin, rope_dim, rope_interleaved, position_start = tail_args
     if key is None or type(rope_dim) is not int or type(rope_interleaved) is not bool:
         return None
     return (*key, getattr(norm_weight, "dtype", None), rope_dim, rope_interleaved, position_start is None)
@@ -223,8 +225,7 @@ def _pool_forward_tail(
     """The forward of ``inputs`` (kv, score, ape, cu_seqlens, cu_seqlens_comp) with the seven tail arguments
     ``tail_args``: ``(out, rstd, softmax_stats)``, rstd (with a norm and ``return_rstd``) and the statistics
     (``return_stats``) None where absent."""
-    kv = inputs[0]
-    key = _tail_key(_fast_key(kv, ratio, coff, head_dim, backend), *tail_args)
+    key = _tail_key(inputs[0], ratio, coff, head_dim, backend, tail_args)
     op = _FWD_TAIL_FAST.get(key) if key is not None else None
     if op is None:
         op = _forward_op(*inputs, ratio, coff, head_dim, backend, key, tail_args)
@@ -239,7 +240,7 @@ def _pool_backward_tail(
 ):  # fmt: skip
     """The backward of ``inputs`` (as for the forward) with the tail: ``(grad_kv, grad_score, grad_ape,
     grad_norm_weight or None)``."""
-    key = _tail_key(_fast_key(inputs[0], ratio, coff, head_dim, backend), *tail_args)
+    key = _tail_key(inputs[0], ratio, coff, head_dim, backend, tail_args)
     op = _BWD_TAIL_FAST.get(key) if key is not None else None
     if op is None:
         op = _backward_op(*inputs, grad_out, ratio, coff, head_dim, backend, key, tail_args)

@@ -73,7 +73,11 @@ class TailConfig:
     has_positions: bool
 
 
-@dataclass(frozen=True, eq=False)
+# Every TailConfig the tails have asked for, one instance per value: (norm dtype, rope_dim, interleaved, positions).
+_CONFIGS: dict[tuple, TailConfig] = {}
+
+
+@dataclass(frozen=True, eq=False, init=False)
 class Tail:
     """The tail's arguments, named as in the API. All defaults: no tail (the pooling alone)."""
 
@@ -85,6 +89,16 @@ class Tail:
     rope_interleaved: bool = True
     position_start: torch.Tensor | None = None
 
+    def __init__(
+        self, norm_weight=None, norm_eps=1e-6, rope_cos=None, rope_sin=None, rope_dim=0, rope_interleaved=True,
+        position_start=None,
+    ):  # fmt: skip
+        # The API builds one per call: one write of the fields, where a frozen dataclass's own sets them one by one.
+        object.__setattr__(self, "__dict__", {
+            "norm_weight": norm_weight, "norm_eps": norm_eps, "rope_cos": rope_cos, "rope_sin": rope_sin,
+            "rope_dim": rope_dim, "rope_interleaved": rope_interleaved, "position_start": position_start,
+        })  # fmt: skip
+
     @property
     def has_norm(self) -> bool:
         return self.norm_weight is not None
@@ -95,7 +109,7 @@ class Tail:
 
     @property
     def is_identity(self) -> bool:
-        return not (self.has_norm or self.has_rope)
+        return self.norm_weight is None and not self.rope_dim > 0
 
     def arguments(self) -> dict:
         """The tail as the API's keyword arguments."""
@@ -103,8 +117,21 @@ class Tail:
 
     @property
     def config(self) -> TailConfig:
-        norm_dtype = self.norm_weight.dtype if self.has_norm else None
-        return TailConfig(norm_dtype, self.rope_dim, bool(self.rope_interleaved), self.position_start is not None)
+        """The configuration, one shared instance per value (a backend's per-call lookup then hashes it and finds
+        the key by identity)."""
+        weight, rope_dim, interleaved = self.norm_weight, self.rope_dim, self.rope_interleaved
+        if type(rope_dim) is not int or type(interleaved) is not bool:  # 1 == True as a key: exact types only
+            return _tail_config(self)
+        key = (None if weight is None else weight.dtype, rope_dim, interleaved, self.position_start is not None)
+        config = _CONFIGS.get(key)
+        if config is None:
+            config = _CONFIGS[key] = _tail_config(self)
+        return config
+
+
+def _tail_config(tail: Tail) -> TailConfig:
+    norm_dtype = tail.norm_weight.dtype if tail.has_norm else None
+    return TailConfig(norm_dtype, tail.rope_dim, bool(tail.rope_interleaved), tail.position_start is not None)
 
 
 # ---------------------------------------------------------------- bounds

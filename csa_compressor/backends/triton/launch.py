@@ -328,16 +328,60 @@ def bind(
     direction: str, ratio: int, coff: int, head_dim: int, dtype: torch.dtype, device: torch.device, tail_config=None
 ):  # fmt: skip
     """``forward`` or ``backward`` (as ``direction`` says) for this one configuration, which ``compile`` has built:
-    the same function, whose calls without a tail go to their plan without looking it up. Calls with a tail (or
-    rstd) take the module's function; so does every call where the plans are not there (a configuration never
-    compiled, the meta device)."""
+    the same function, whose calls go to their plan without looking it up (with a ``tail_config``, calls with a tail
+    of that configuration). Other calls take the module's function; so does every call where the plans are not
+    there (a configuration never compiled, the meta device)."""
     device = _device(device)
     table = _FORWARD if direction == "forward" else _BACKWARD
+    if tail_config is not None:
+        return _bind_tail(direction, table, (ratio, coff, head_dim, dtype, device), tail_config)
     plain = table.get((ratio, coff, head_dim, dtype, device, False))
-    if plain is None or tail_config is not None:
+    if plain is None:
         return forward if direction == "forward" else backward
     with_stats = table.get((ratio, coff, head_dim, dtype, device, True))
     return (_bound_forward if direction == "forward" else _bound_backward)(plain, with_stats)
+
+
+def _bind_tail(direction: str, table: dict, shape: tuple, tail_config):
+    """``bind`` with a tail: its plans by ``2 * (stats given) + (rstd given)``, or the module's function where
+    ``compile`` built none."""
+    found = tuple(table.get((*shape, stats, tail_config, rstd)) for stats in (False, True) for rstd in (False, True))
+    if found[0] is None:
+        return forward if direction == "forward" else backward
+    if direction == "forward":
+        return _bound_tail_forward(found)
+    return _bound_tail_backward(found, tail_config.norm_dtype is not None)
+
+
+def _bound_tail_forward(found: tuple):
+    def forward_tail(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None, stats=None, tail=None, rstd=None
+    ) -> None:  # fmt: skip
+        if tail is not None:
+            plan = found[2 * (stats is not None) + (rstd is not None)]
+            if plan is not None:
+                tail_args = _tail_args(tail, rstd)
+                return plan(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail_args)
+        return forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats, tail, rstd)
+
+    return forward_tail
+
+
+def _bound_tail_backward(found: tuple, has_norm: bool):
+    def backward_tail(
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff, stream=None,
+        stats=None, tail=None, grad_norm_weight=None, rstd=None,
+    ) -> None:  # fmt: skip
+        inputs = kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape
+        if tail is not None:
+            plan = found[2 * (stats is not None) + (rstd is not None)]
+            if plan is not None:
+                if has_norm and grad_norm_weight is None:
+                    _check_grad_norm_weight(tail, grad_norm_weight)
+                return plan(*inputs, stream, stats, _tail_args(tail, rstd), grad_norm_weight)
+        return backward(*inputs, ratio, coff, stream, stats, tail, grad_norm_weight, rstd)
+
+    return backward_tail
 
 
 def _bound_forward(plain: ForwardPlan, with_stats: ForwardPlan | None):

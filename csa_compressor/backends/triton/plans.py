@@ -83,10 +83,21 @@ class _Partials:
     across a call's launches, so that another thread's launches on the stream never land between them.
     """
 
-    __slots__ = ("lock", "numel", "tensor")
+    __slots__ = ("_views", "lock", "numel", "tensor")
 
     def __init__(self, tensor, lock):
         self.tensor, self.numel, self.lock = tensor, tensor.numel(), lock
+        self._views: dict[int, torch.Tensor] = {}
+
+    def after(self, offset: int) -> torch.Tensor:
+        """The partials from float ``offset`` on (the norm weight's), a view kept per offset: slicing costs about
+        what an allocation does."""
+        view = self._views.get(offset)
+        if view is None:
+            if len(self._views) >= _MAX_SIZES:
+                self._views.clear()
+            view = self._views[offset] = self.tensor[offset:]
+        return view
 
 
 _PARTIALS: dict[tuple[int, int], _Partials] = {}  # (device index, stream handle) -> _Partials
@@ -336,8 +347,8 @@ class BackwardPlan(_Plan):
 
     def _size(self, n_rows: int, tokens: int, num_segments: int) -> tuple:
         """(programs, the window kernel's arguments after its tensors without a tail, dAPE partials, the partials'
-        floats, the window kernel's runtime integers, dx programs: 0 unless the statistics backward with a tail takes
-        the dx route)."""
+        floats, the window kernel's runtime integers, where the norm weight's partials start among those floats, dx
+        programs: 0 unless the statistics backward with a tail takes the dx route)."""
         cfg = self.cfg
         if self.family == "stats":
             per_prog = stats_rows(self.tile, self.ratio, self.coff, self.head_dim, n_rows)
@@ -358,21 +369,27 @@ class BackwardPlan(_Plan):
         ints = (n_rows, tokens, num_segments, search_iters(num_segments), per_prog, compute)
         # The window kernel's arguments after its tensors on the path without a tail, composed once.
         rest = ints if self.family == "long" else (*ints, *NO_TAIL, None)
-        sizes = (grid, rest, parts, parts * self.ratio * self.width, ints, dx_programs)
+        numel = norm_at = parts * self.ratio * self.width
+        if self.has_norm:
+            # The norm's partials follow the dAPE partials in the same buffer (one allocation, or none: the
+            # stream's), 16-byte aligned as a buffer of their own would be (the kernels specialise on it).
+            norm_at = cdiv(numel, 4) * 4
+            numel = norm_at + (dx_programs or parts) * self.head_dim
+        sizes = (grid, rest, parts, numel, ints, norm_at, dx_programs)
         return self._remember((n_rows, tokens, num_segments), sizes)
 
-    def _partials(self, stream, numel: int) -> tuple:
-        """The call's dAPE partials and the lock its launches hold: on a GPU the stream's reusable ``_Partials``;
-        under CUDA-graph capture (from the graph's pool) and on the CPU (the interpreter's tests fill them with NaN)
-        partials of the call's own."""
+    def _partials(self, stream, numel: int) -> _Partials:
+        """The call's partials (``tensor``, and the ``lock`` its launches hold): on a GPU the stream's reusable
+        ``_Partials``; under CUDA-graph capture (from the graph's pool) and on the CPU (the interpreter's tests fill
+        them with NaN) partials of the call's own."""
         index = self.index
         if index is not None and not _capturing(stream):
             key = (index, _RAW_STREAM(index) if stream is None else stream.cuda_stream)
             entry = _PARTIALS.get(key)
             if entry is None or entry.numel < numel:
                 entry = _grown(key, stream, numel, self.device)
-            return entry.tensor, entry.lock
-        return _on_stream(stream, lambda: _workspace((numel,), self.device)), _NO_LOCK
+            return entry
+        return _Partials(_on_stream(stream, lambda: _workspace((numel,), self.device)), _NO_LOCK)
 
     def __call__(
         self, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stream, stats,
@@ -389,11 +406,14 @@ class BackwardPlan(_Plan):
         key = (grad_out.shape[0], kv.shape[0], cu_seqlens.shape[0] - 1)
         sizes = self._sizes.get(key) or self._size(*key)
         grid, rest, parts, numel = sizes[:4]
-        workspace, lock = self._partials(stream, numel)
-        with lock:
+        partials = self._partials(stream, numel)
+        workspace = partials.tensor
+        with partials.lock:
             if self.tail is not None:
+                # The norm weight's partials follow the dAPE partials (``_size``).
+                norm_parts = partials.after(sizes[5]) if self.has_norm else None
                 args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace)
-                return self._launch_tail(args, grad_ape, sizes, stream, stats, tail, grad_norm_weight)
+                return self._launch_tail(args, grad_ape, sizes, stream, stats, (tail, norm_parts), grad_norm_weight)
             if self.family == "stats":
                 self.kernel.launch(
                     grid, stream, kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score,
@@ -407,16 +427,16 @@ class BackwardPlan(_Plan):
             self.dape.launch(self.dape_grid, stream, workspace, grad_ape, parts)
 
     def _launch_tail(self, args, grad_ape, sizes, stream, stats, tail, grad_norm_weight) -> None:
-        """The launches with the tail: the statistics recomputed first where the call has none, the norm's
-        partials, the dx route, the window kernel and the reduction (``args``: the window kernel's tensors)."""
+        """The launches with the tail: the statistics recomputed first where the call has none, the dx route, the
+        window kernel and the reduction (``args``: the window kernel's tensors; ``tail``: the tail's runtime
+        arguments and the norm weight's partials, None without a norm)."""
         kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, workspace = args
-        grid, _rest, parts, _numel, ints, dx_programs = sizes
+        grid, _rest, parts, _numel, ints, _norm_at, dx_programs = sizes
+        tail, norm_parts = tail
         if self.stats_forward is not None:
             stats, out = _on_stream(stream, lambda: self._recomputed(ints[0], grad_out.dtype))
             self.stats_forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
-        norm_parts, norm_count = None, dx_programs or parts
-        if self.has_norm:
-            norm_parts = _on_stream(stream, lambda: _workspace((norm_count, self.head_dim), self.device))
+        norm_count = dx_programs or parts
         if dx_programs:
             dx = _on_stream(stream, lambda: torch.empty(grad_out.shape, dtype=torch.float32, device=self.device))
             offsets = (cu_seqlens, cu_seqlens_comp, *ints[:4])
