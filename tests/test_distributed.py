@@ -259,9 +259,11 @@ def test_unaligned_grad_out_is_gathered(name):
 def test_side_stream_is_cuda_only():
     from csa_compressor.distributed import streams
 
-    assert streams.side_stream(torch.device("cpu")) is None
-    assert streams.fork(None) is None
-    streams.join(None, None)
+    cpu = torch.device("cpu")
+    assert streams.side_stream(cpu) is None
+    assert streams.fork(cpu) is None
+    assert streams.on_side(None, lambda *args: args, 1, 2) == (1, 2)
+    streams.join(None)
 
 
 def test_layouts():

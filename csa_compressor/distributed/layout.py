@@ -112,6 +112,8 @@ class CPLayout:
         # id(group) -> (group, every rank's pieces, the (ratio, coff) whose first call was checked)
         self._checked: dict[int, tuple[object, list, set]] = {}
         self._plans: dict[tuple, object] = {}  # (ratio, coff, id(group), device) -> DevicePlan
+        self._by_rows: dict[int, object] = {}  # id(plan.rows) -> DevicePlan, for gather_rows
+        self._hot: tuple | None = None  # (ratio, coff, group, argument signature, DevicePlan) of the last call
 
     @classmethod
     def contiguous(cls, cu_seqlens, rank: int, world_size: int) -> CPLayout:

@@ -9,8 +9,6 @@ layout and configuration, so a call makes no host synchronisation.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
@@ -24,24 +22,19 @@ from .plan import build_plan
 __all__ = ["compressor_pool_cp", "gather_rows"]
 
 _is_compiling = torch.compiler.is_compiling
+_DIST = dist.is_available()
 _DISABLED: dict = {}
 
 
-def _eager_under_compile(fn):
-    """``fn`` as it is in eager mode; under ``torch.compile`` it runs eagerly behind a graph break
-    (``torch.compiler.disable``, made on first use: importing this module must not import torch._dynamo,
-    which costs seconds). Its host-side plan and collectives are outside what a graph can hold."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if _is_compiling():
-            disabled = _DISABLED.get(fn)
-            if disabled is None:
-                disabled = _DISABLED[fn] = torch.compiler.disable(fn)
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return wrapper
+def _eager(fn):
+    """``fn`` behind a graph break (``torch.compiler.disable``, made on first use: importing this module must not
+    import torch._dynamo, which costs seconds). The entry points call it under ``torch.compile`` only, on
+    themselves: their host-side plan and collectives are outside what a graph can hold, and in eager mode they
+    pay no wrapper frame."""
+    disabled = _DISABLED.get(fn)
+    if disabled is None:
+        disabled = _DISABLED[fn] = torch.compiler.disable(fn)
+    return disabled
 
 
 # torch 2.13 renamed the tensor forms of the two collectives; older releases have only the old names.
@@ -95,8 +88,10 @@ def _halo_add_grads(dp: DevicePlan, grads, grad_pack, grad_send) -> None:
 # ---------------------------------------------------------------- the op calls and the rows
 
 
-def _forward_call(kv, score, ape, op: OpPack, out, ratio, coff, backend, stats: bool):
-    """The softmax statistics (or None) of one op call writing ``out`` (the forward wrapper's code)."""
+def _forward_call(kv, score, ape, op: OpPack, out, call):
+    """The softmax statistics (or None) of one op call writing ``out`` (the forward wrapper's code); ``call``:
+    ``(ratio, coff, backend, group, whether the backward takes the statistics)``."""
+    ratio, coff, backend, _, stats = call
     softmax_stats = None
     if stats:
         softmax_stats = torch.empty((op.rows, 3, out.shape[1]), dtype=torch.float32, device=kv.device)
@@ -167,21 +162,16 @@ class _PoolCP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, kv, score, ape, dp: DevicePlan, ratio, coff, backend, group, reduce_ape):
-        stats = api.autograd_uses_stats(kv, ratio, coff, backend)
+        call = (ratio, coff, backend, group, api.autograd_uses_stats(kv, ratio, coff, backend))
         d = kv.shape[1] // coff
         kind = dp.forward_placement(d, kv.element_size())
         buf, out_int, out_b = _out_buffers(dp, kind, kv.new_empty, d)
-        side = streams.side_stream(kv.device) if dp.uses_halo else None
-        main = streams.fork(side)
-        stats_int = stats_b = kv_b = score_b = None
+        forked = streams.fork(kv.device) if dp.uses_halo else None
+        stats_int = None
         if dp.interior is not None:
-            stats_int = _forward_call(kv, score, ape, dp.interior, out_int, ratio, coff, backend, stats)
-        with streams.on(side):
-            if dp.uses_halo:
-                kv_b, score_b = _halo_forward(dp, kv, score, group)
-            if dp.boundary is not None:
-                stats_b = _forward_call(kv_b, score_b, ape, dp.boundary, out_b, ratio, coff, backend, stats)
-        streams.join(main, side)
+            stats_int = _forward_call(kv, score, ape, dp.interior, out_int, call)
+        kv_b, score_b, stats_b = streams.on_side(forked, _boundary_forward, dp, kv, score, ape, out_b, call)
+        streams.join(forked)
         ctx.save_for_backward(kv, score, ape, kv_b, score_b, stats_int, stats_b)
         ctx.dp, ctx.call = dp, (ratio, coff, backend, group, reduce_ape)
         return _place_rows(dp, kind, buf, out_b)
@@ -192,49 +182,66 @@ class _PoolCP(torch.autograd.Function):
         dp, (ratio, coff, backend, group, reduce_ape) = ctx.dp, ctx.call
         grad_out = grad_out.contiguous()
         grad_int, grad_b = _rows_grads(grad_out, dp)
-        tokens, width = kv.shape
-        # kv's and score's gradients in one buffer, so that the halo's are added with one index_add_.
-        new = kv.new_empty if dp.interior is not None else kv.new_zeros
-        grads = new((2 * dp.grad_stride, width))
+        # Every buffer is allocated here, on the current stream, before the side stream forks (streams.py).
+        grads, grad_kv, grad_score, pack_grads = _grad_buffers(dp, kv)
         grad_ape = torch.empty_like(ape) if dp.interior is not None else torch.zeros_like(ape)
-        grad_pack = grad_ape_b = grad_send = None
-        if dp.boundary is not None:
-            grad_pack, grad_ape_b = kv.new_empty((2 * dp.pack_stride, width)), torch.empty_like(ape)
-        if dp.exchange:
-            grad_send = kv.new_empty((dp.sent, 2 * width))
-        side = streams.side_stream(kv.device) if dp.uses_halo else None
-        main = streams.fork(side)
-        grad_kv, grad_score = _halves(grads, dp.grad_stride, tokens)
+        grad_ape_b = torch.empty_like(ape) if dp.boundary is not None else None
+        grad_send = kv.new_empty((dp.sent, 2 * kv.shape[1])) if dp.exchange else None
+        forked = streams.fork(kv.device) if dp.uses_halo else None
         if dp.interior is not None:
             op = dp.interior
             api._pool_backward_into(kv, score, ape, op.cu, op.cc, grad_int, (grad_kv, grad_score, grad_ape),
                                     ratio, coff, backend, stats_int)  # fmt: skip
-        with streams.on(side):
-            if dp.boundary is not None:
-                _boundary_backward(dp, grad_out, grad_b, (kv_b, score_b, ape), grad_pack, grad_ape_b, ratio, coff,
-                                   backend, stats_b)  # fmt: skip
-            if dp.exchange:
-                _halo_send_grads(dp, grad_pack, grad_send, group)
-        streams.join(main, side)
+        side_args = (grad_out, grad_b, (kv_b, score_b, ape), pack_grads, grad_ape_b, grad_send, ctx.call, stats_b)
+        streams.on_side(forked, _side_backward, dp, *side_args)
+        streams.join(forked)
         if dp.boundary is not None:
             grad_ape.add_(grad_ape_b)  # always interior + boundary: a fixed order, the same bits every run
         if dp.uses_halo:
-            _halo_add_grads(dp, grads, grad_pack, grad_send)
+            _halo_add_grads(dp, grads, pack_grads, grad_send)
         if reduce_ape:
             dist.all_reduce(grad_ape, group=group)
         return grad_kv, grad_score, grad_ape, None, None, None, None, None, None
 
 
-def _boundary_backward(dp: DevicePlan, grad_out, grad_b, inputs, grad_pack, grad_ape_b, ratio, coff, backend,
-                       stats_b) -> None:  # fmt: skip
-    """The boundary call's backward into ``grad_pack`` / ``grad_ape_b``; its grad_out gathered here when the
-    interior's was a slice (``grad_b`` None)."""
+def _boundary_forward(dp: DevicePlan, kv, score, ape, out_b, call):
+    """The side stream's forward: the boundary pack (the halo exchanged where it crosses ranks) and its call
+    into ``out_b``; ``(kv_b, score_b, softmax statistics)``, each None where absent."""
+    kv_b = score_b = stats_b = None
+    if dp.uses_halo:
+        kv_b, score_b = _halo_forward(dp, kv, score, call[3])
+    if dp.boundary is not None:
+        stats_b = _forward_call(kv_b, score_b, ape, dp.boundary, out_b, call)
+    return kv_b, score_b, stats_b
+
+
+def _grad_buffers(dp: DevicePlan, kv):
+    """``(grads, grad_kv, grad_score, pack_grads)``: kv's and score's gradients in one buffer ``grads``
+    (``(2 * grad_stride, width)``, so that the halo's are added with one ``index_add_``) and, with a boundary
+    call, the pack's (``pack_grads``, kv then score from ``pack_stride``) behind it in the same allocation."""
+    tokens, width = kv.shape
+    stride, pack_stride = dp.grad_stride, dp.pack_stride if dp.boundary is not None else 0
+    new = kv.new_empty if dp.interior is not None else kv.new_zeros
+    buf = new((2 * (stride + pack_stride), width))
+    if not pack_stride:
+        return buf, *_halves(buf, stride, tokens), None
+    grads, pack_grads = buf.split_with_sizes((2 * stride, 2 * pack_stride))
+    return grads, *_halves(grads, stride, tokens), pack_grads
+
+
+def _side_backward(dp: DevicePlan, grad_out, grad_b, inputs, pack_grads, grad_ape_b, grad_send, call, stats_b):
+    """The side stream's backward: the boundary call's (its grad_out gathered here when the interior's was a
+    slice, ``grad_b`` None) into ``pack_grads`` / ``grad_ape_b``, then the halo's gradients to their owners."""
+    ratio, coff, backend, group, _ = call
     op = dp.boundary
-    if grad_b is None:
-        grad_b = _gather_grads(grad_out, dp.b_grad_src, dp.b_grad_extra, op.rows)
-    grads = (*_halves(grad_pack, dp.pack_stride, dp.pack_rows), grad_ape_b)
-    kv_b, score_b, ape = inputs
-    api._pool_backward_into(kv_b, score_b, ape, op.cu, op.cc, grad_b, grads, ratio, coff, backend, stats_b)
+    if op is not None:
+        if grad_b is None:
+            grad_b = _gather_grads(grad_out, dp.b_grad_src, dp.b_grad_extra, op.rows)
+        grads = (*_halves(pack_grads, dp.pack_stride, dp.pack_rows), grad_ape_b)
+        kv_b, score_b, ape = inputs
+        api._pool_backward_into(kv_b, score_b, ape, op.cu, op.cc, grad_b, grads, ratio, coff, backend, stats_b)
+    if dp.exchange:
+        _halo_send_grads(dp, pack_grads, grad_send, group)
 
 
 # ---------------------------------------------------------------- entry points
@@ -259,7 +266,7 @@ def _call_error(layout: CPLayout, kv, score, ape, ratio, coff) -> str | None:
 
 
 def _resolve_group(group):
-    if group is None and dist.is_available() and dist.is_initialized():
+    if group is None and _DIST and dist.is_initialized():
         return dist.group.WORLD
     return group  # None when there is no process group: a world of one rank
 
@@ -269,21 +276,34 @@ def _signature(kv, score, ape) -> tuple:
 
 
 def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate) -> DevicePlan:
-    """The plan of this call. Hot path: one dict lookup and a comparison with the arguments the plan was
-    last used with; the first call on a group, a new configuration or new argument shapes take the checks
-    (and the first call on a group, or ``validate``, the collective check of every rank's layout)."""
+    """The plan of this call. Hot path: the layout's last call (its configuration, group and checked argument
+    signature) compared with this one, no dict lookup; else the plan of the configuration, whose arguments are
+    checked when they differ from its last ones (and the first call on a group or configuration, or
+    ``validate``, checks every rank's layout and call collectively)."""
+    hot = layout._hot
+    if hot is not None and not validate and type(ratio) is int and hot[0] == ratio and hot[1] == coff:
+        if hot[2] is group and _signature(kv, score, ape) == hot[3]:
+            return hot[4]
     device = getattr(kv, "device", None)
     key = (ratio, coff, id(group), device)
     dp = layout._plans.get(key)
-    if dp is not None and not validate:
+    if dp is None or validate:
+        dp = _checked_plan(layout, dp, key, kv, score, ape, group, validate)
+    else:
         signature = _signature(kv, score, ape)
-        if signature == dp.signature:
-            return dp
-        error = _call_error(layout, kv, score, ape, ratio, coff)
-        if error is not None:
-            raise _error(error)
-        dp.signature = signature
-        return dp
+        if signature != dp.signature:
+            error = _call_error(layout, kv, score, ape, ratio, coff)
+            if error is not None:
+                raise _error(error)
+            dp.signature = signature
+    layout._hot = (ratio, coff, group, dp.signature, dp)
+    return dp
+
+
+def _checked_plan(layout: CPLayout, dp, key: tuple, kv, score, ape, group, validate) -> DevicePlan:
+    """The collective check of this call (and, on a group's first call or with ``validate``, of every rank's
+    layout); the plan of ``key`` built if ``dp`` is None."""
+    ratio, coff, _, device = key
     error = _call_error(layout, kv, score, ape, ratio, coff)
     call = {"ratio": ratio, "coff": coff, "width": kv.shape[-1] if error is None else None, "error": error}
     call["dtype"] = str(getattr(kv, "dtype", None))
@@ -291,13 +311,12 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate)
     if dp is None:
         rank = dist.get_rank(group) if group is not None else 0
         plan = build_plan(layout._cu, all_pieces, rank, ratio, coff)
-        dp = device_plan(plan, device, id(group), layout.local_tokens)
-        layout._plans[key] = dp
+        dp = layout._plans[key] = device_plan(plan, device, id(group), layout.local_tokens)
+        layout._by_rows[id(dp.rows)] = dp
     dp.signature = _signature(kv, score, ape)
     return dp
 
 
-@_eager_under_compile
 def compressor_pool_cp(
     kv_local: torch.Tensor,
     score_local: torch.Tensor,
@@ -318,7 +337,11 @@ def compressor_pool_cp(
     ``reduce_ape_grad`` (then all-reduced over ``group``). ``validate`` (default
     ``$CSA_COMPRESSOR_VALIDATE``) gathers and checks every rank's layout and arguments on every call, not
     only on the first one. A collective: every rank of ``group`` must call it, with the same ratio and coff.
+    Under ``torch.compile`` it runs eagerly behind a graph break.
     """
+    if _is_compiling():
+        args = (ratio, coff, group, backend, reduce_ape_grad, validate)
+        return _eager(compressor_pool_cp)(kv_local, score_local, ape, layout, *args)
     group = _resolve_group(group)
     dp = _device_plan(layout, kv_local, score_local, ape, ratio, coff, group, validation_requested(validate))
     direct = dp.direct
@@ -327,13 +350,6 @@ def compressor_pool_cp(
         return compressor_pool(kv_local, score_local, ape, cu, cc, ratio, coff, n, backend), dp.rows
     reduce_ape = reduce_ape_grad and not dp.single
     return _PoolCP.apply(kv_local, score_local, ape, dp, ratio, coff, backend, group, reduce_ape), dp.rows
-
-
-def _plan_of(layout: CPLayout, rows) -> DevicePlan:
-    for dp in layout._plans.values():
-        if dp.rows is rows:
-            return dp
-    raise _error("gather_rows needs the rows tensor that compressor_pool_cp returned with this layout")
 
 
 class _GatherRows(torch.autograd.Function):
@@ -372,19 +388,23 @@ class _GatherRows(torch.autograd.Function):
         return grad[: dp.n_local], None, None
 
 
-@_eager_under_compile
 def gather_rows(out_local: torch.Tensor, rows: torch.Tensor, layout: CPLayout, group=None) -> torch.Tensor:
     """Every rank's ``out_local`` in global row order: ``(layout.total_comp(ratio), d)`` on every rank.
 
     ``rows``: what ``compressor_pool_cp`` returned with ``out_local``. Differentiable: the backward sums each
-    row's gradient over the ranks (in the gradient's dtype) and returns it to the row's owner. A collective.
+    row's gradient over the ranks (in the gradient's dtype) and returns it to the row's owner. A collective;
+    under ``torch.compile`` it runs eagerly behind a graph break.
     """
+    if _is_compiling():
+        return _eager(gather_rows)(out_local, rows, layout, group)
     group = _resolve_group(group)
-    dp = _plan_of(layout, rows)
+    dp = layout._by_rows.get(id(rows))  # the plans hold their rows: an id names one while the layout lives
+    if dp is None or dp.rows is not rows:
+        raise _error("gather_rows needs the rows tensor that compressor_pool_cp returned with this layout")
     if dp.group_id != id(group):
         raise _error("gather_rows must run on the process group that compressor_pool_cp used")
     if out_local.dim() != 2 or out_local.shape[0] != dp.n_local:
         raise _error(f"out_local must be ({dp.n_local}, head_dim) for these rows, got {tuple(out_local.shape)}")
-    if group is None or dp.plan.world_size == 1:
+    if dp.single:
         return out_local
     return _GatherRows.apply(out_local, dp, group)

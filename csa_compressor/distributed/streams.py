@@ -1,27 +1,33 @@
 """The side stream that runs the boundary op call beside the interior one (CUDA only).
 
 ``fork`` makes the side stream wait for the current stream's work so far, ``join`` makes the current stream
-wait for the side stream's; both are ``wait_stream`` (an event each), which is also how a side stream joins
-a CUDA-graph capture. The caching allocator stays safe without ``record_stream``: a block of the side
-stream's pool is reused only by later side work, which starts with a fork and so runs after every use the
-current stream queued; a block of the current stream's pool that side work uses belongs to a tensor the
-call holds until after the join (the callers' rule), so its reuse is ordered after the join.
+wait for the side stream's; each records an event on one stream and makes the other wait for it, which is also
+how a side stream joins a CUDA-graph capture. The events are made once per thread and device and recorded
+again on every call: a wait takes the event's state when it is queued, and a thread queues each wait right
+after its record. ``on_side`` runs a function with the side stream current (``torch.cuda.set_stream``, a
+cheaper switch than ``torch.cuda.stream``'s context where the current device is the stream's).
 
-On the CPU there is no side stream: every function here is a no-op and the calls run in program order on the
-current stream.
+The caching allocator stays safe without ``record_stream``: a block of the side stream's pool is reused only by
+later side work, which starts with a fork and so runs after every use the current stream queued; a block of
+the current stream's pool that side work uses belongs to a tensor the call holds until after the join (the
+callers' rule), so its reuse is ordered after the join.
+
+On the CPU there is no side stream: ``fork`` returns None, ``on_side`` calls the function and ``join`` does
+nothing, so the calls run in program order on the current stream.
 """
 
 from __future__ import annotations
 
-import contextlib
+import threading
 
 import torch
 
-__all__ = ["fork", "join", "on", "side_stream"]
+__all__ = ["fork", "join", "on_side", "side_stream"]
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
 # High priority: the boundary call's small kernels take SMs as the interior's blocks retire, not after them.
 _PRIORITY = -1
+_LOCAL = threading.local()  # .events: device index -> (fork event, join event) of this thread
 
 
 def side_stream(device: torch.device):
@@ -35,21 +41,47 @@ def side_stream(device: torch.device):
     return stream
 
 
-def fork(side):
-    """The current stream, after making ``side`` wait for its work so far (None without a side stream)."""
+def _events(index: int) -> tuple:
+    table = getattr(_LOCAL, "events", None)
+    if table is None:
+        table = _LOCAL.events = {}
+    pair = table.get(index)
+    if pair is None:
+        pair = table[index] = (torch.cuda.Event(), torch.cuda.Event())
+    return pair
+
+
+def fork(device: torch.device):
+    """``(current stream, side stream, events)`` of ``device`` after making the side stream wait for the
+    current stream's work so far; None without a side stream (the CPU)."""
+    side = side_stream(device)
     if side is None:
         return None
-    main = torch.cuda.current_stream(side.device)
-    side.wait_stream(main)
-    return main
+    main = torch.cuda.current_stream(side.device_index)
+    events = _events(side.device_index)
+    events[0].record(main)
+    side.wait_event(events[0])
+    return main, side, events
 
 
-def on(side):
-    """A context that makes ``side`` current (nothing without a side stream)."""
-    return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+def on_side(forked, fn, *args):
+    """``fn(*args)`` with the side stream of ``forked`` current (in place without one)."""
+    if forked is None:
+        return fn(*args)
+    main, side = forked[0], forked[1]
+    if torch.cuda.current_device() != side.device_index:  # set_stream would also switch the device
+        with torch.cuda.stream(side):
+            return fn(*args)
+    torch.cuda.set_stream(side)
+    try:
+        return fn(*args)
+    finally:
+        torch.cuda.set_stream(main)
 
 
-def join(main, side) -> None:
-    """Make ``main`` wait for ``side``'s work so far."""
-    if side is not None:
-        main.wait_stream(side)
+def join(forked) -> None:
+    """Make the current stream of ``forked`` wait for its side stream's work so far."""
+    if forked is not None:
+        main, side, events = forked
+        events[1].record(side)
+        main.wait_event(events[1])
