@@ -285,7 +285,12 @@ def _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp) -> bool:
 
 
 def _direct_tail(norm_weight, rope_cos, rope_sin, position_start) -> bool:
-    return all(t is None or type(t) in _PLAIN for t in (norm_weight, rope_cos, rope_sin, position_start))
+    return (
+        (norm_weight is None or type(norm_weight) in _PLAIN)
+        and (rope_cos is None or type(rope_cos) in _PLAIN)
+        and (rope_sin is None or type(rope_sin) in _PLAIN)
+        and (position_start is None or type(position_start) in _PLAIN)
+    )
 
 
 # The defaults of the tail's arguments after norm_weight, in compressor_pool's order.
@@ -364,8 +369,8 @@ def _forward_tail(ctx, inputs, total_comp, tail_args):
     """``CompressorPoolFunction.forward`` with a tail: the tail ops (or their code, eagerly), rstd saved."""
     ratio, coff, backend, validate = ctx.ratio, ctx.coff, ctx.backend, ctx.validate
     norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start = tail_args
-    ctx.tail_scalars = (norm_eps, rope_dim, rope_interleaved)
-    ctx.norm_dtype = None if norm_weight is None else norm_weight.dtype
+    # The backward's scalars in one attribute (the weight's dtype last): one write here, one read there.
+    ctx.tail_scalars = (norm_eps, rope_dim, rope_interleaved, None if norm_weight is None else norm_weight.dtype)
     use_stats = api.autograd_uses_stats(inputs[0], ratio, coff, backend)
     if _direct(*inputs) and _direct_tail(norm_weight, rope_cos, rope_sin, position_start):
         out, rstd, stats = api._pool_forward_tail(
@@ -388,11 +393,17 @@ def _forward_tail(ctx, inputs, total_comp, tail_args):
     return out
 
 
+# What the backward returns for the arguments after ape (the offsets and scalars, then the tail's: the norm
+# weight's gradient goes between them), composed once.
+_NO_GRADS_BEFORE_WEIGHT = (None,) * 7
+_NO_GRADS_AFTER_WEIGHT = (None,) * 6
+
+
 def _backward_tail(ctx, grad_out):
     kv, score, ape, cu_seqlens, cu_seqlens_comp, norm_weight, rope_cos, rope_sin, position_start, stats, rstd = (
         ctx.saved_tensors
     )
-    norm_eps, rope_dim, rope_interleaved = ctx.tail_scalars
+    norm_eps, rope_dim, rope_interleaved, norm_dtype = ctx.tail_scalars
     tail_args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
     inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
     scalars = (ctx.ratio, ctx.coff, ctx.backend)
@@ -408,9 +419,9 @@ def _backward_tail(ctx, grad_out):
         )
     if norm_weight is None:
         grad_weight = None
-    elif grad_weight.dtype != ctx.norm_dtype:
-        grad_weight = grad_weight.to(ctx.norm_dtype)  # computed in fp32 (a sum over rows), stored as the weight
-    return grad_kv, grad_score, grad_ape, *(None,) * 7, grad_weight, *(None,) * 6
+    elif grad_weight.dtype != norm_dtype:
+        grad_weight = grad_weight.to(norm_dtype)  # computed in fp32 (a sum over rows), stored as the weight
+    return (grad_kv, grad_score, grad_ape, *_NO_GRADS_BEFORE_WEIGHT, grad_weight, *_NO_GRADS_AFTER_WEIGHT)
 
 
 def compressor_pool(

@@ -147,6 +147,78 @@ def test_plans_and_sizes_are_built_once():
     assert launch._FORWARD[4, 2, 8, pack.kv.dtype, pack.kv.device, False] is plan and plan._sizes == sizes
 
 
+def _tail_problem(ratio, coff, d, seed):
+    """A pack with a norm + rope tail (positions given), its TailConfig, and NaN gradient buffers."""
+    from csa_compressor import tail as T
+
+    pack = make_pack((9 * ratio + 2, 4 * ratio + 1), d, ratio, coff, comp_padding=1, device=DEVICE, seed=seed)
+    tail = T.random_tail(pack, rope_dim=d - d % 2, positions=True, seed=seed)
+    return pack, tail
+
+
+def _tail_backward(fn, pack, tail, ratio, coff):
+    nan = float("nan")
+    grads = [torch.full_like(t, nan) for t in (pack.kv, pack.score, pack.ape)]
+    grad_w = torch.full((pack.head_dim,), nan, device=DEVICE)
+    fn(*pack.inputs, pack.grad_out, *grads, ratio, coff, None, None, tail, grad_w, None)
+    return (*grads, grad_w)
+
+
+def test_bind_with_a_tail_calls_its_plans(monkeypatch):
+    """A tail configuration's bound functions launch its plans without the module's lookup, with its results."""
+    ratio, coff, d = 4, 2, 6
+    pack, tail = _tail_problem(ratio, coff, d, seed=3)
+    shape = (ratio, coff, d, pack.kv.dtype, DEVICE)
+    for direction in ("forward", "backward"):
+        launch.compile(direction, *shape, tail.config)
+    bound = [launch.bind(direction, *shape, tail.config) for direction in ("forward", "backward")]
+    assert bound[0] is not launch.forward and bound[1] is not launch.backward
+    out = [torch.full((pack.total_comp, d), float("nan"), dtype=pack.kv.dtype, device=DEVICE) for _ in range(2)]
+    launch.forward(*pack.inputs, out[0], ratio, coff, None, None, tail)
+    want = _tail_backward(launch.backward, pack, tail, ratio, coff)
+    # The bound functions must not look their plans up.
+    monkeypatch.setattr(launch, "_FORWARD", {})
+    monkeypatch.setattr(launch, "_BACKWARD", {})
+    bound[0](*pack.inputs, out[1], ratio, coff, None, None, tail)
+    got = _tail_backward(bound[1], pack, tail, ratio, coff)
+    assert torch.equal(out[0], out[1]) and not out[1].isnan().any()
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="needs grad_norm_weight"):
+        grads = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
+        bound[1](*pack.inputs, pack.grad_out, *grads, ratio, coff, None, None, tail, None, None)
+
+
+def test_norm_partials_follow_the_dape_partials(monkeypatch):
+    """On a GPU's path (a device index, not capturing) a backward with a norm takes its norm weight's partials from
+    the stream's reusable buffer, 16-byte aligned after the dAPE partials: no allocation once it has grown, and the
+    gradients of partials of the call's own."""
+    ratio, coff, d = 3, 1, 5  # dAPE partials of an odd number of floats
+    pack, tail = _tail_problem(ratio, coff, d, seed=4)
+    want = _tail_backward(launch.backward, pack, tail, ratio, coff)
+    plan = launch._BACKWARD[ratio, coff, d, pack.kv.dtype, DEVICE, False, tail.config, False]
+    allocations = []
+
+    def workspace(shape, device):
+        allocations.append(shape)
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+    monkeypatch.setattr(plans, "_workspace", workspace)
+    monkeypatch.setattr(plans, "_PARTIALS", {})
+    monkeypatch.setattr(plans, "_GET_DEVICE", lambda: 0)
+    monkeypatch.setattr(plans, "_RAW_STREAM", lambda index: 0)
+    monkeypatch.setattr(plans, "_IS_CAPTURING", lambda: False)
+    monkeypatch.setattr(plan, "index", 0)
+    for _ in range(2):
+        got = _tail_backward(launch.backward, pack, tail, ratio, coff)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    (entry,) = plans._PARTIALS.values()
+    assert len(allocations) == 1 and entry.tensor.numel() == allocations[0][0]
+    (view,) = entry._views.values()
+    assert view.data_ptr() % 16 == 0 and view.data_ptr() > entry.tensor.data_ptr()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_direct_launch_is_bound_and_equals_the_plain_launch():
