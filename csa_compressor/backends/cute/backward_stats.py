@@ -20,8 +20,7 @@ step's loads into two DRAM round trips. With ``grad_float32`` grad_out is fp32 (
 Exact zeros and the rows' bounds guard as the other backwards (``ZeroStores``, ``window.locate_row``); the first
 slot chunk's CTAs zero the segments without produced rows and the token-capacity padding.
 
-``BackwardWithStatsNorm`` (the composed tail with a norm, slab form): the same kernel, whose reduction also sums
-the TailGradient slabs that follow the grad_ape slabs into grad_norm_weight (one launch for both).
+With a ``tail`` (``stats_tail.py``) grad_out is the gradient of the tail's rows, turned into dx in the kernel.
 """
 
 from __future__ import annotations
@@ -329,22 +328,3 @@ class BackwardWithStats:
             for k in cutlass.range_constexpr(sg):
                 aoff = self.slots.ape_offset(gg * sg + k) + c
                 vec_view(ws, bx * cfg.slab_entries + aoff, width).store(dape[k].load())
-
-
-class BackwardWithStatsNorm(BackwardWithStats):
-    """The composed tail's statistics backward with a norm (``norm_entries``): the reduction of its grad_ape slabs
-    also sums the ``norm_ctas`` TailGradient slabs after them into grad_norm_weight."""
-
-    kind = "backward_norm"
-
-    @cute.jit
-    def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
-                 cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
-                 grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
-                 grad_norm_weight: cute.Pointer, segments: Int32, total_comp: Int32, tokens: Int32,
-                 rows_per_cta: Int32, num_ctas: Int32, norm_ctas: Int32, stream: cuda.CUstream):  # fmt: skip
-        """Host function (arguments: ``build.py``): the main kernel, then one reduction of both slab sets."""
-        cfg = self.config
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs, stats)
-        launch_tiles(cfg, self.kernel(*args, segments, total_comp, tokens, rows_per_cta), num_ctas, stream)
-        self.reduce.launch_apart(slabs, grad_ape, grad_norm_weight, num_ctas, norm_ctas, stream)

@@ -7,8 +7,6 @@ Host function signatures (``kind`` of the kernel class), the one place that stat
 - ``forward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens, stream)``;
 - ``backward``: ``(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, slabs,
   stats, segments, total_comp, tokens, rows_per_cta, num_ctas, stream)``;
-- ``backward_norm`` (``backward_stats.BackwardWithStatsNorm``): ``backward``'s with ``grad_norm_weight`` after
-  ``stats`` and ``norm_ctas`` (the TailGradient slabs after the grad_ape slabs) after ``num_ctas``;
 - ``tail_forward`` (``tail_kernels.TailForward``): ``(x, cu_seqlens, cu_seqlens_comp, out, segments, total_comp,
   tokens, <tail>, stream)``;
 - ``tail_gradient`` (``tail_kernels.TailGradient``): ``(grad_out, x, cu_seqlens, cu_seqlens_comp, dx, slabs,
@@ -40,10 +38,9 @@ _POINTERS = {
     "tail_forward": (Float32, Int32, Int32, BFloat16),
     "tail_gradient": (BFloat16, Float32, Int32, Int32, Float32, Float32),
 }
-_POINTERS["backward_norm"] = (*_POINTERS["backward"], Float32)
-_SCALARS = {"forward": 3, "backward": 5, "backward_norm": 6, "tail_forward": 3, "tail_gradient": 5}
+_SCALARS = {"forward": 3, "backward": 5, "tail_forward": 3, "tail_gradient": 5}
 _GRADIENT_KINDS = ("backward", "tail_gradient")
-_GRAD_OUT = {"backward": 5, "backward_norm": 5, "tail_gradient": 0}  # grad_out's position among the pointers
+_GRAD_OUT = {"backward": 5, "tail_gradient": 0}  # grad_out's position among the pointers
 
 
 def _pointer(dtype, align: int = 16):

@@ -211,13 +211,10 @@ class ApeReduceConfig:
     ape_size: int
     slab_lanes: int  # lanes of a warp that walk different slabs
     norm_entries: int = 0  # slab entries after grad_ape's: the fused tail's grad_norm_weight partials
-    # The norm weight's partials are slabs of their own (``norm_entries`` floats, their own count) after the
-    # grad_ape slabs, from ``norm_offset`` on: the composed tail's TailGradient slabs (``launch_apart``).
-    norm_apart: bool = False
 
     @property
     def slab_size(self) -> int:
-        """Floats per slab: grad_ape's entries, then the norm weight's (apart: the entries reduced)."""
+        """Floats per slab: grad_ape's entries, then the norm weight's."""
         return self.ape_size + self.norm_entries
 
     @property
@@ -225,29 +222,13 @@ class ApeReduceConfig:
         """Entries per thread: 16-byte vectors where the slab size allows (never across the two parts)."""
         return 4 if self.ape_size % 4 == 0 and self.norm_entries % 4 == 0 else 1
 
-    @staticmethod
-    def part_vector(size: int) -> int:
-        """Entries per thread of one slab set apart: 16-byte vectors where its slab size allows."""
-        return 4 if size % 4 == 0 else 1
-
     @property
     def entry_vectors(self) -> int:
         """Entry vectors per CTA."""
         return 32 // self.slab_lanes
 
-    def part_grid(self, size: int) -> int:
-        """CTAs of one slab set apart, of ``size`` floats per slab."""
-        return -(-size // self.part_vector(size) // self.entry_vectors)
-
-    def norm_offset(self, num_ctas):
-        """Where the norm's slabs start apart: after ``num_ctas`` grad_ape slabs, at a 16-byte boundary (a Python
-        int on the host, an Int32 in the kernel)."""
-        return (num_ctas * self.ape_size + 3) // 4 * 4
-
     @property
     def grid(self) -> int:
-        if self.norm_apart:
-            return self.part_grid(self.ape_size) + self.part_grid(self.norm_entries)
         return (self.slab_size // self.vector + self.entry_vectors - 1) // self.entry_vectors
 
     @property
@@ -256,7 +237,7 @@ class ApeReduceConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return REDUCE_WARPS * 32 * 4 * (4 if self.norm_apart else self.vector) + 64
+        return REDUCE_WARPS * 32 * 4 * self.vector + 64
 
 
 @dataclass(frozen=True)
@@ -351,10 +332,7 @@ class BackwardStatsConfig(_Tile):
     slots_per_group: int
     row_lanes: int
     whole_tile: bool  # one CTA per tile over all rows writes grad_ape itself (no slabs, no reduction kernel)
-    grad_float32: bool = False  # grad_out is fp32 (the fused tail's dx) instead of bf16
-    # The composed tail's TailGradient slabs of this many floats follow the grad_ape slabs, and the reduction
-    # sums them into grad_norm_weight (``BackwardWithStatsNorm``; slab form only).
-    norm_entries: int = 0
+    grad_float32: bool = False  # grad_out is fp32 (the composed tail's dx) instead of bf16
     tail: TailSpec | None = None  # the fused tail (``stats_tail.py``; ``tail_configs.stats_backward_with_tail``)
 
     @property
@@ -401,9 +379,7 @@ class BackwardStatsConfig(_Tile):
     def reduce(self) -> ApeReduceConfig | None:
         if self.whole_tile:
             return None
-        if self.tail is not None:
-            return ApeReduceConfig(self.ape_size, 1, self.slab_entries - self.ape_size)
-        return ApeReduceConfig(self.ape_size, 1, self.norm_entries, norm_apart=self.norm_entries > 0)
+        return ApeReduceConfig(self.ape_size, 1, self.slab_entries - self.ape_size)
 
 
 def backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec):

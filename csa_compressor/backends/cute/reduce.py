@@ -2,9 +2,7 @@
 
 Every CTA of a persistent backward grid writes one fp32 slab of grad_ape partials; this kernel sums the slabs in a
 fixed order and overwrites grad_ape (no atomics), so grad_ape is bitwise the same from run to run. A fused tail's
-slabs end with the norm weight's partials (``ApeReduceConfig.norm_entries``), summed alike into grad_norm_weight;
-the composed tail's are slabs of their own after the grad_ape slabs (``norm_apart``: ``launch_apart``), summed in
-the same launch.
+slabs end with the norm weight's partials (``ApeReduceConfig.norm_entries``), summed alike into grad_norm_weight.
 """
 
 from __future__ import annotations
@@ -36,16 +34,6 @@ class ApeReduce:
         """The same sum of slabs that end with ``norm_entries`` grad_norm_weight partials, which go to ``gnorm``."""
         cfg = self.config
         self.kernel_with_norm(ws, gape, gnorm, num_ctas).launch(
-            grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
-        )
-
-    @cute.jit
-    def launch_apart(self, ws: cute.Pointer, gape: cute.Pointer, gnorm: cute.Pointer, num_ctas: Int32,
-                     norm_ctas: Int32, stream):  # fmt: skip
-        """``num_ctas`` grad_ape slabs into ``gape`` and, in the same launch, the ``norm_ctas`` slabs of
-        ``norm_entries`` floats from ``norm_offset(num_ctas)`` into ``gnorm`` (``norm_apart``)."""
-        cfg = self.config
-        self.kernel_apart(ws, gape, gnorm, num_ctas, norm_ctas).launch(
             grid=[cfg.grid, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
         )
 
@@ -105,44 +93,6 @@ class ApeReduce:
             v = lane % nv
             q = w * lanes + lane // nv
         return tidx, v, q
-
-    @cute.kernel
-    def kernel_apart(self, ws: cute.Pointer, gape: cute.Pointer, gnorm: cute.Pointer, num_ctas: Int32,
-                     norm_ctas: Int32):  # fmt: skip
-        """The first ``part_grid(ape_size)`` CTAs sum the grad_ape slabs, the others the norm's slabs."""
-        cfg = self.config
-        bx, _, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        part = smem.allocate_tensor(Float32, cute.make_layout(REDUCE_WARPS * 32 * 4), byte_alignment=16)
-        ape_ctas = cfg.part_grid(cfg.ape_size)
-        if bx < ape_ctas:
-            self.sum_part(ws, gape, part, bx, Int32(0), num_ctas, cfg.ape_size)
-        else:
-            self.sum_part(ws, gnorm, part, bx - ape_ctas, cfg.norm_offset(num_ctas), norm_ctas, cfg.norm_entries)
-
-    @cute.jit
-    def sum_part(self, ws, out, part, bx, offset, count, size: int):
-        """``body``'s sum over one slab set: ``count`` slabs of ``size`` floats from entry ``offset`` of ``ws``, the
-        CTA's ``entry_vectors`` vectors of ``part_vector(size)`` entries into ``out`` (the same fixed order)."""
-        cfg = self.config
-        ve, nv = cfg.part_vector(size), cfg.entry_vectors
-        walkers = REDUCE_WARPS * cfg.slab_lanes
-        tidx, v, q = self.walker()
-        e = bx * nv + v
-        acc = registers(ve)
-        acc.fill(0.0)
-        bufs = register_slots(REDUCE_UNROLL, ve)
-        if e < size // ve:
-            self.walk_part(ws, acc, bufs, q, offset + e * ve, count, size, ve)
-        vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
-        cute.arch.sync_threads()
-        if (tidx < nv) & (e < size // ve):
-            tot = registers(ve)
-            tot.store(vec_view(part.iterator, v * ve, ve).load())
-            for h in cutlass.range_constexpr(1, walkers):
-                for i in cutlass.range_constexpr(ve):
-                    tot[i] = add_rn(tot[i], part[(h * nv + v) * ve + i])
-            vec_view(out, e * ve, ve).store(tot.load())
 
     @cute.jit
     def walk_part(self, ws, acc, bufs, q, first, count, size: int, ve: int):

@@ -13,13 +13,14 @@ forward that also writes them) and ``backward_stats`` (the backward that reads t
 With the fused tail (``configs.TailSpec``; ``tail_route``) a call takes one of two routes:
 
 - fused: the pooling kernel with the tail inside, where ``fused_tail_config`` has a configuration for it: the
-  one-group short windows' forward and backward (whole rows per CTA), and the forward of other windows of one
-  batch per slot group whose rows fit one CTA (``ForwardLongWindow`` with a tail, ``long_tail``);
+  one-group short windows' forward and backward (whole rows per CTA), the forward of other windows of one batch
+  per slot group whose rows fit one CTA (``ForwardLongWindow`` with a tail, ``long_tail``), and the backward of
+  other windows in the statistics backward's slab form (``BackwardWithStats`` with a tail, ``stats_tail``; the
+  statistics forward first where a call saved none);
 - composed, every other window and direction: forward = the statistics forward (``ForwardLongWindow`` with
   ``write_stats``, for any window: ``tail_configs.stats_forward_for_sm90``) then ``TailForward`` on ``stats[:, 2]``;
-  backward = the statistics forward again where no statistics were saved, ``TailGradient`` (dx, fp32) and
-  ``BackwardWithStats`` reading dx (``grad_float32``); with a norm and the slab form, ``BackwardWithStatsNorm``,
-  whose reduction also sums TailGradient's weight slabs (``norm_entries``, ``pool_reduces``).
+  backward (the whole-tile form) = the statistics forward again where no statistics were saved, ``TailGradient``
+  (dx, fp32) and ``BackwardWithStats`` reading dx (``grad_float32``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ...windows import uses_softmax_stats
 from . import configs, tail_configs
 from .backward_long import BackwardLongWindow
 from .backward_short import BackwardShortWindow
-from .backward_stats import BackwardWithStats, BackwardWithStatsNorm
+from .backward_stats import BackwardWithStats
 from .device import DeviceSpec
 from .forward import ForwardLongWindow, ForwardShortWindow
 from .tail_kernels import TailForward, TailGradient
@@ -59,14 +60,6 @@ _FACTORIES = {
 
 def _family(device: DeviceSpec):
     return _FACTORIES["sm_100" if device.arch.startswith("sm_10") else "sm_90"]
-
-
-def kernel_class_of(config):
-    """The kernel class of a configuration: ``KERNEL_OF_CONFIG``'s, the statistics backward with the norm's slabs
-    its host function's own."""
-    if isinstance(config, configs.BackwardStatsConfig) and config.norm_entries:
-        return BackwardWithStatsNorm
-    return KERNEL_OF_CONFIG[type(config)]
 
 
 def config_for(direction: str, ratio: int, coff: int, head_dim: int, device: DeviceSpec):
@@ -130,10 +123,5 @@ def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
     tail = tail_configs.tail_rows(kind, ratio, head_dim, tail_spec, 3 * head_dim, 2 * head_dim)
     steps = {"stats": stats_forward(ratio, coff, head_dim, device), "tail": tail}
     if direction == "backward":
-        pool = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)
-        if tail_spec.has_norm and not pool.whole_tile:
-            # The weight's slabs join the grad_ape slabs' reduction: one launch less (whole tiles reduce none).
-            pool = replace(pool, norm_entries=head_dim)
-            steps["tail"] = replace(tail, pool_reduces=True)
-        steps["pool"] = pool
-    return {name: (kernel_class_of(cfg), cfg) for name, cfg in steps.items()}
+        steps["pool"] = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)
+    return {name: (KERNEL_OF_CONFIG[type(cfg)], cfg) for name, cfg in steps.items()}

@@ -11,7 +11,6 @@ from .configs import (
     SHORT_BACKWARD_THREADS,
     ApeReduceConfig,
     BackwardShortConfig,
-    BackwardStatsConfig,
     ForwardLongConfig,
     ForwardShortConfig,
     TailSpec,
@@ -87,11 +86,7 @@ class TailForwardConfig(_TailRows):
 @dataclass(frozen=True)
 class TailGradientConfig(_TailRows):
     """The composed backward's first kernel (``tail_kernels.TailGradient``): grad_out -> dx (fp32) and the norm
-    weight's gradient through per-CTA slabs, persistent CTAs over row ranges. ``pool_reduces``: the slabs follow
-    the statistics backward's, whose reduction sums them (``BackwardStatsConfig.norm_entries``); no reduction
-    launch here."""
-
-    pool_reduces: bool = False
+    weight's gradient through per-CTA slabs and their reduction, persistent CTAs over row ranges."""
 
     carveout = 50
     tiles = 1
@@ -230,9 +225,17 @@ def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: Device
 
 
 def stats_backward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
-    """The statistics backward's tile (``stats_backward_for_sm90``) with the tail (``stats_tail.py``: every CTA
-    computes its rows' norm terms, then dx of its columns), or None where its shared memory would not fit."""
-    config: BackwardStatsConfig = replace(stats_backward_for_sm90(ratio, coff, head_dim, device), tail=tail)
+    """The statistics backward's slab form (``stats_backward_for_sm90``) with the tail (``stats_tail.py``: every CTA
+    computes its rows' norm terms, then dx of its columns), or None where the composed route serves the window: the
+    whole-tile form, whose every CTA would read all rows for their terms. Slot groups of half the slots (twice as
+    many, half the row lanes: the same threads and tiles) leave the registers the tail's operands need."""
+    config = stats_backward_for_sm90(ratio, coff, head_dim, device)
+    if config.whole_tile:
+        return None
+    if config.slots_per_group > 1 and config.row_lanes > 1:
+        config = replace(config, slots_per_group=config.slots_per_group // 2, slot_groups=config.slot_groups * 2,
+                         row_lanes=config.row_lanes // 2)  # fmt: skip
+    config = replace(config, tail=tail)
     return config if config.smem_bytes <= device.shared_memory_per_block else None
 
 

@@ -6,8 +6,8 @@ rows, run after the statistics forward and before the statistics backward.
   ``rsqrt(mean(x*x) + eps)`` (1 without a norm);
 - ``TailGradient``: ``grad_out`` -> the pooling's upstream gradient ``dx`` (fp32 ``(N, head_dim)``): the rotation
   turned back, then the norm's input gradient ``r (w dy) - x r^3 mean(x w dy)``; and the norm weight's gradient
-  ``sum dy x r`` over the real rows, per CTA into a slab, then the fixed-order slab reduction (``ApeReduce``;
-  with ``pool_reduces`` the statistics backward's, after its grad_ape slabs): bitwise the same from run to run. Padding rows and rows that fail the bounds guard get ``dx = 0`` and add
+  ``sum dy x r`` over the real rows, per CTA into a slab, then the fixed-order slab reduction (``ApeReduce``):
+  bitwise the same from run to run. Padding rows and rows that fail the bounds guard get ``dx = 0`` and add
   nothing to the weight's gradient.
 
 A row belongs to ``row_threads`` threads (``vector_width`` columns each, ``column_steps`` steps); its sums run over
@@ -284,14 +284,14 @@ class TailGradient(_TailRows):
                  grad_norm_weight: cute.Pointer, norm_eps: Float32, max_position: Int32,
                  stream: cuda.CUstream):  # fmt: skip
         """Host function (arguments: ``build.py``): ``num_ctas`` persistent CTAs of ``rows_per_cta`` rows (a multiple
-        of the row lanes), then with a norm the slabs' reduction into grad_norm_weight (unless ``pool_reduces``)."""
+        of the row lanes), then with a norm the slabs' reduction into grad_norm_weight."""
         cfg = self.config
         args = (grad_out, x, cu_seqlens, cu_seqlens_comp, dx, slabs, segments, total_comp, tokens, rows_per_cta)
         tail = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
         self.kernel(*args, *tail).launch(
             grid=[num_ctas, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
         )
-        if cutlass.const_expr(cfg.tail.has_norm and not cfg.pool_reduces):
+        if cutlass.const_expr(cfg.tail.has_norm):
             self.reduce.launch(slabs, grad_norm_weight, num_ctas, stream)
 
     @cute.kernel

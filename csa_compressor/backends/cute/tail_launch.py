@@ -7,14 +7,13 @@ capture in particular).
   forward writes the statistics where the call asks for them; a backward's slabs have ``config.slab_entries``
   floats per CTA (their entries past ape_size reduce into grad_norm_weight);
 - composed: the statistics forward into ``stats`` (the caller's, else a workspace) and ``TailForward``; backward:
-  the statistics recomputed into a workspace where none were given, ``TailGradient`` into a dx workspace, then the
-  statistics backward reading dx. With a norm and the statistics backward's slab form (``pool_reduces``) the
-  weight's slabs follow the grad_ape slabs in one slab space, and the statistics backward's reduction sums both;
-  otherwise (whole tiles) ``TailGradient`` reduces its own.
+  the statistics recomputed into a workspace where none were given, ``TailGradient`` into a dx workspace (with a
+  norm, its weight slabs into another, reduced by its own host function), then the statistics backward reading
+  dx. The fused statistics backward also recomputes the statistics where none were given.
 
 Workspaces (statistics, the pooled rows' bf16 copy, dx, the weight's own slabs) are ``torch.empty`` on the launch
 stream, so the caching allocator hands their blocks to no other stream before the stream's work has run, and under
-capture they come from the graph's pool. The pooling backward's slabs (with ``pool_reduces`` the weight's too) are
+capture they come from the graph's pool. The pooling backward's slabs (with a fused norm, the weight's too) are
 ``launch.slab_space``'s: the per-stream scratch of eager calls.
 """
 
@@ -176,7 +175,7 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
         if route.fused is not None:
             _fused_backward(route, tensors, stream, stats, block)
         else:
-            _composed_backward(route, tensors, stream, stats, block, grad_norm_weight)
+            _composed_backward(route, tensors, stream, stats, block)
 
 
 def _fused_backward(route, tensors, stream, stats, block, scratch: bool = True) -> None:
@@ -199,8 +198,8 @@ def _recomputed_stats(route, tensors, stream):
     return stats
 
 
-def _composed_backward(route, tensors, stream, stats, block, grad_norm_weight, scratch: bool = True) -> None:
-    """Statistics (recomputed where not given), dx, then the statistics backward on dx."""
+def _composed_backward(route, tensors, stream, stats, block, scratch: bool = True) -> None:
+    """Statistics (recomputed where not given), dx and the weight's gradient, then the statistics backward on dx."""
     kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads = tensors
     n, d = grad_out.shape
     inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
@@ -209,22 +208,9 @@ def _composed_backward(route, tensors, stream, stats, block, grad_norm_weight, s
     dx = workspace((n, d), torch.float32, kv.device, stream)
     gradient = (grad_out, stats, cu_seqlens, cu_seqlens_comp, dx, kv.shape[0])
     grid = base.backward_grid(route.tail, n, d)  # (rows_per_cta, num_ctas): one weight slab per CTA
-    pool_tensors = (*inputs, dx, *grads)
-    if not route.tail.config.pool_reduces:
-        has_norm = route.tail.config.tail.has_norm
-        slabs = workspace((grid[1] * d,), torch.float32, kv.device, stream) if has_norm else None
-        _tail_gradient(route.tail, gradient, _ptr(slabs), grid, block, stream)
-        base.call_backward(route.pool, pool_tensors, stream, stats, scratch=scratch)
-        return
-    pool = route.pool
-    rows_per_cta, num_ctas = base.backward_grid(pool, n, pool.config.slab_entries)
-    offset = pool.config.reduce.norm_offset(num_ctas)  # the weight's slabs start here (floats)
-    handle = base._stream_handle(stream, kv.device.index)
-    ws, _owner, lock = base.slab_space(kv.device, stream, handle, offset + grid[1] * d, scratch)
-    args = base.backward_arguments(pool_tensors, ws, stats, rows_per_cta, num_ctas)
-    with lock:  # both kernels' slabs: no other launch on the stream between them
-        _tail_gradient(route.tail, gradient, ws + 4 * offset, grid, block, stream)
-        pool.function(*args[:11], grad_norm_weight.data_ptr(), *args[11:], grid[1], handle)
+    slabs = workspace((grid[1] * d,), torch.float32, kv.device, stream) if route.tail.config.tail.has_norm else None
+    _tail_gradient(route.tail, gradient, _ptr(slabs), grid, block, stream)
+    base.call_backward(route.pool, (*inputs, dx, *grads), stream, stats, scratch=scratch)
 
 
 def _tail_gradient(launcher, gradient, slabs: int, grid, block, stream) -> None:
@@ -275,7 +261,7 @@ def _prime(route, direction: str, ratio: int, coff: int, head_dim: int, index: i
     if route.fused is not None:
         _fused_backward(route, tensors, None, None, block, scratch=False)
     else:
-        _composed_backward(route, tensors, None, None, block, grad_w, scratch=False)
+        _composed_backward(route, tensors, None, None, block, scratch=False)
 
 
 def compile(direction, ratio, coff, head_dim, dtype, index, tail_config) -> None:
