@@ -293,6 +293,16 @@ def _direct_tail(norm_weight, rope_cos, rope_sin, position_start) -> bool:
     )
 
 
+def _eager_tail(norm_weight, rope_cos, rope_sin, position_start) -> bool:
+    """Whether a direct call's tail (``_direct_tail``) may leave its tables out of ``apply``'s inputs: neither asks
+    for a gradient (an input that does makes the output require one, though none flows to it)."""
+    return (
+        _direct_tail(norm_weight, rope_cos, rope_sin, position_start)
+        and (rope_cos is None or not rope_cos.requires_grad)
+        and (rope_sin is None or not rope_sin.requires_grad)
+    )
+
+
 # The defaults of the tail's arguments after norm_weight, in compressor_pool's order.
 _TAIL_REST_DEFAULTS = (1e-6, None, None, 0, True, None)
 
@@ -300,9 +310,10 @@ _TAIL_REST_DEFAULTS = (1e-6, None, None, 0, True, None)
 class CompressorPoolFunction(torch.autograd.Function):
     """autograd over the custom ops; gradients flow to ``kv``, ``score``, ``ape`` and ``norm_weight``.
 
-    In plain eager mode (see ``_direct``) both directions call the wrappers' code directly. Long windows
-    save the forward's softmax statistics ``(total_comp, 3, d)`` fp32 for the backward, which then reads
-    each input once instead of twice, on the backends whose statistics pair is validated
+    In plain eager mode (see ``_direct``) both directions call the wrappers' code directly; there
+    ``compressor_pool`` with a tail takes ``_TailPoolFunction``, the same computation with fewer arguments.
+    Long windows save the forward's softmax statistics ``(total_comp, 3, d)`` fp32 for the backward, which
+    then reads each input once instead of twice, on the backends whose statistics pair is validated
     (``api.autograd_uses_stats``). With a norm the forward also saves each row's ``rstd`` (``total_comp``
     floats). The norm weight's gradient is computed in fp32 and handed back in the weight's dtype; the
     rotary tables and ``position_start`` get none.
@@ -340,7 +351,8 @@ class CompressorPoolFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.tail_scalars is not None:
-            return _backward_tail(ctx, grad_out)
+            grad_kv, grad_score, grad_ape, grad_weight = _backward_tail(ctx, grad_out)
+            return (grad_kv, grad_score, grad_ape, *_NO_GRADS_BEFORE_WEIGHT, grad_weight, *_NO_GRADS_AFTER_WEIGHT)
         kv, score, ape, cu_seqlens, cu_seqlens_comp, *rest = ctx.saved_tensors
         stats = rest[0] if rest else None
         if _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp) and type(grad_out) in _PLAIN:
@@ -365,14 +377,36 @@ class CompressorPoolFunction(torch.autograd.Function):
         return grad_kv, grad_score, grad_ape, None, None, None, None, None, None, None
 
 
-def _forward_tail(ctx, inputs, total_comp, tail_args):
-    """``CompressorPoolFunction.forward`` with a tail: the tail ops (or their code, eagerly), rstd saved."""
+class _TailPoolFunction(torch.autograd.Function):
+    """``compressor_pool`` with a tail on the direct path (``_direct``, ``_eager_tail``): ``CompressorPoolFunction``'s
+    tail path with what takes no gradient as one argument, since ``apply`` costs host time per argument (tracing
+    and tensor subclasses keep ``CompressorPoolFunction`` and its custom ops)."""
+
+    @staticmethod
+    def forward(ctx, kv, score, ape, norm_weight, call):
+        """``call``: ``((cu_seqlens, cu_seqlens_comp), ratio, coff, total_comp, backend, validate, tail_rest)``,
+        ``tail_rest`` the tail's six arguments after ``norm_weight``, as ``CompressorPoolFunction`` takes them."""
+        offsets, ratio, coff, total_comp, backend, validate, tail_rest = call
+        ctx.ratio, ctx.coff, ctx.backend, ctx.validate = ratio, coff, backend, validate
+        return _forward_tail(ctx, (kv, score, ape, *offsets), total_comp, (norm_weight, *tail_rest), direct=True)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_kv, grad_score, grad_ape, grad_weight = _backward_tail(ctx, grad_out)
+        return grad_kv, grad_score, grad_ape, grad_weight, None
+
+
+def _forward_tail(ctx, inputs, total_comp, tail_args, direct=None):
+    """The forward with a tail: the tail ops (or their code, eagerly: ``direct``, tested here when None), rstd
+    saved."""
     ratio, coff, backend, validate = ctx.ratio, ctx.coff, ctx.backend, ctx.validate
     norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start = tail_args
     # The backward's scalars in one attribute (the weight's dtype last): one write here, one read there.
     ctx.tail_scalars = (norm_eps, rope_dim, rope_interleaved, None if norm_weight is None else norm_weight.dtype)
     use_stats = api.autograd_uses_stats(inputs[0], ratio, coff, backend)
-    if _direct(*inputs) and _direct_tail(norm_weight, rope_cos, rope_sin, position_start):
+    if direct is None:
+        direct = _direct(*inputs) and _direct_tail(norm_weight, rope_cos, rope_sin, position_start)
+    if direct:
         out, rstd, stats = api._pool_forward_tail(
             inputs, ratio, coff, total_comp, backend, tail_args, return_stats=use_stats, return_rstd=True,
             validate=validate,
@@ -393,13 +427,14 @@ def _forward_tail(ctx, inputs, total_comp, tail_args):
     return out
 
 
-# What the backward returns for the arguments after ape (the offsets and scalars, then the tail's: the norm
-# weight's gradient goes between them), composed once.
+# What CompressorPoolFunction's backward returns for its arguments after ape (the offsets and scalars, then the
+# tail's: the norm weight's gradient goes between them), composed once.
 _NO_GRADS_BEFORE_WEIGHT = (None,) * 7
 _NO_GRADS_AFTER_WEIGHT = (None,) * 6
 
 
 def _backward_tail(ctx, grad_out):
+    """The backward with a tail: ``(grad_kv, grad_score, grad_ape, grad_norm_weight or None)``."""
     kv, score, ape, cu_seqlens, cu_seqlens_comp, norm_weight, rope_cos, rope_sin, position_start, stats, rstd = (
         ctx.saved_tensors
     )
@@ -421,7 +456,7 @@ def _backward_tail(ctx, grad_out):
         grad_weight = None
     elif grad_weight.dtype != norm_dtype:
         grad_weight = grad_weight.to(norm_dtype)  # computed in fp32 (a sum over rows), stored as the weight
-    return (grad_kv, grad_score, grad_ape, *_NO_GRADS_BEFORE_WEIGHT, grad_weight, *_NO_GRADS_AFTER_WEIGHT)
+    return grad_kv, grad_score, grad_ape, grad_weight
 
 
 def compressor_pool(
@@ -461,10 +496,14 @@ def compressor_pool(
         return CompressorPoolFunction.apply(
             kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate
         )
+    tail_rest = (norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+    direct = _direct(kv, score, ape, cu_seqlens, cu_seqlens_comp)
+    if direct and _eager_tail(norm_weight, rope_cos, rope_sin, position_start):
+        call = ((cu_seqlens, cu_seqlens_comp), ratio, coff, total_comp, backend, validate, tail_rest)
+        return _TailPoolFunction.apply(kv, score, ape, norm_weight, call)
     return CompressorPoolFunction.apply(
-        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate, norm_weight,
-        norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start,
-    )  # fmt: skip
+        kv, score, ape, cu_seqlens, cu_seqlens_comp, ratio, coff, total_comp, backend, validate, norm_weight, *tail_rest
+    )
 
 
 class CompressorPool(nn.Module):

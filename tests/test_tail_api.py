@@ -519,6 +519,36 @@ def test_function_apply_keeps_the_positional_tail():
         CompressorPoolFunction.apply(*head, tail.norm_weight, *(getattr(tail, n) for n in NAMES[1:]), None)
 
 
+def test_compressor_pool_eager_tail_is_the_function_bitwise():
+    """compressor_pool's eager tail calls take the lean Function: the public Function's results and gradients, a
+    table that asks for a gradient keeps the public one (its output then requires a gradient), in-place changes of
+    the saved tables are still caught."""
+    pack, tail = case_pack_and_tail("r4c2d5-rope2-pos", seed=23)
+    head = (*pack.inputs[3:], pack.ratio, pack.coff, pack.total_comp, "reference")
+    results = []
+    for lean in (True, False):
+        leaves = _leaves(pack.kv, pack.score, pack.ape, tail.norm_weight)
+        kw = _kwargs(dataclasses.replace(tail, norm_weight=leaves[3]))
+        if lean:
+            out = compressor_pool(*leaves[:3], *head, **kw)
+            assert type(out.grad_fn).__name__ == "_TailPoolFunctionBackward"
+        else:
+            out = CompressorPoolFunction.apply(*leaves[:3], *head, False, *kw.values())
+        out.backward(pack.grad_out)
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+    cos = tail.rope_cos.clone().requires_grad_(True)
+    out = compressor_pool(*pack.inputs[:3], *head, **_kwargs(dataclasses.replace(tail, rope_cos=cos)))
+    assert type(out.grad_fn).__name__ == "CompressorPoolFunctionBackward"
+    leaves = _leaves(pack.kv, pack.score, pack.ape)
+    sin = tail.rope_sin.clone()
+    out = compressor_pool(*leaves, *head, **_kwargs(dataclasses.replace(tail, rope_sin=sin)))
+    sin.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(pack.grad_out)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [*TAIL_BACKENDS, pytest.param("cute", marks=_marks("cute"))])
 def test_cuda_graph_captures_the_tail(backend):
