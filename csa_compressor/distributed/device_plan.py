@@ -109,6 +109,11 @@ class DevicePlan:
         """The call has a boundary pack or takes part in a halo exchange (the side stream's work)."""
         return self.boundary is not None or self.exchange
 
+    @property
+    def side(self) -> bool:
+        """The side stream's work runs beside an interior call: alone, forking to it would only add host time."""
+        return self.interior is not None and self.uses_halo
+
     def forward_placement(self, head_dim: int, itemsize: int) -> str:
         """The placement of a call with rows of ``head_dim`` elements of ``itemsize`` bytes: ``patch`` needs
         its shifted interior rows aligned, and is a ``gather`` otherwise."""

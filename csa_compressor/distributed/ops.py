@@ -111,7 +111,8 @@ def _out_buffers(dp: DevicePlan, kind: str, new_empty, d: int):
         buf = new_empty((dp.patch_rows, d))
         return buf, buf[dp.shift : dp.shift + rows_int], new_empty((rows_b, d))
     buf = new_empty((dp.b_start + rows_b, d))
-    return buf, buf[:rows_int], buf[dp.b_start :]
+    out_int, _, out_b = buf.split_with_sizes((rows_int, dp.b_start - rows_int, rows_b))  # one call for both views
+    return buf, out_int, out_b
 
 
 def _place_rows(dp: DevicePlan, kind: str, buf, out_b):
@@ -152,13 +153,17 @@ def _rows_grads(grad_out, dp: DevicePlan):
         if grad_int is not None:
             return grad_int, None
     grad = _gather_grads(grad_out, dp.grad_src, dp.grad_extra, dp.grad_src.numel())
-    return (grad[: dp.interior.rows] if dp.interior is not None else None), grad[dp.b_start :]
+    if dp.interior is None:
+        return None, grad[dp.b_start :]
+    rows = dp.interior.rows
+    grad_int, _, grad_b = grad.split_with_sizes((rows, dp.b_start - rows, grad.shape[0] - dp.b_start))
+    return grad_int, grad_b
 
 
 class _PoolCP(torch.autograd.Function):
     """The whole CP pooling of one rank as one node, so that its backward (and the collective in it) runs on
     every rank whose ``out_local`` reaches the loss, whether or not the rank produced a row. The boundary
-    call (and the halo exchange) runs on the side stream, beside the interior call."""
+    call (and the halo exchange) runs on the side stream, beside the interior call (``DevicePlan.side``)."""
 
     @staticmethod
     def forward(ctx, kv, score, ape, dp: DevicePlan, ratio, coff, backend, group, reduce_ape):
@@ -166,7 +171,7 @@ class _PoolCP(torch.autograd.Function):
         d = kv.shape[1] // coff
         kind = dp.forward_placement(d, kv.element_size())
         buf, out_int, out_b = _out_buffers(dp, kind, kv.new_empty, d)
-        forked = streams.fork(kv.device) if dp.uses_halo else None
+        forked = streams.fork(kv.device) if dp.side else None
         stats_int = None
         if dp.interior is not None:
             stats_int = _forward_call(kv, score, ape, dp.interior, out_int, call)
@@ -187,7 +192,7 @@ class _PoolCP(torch.autograd.Function):
         grad_ape = torch.empty_like(ape) if dp.interior is not None else torch.zeros_like(ape)
         grad_ape_b = torch.empty_like(ape) if dp.boundary is not None else None
         grad_send = kv.new_empty((dp.sent, 2 * kv.shape[1])) if dp.exchange else None
-        forked = streams.fork(kv.device) if dp.uses_halo else None
+        forked = streams.fork(kv.device) if dp.side else None
         if dp.interior is not None:
             op = dp.interior
             api._pool_backward_into(kv, score, ape, op.cu, op.cc, grad_int, (grad_kv, grad_score, grad_ape),

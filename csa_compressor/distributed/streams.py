@@ -4,8 +4,8 @@
 wait for the side stream's; each records an event on one stream and makes the other wait for it, which is also
 how a side stream joins a CUDA-graph capture. The events are made once per thread and device and recorded
 again on every call: a wait takes the event's state when it is queued, and a thread queues each wait right
-after its record. ``on_side`` runs a function with the side stream current (``torch.cuda.set_stream``, a
-cheaper switch than ``torch.cuda.stream``'s context where the current device is the stream's).
+after its record. ``on_side`` runs a function with the side stream current (set through torch's C function,
+a cheaper switch than ``torch.cuda.stream``'s context, where the current device is the stream's).
 
 The caching allocator stays safe without ``record_stream``: a block of the side stream's pool is reused only by
 later side work, which starts with a fork and so runs after every use the current stream queued; a block of
@@ -28,6 +28,7 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}
 # High priority: the boundary call's small kernels take SMs as the interior's blocks retire, not after them.
 _PRIORITY = -1
 _LOCAL = threading.local()  # .events: device index -> (fork event, join event) of this thread
+_MAIN: dict[tuple, torch.cuda.Stream] = {}  # (stream id, device index, device type) -> its Stream object
 
 
 def side_stream(device: torch.device):
@@ -51,17 +52,28 @@ def _events(index: int) -> tuple:
     return pair
 
 
+def _current_stream(index: int):
+    """The current stream of device ``index`` through torch's C functions (``torch.cuda.current_stream`` and
+    ``set_stream`` are several Python calls each, as much host time as the rest of a fork); its Stream object
+    made once per stream."""
+    key = torch._C._cuda_getCurrentStream(index)
+    stream = _MAIN.get(key)
+    if stream is None:
+        stream = _MAIN[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+    return stream
+
+
 def fork(device: torch.device):
-    """``(current stream, side stream, events)`` of ``device`` after making the side stream wait for the
+    """``(current stream, side stream, join event)`` of ``device`` after making the side stream wait for the
     current stream's work so far; None without a side stream (the CPU)."""
     side = side_stream(device)
     if side is None:
         return None
-    main = torch.cuda.current_stream(side.device_index)
-    events = _events(side.device_index)
-    events[0].record(main)
-    side.wait_event(events[0])
-    return main, side, events
+    main = _current_stream(side.device_index)
+    forked, joined = _events(side.device_index)
+    forked.record(main)
+    forked.wait(side)
+    return main, side, joined
 
 
 def on_side(forked, fn, *args):
@@ -69,19 +81,19 @@ def on_side(forked, fn, *args):
     if forked is None:
         return fn(*args)
     main, side = forked[0], forked[1]
-    if torch.cuda.current_device() != side.device_index:  # set_stream would also switch the device
+    if torch._C._cuda_getDevice() != side.device_index:  # setting the stream would also switch the device
         with torch.cuda.stream(side):
             return fn(*args)
-    torch.cuda.set_stream(side)
+    torch._C._cuda_setStream(side.stream_id, side.device_index, side.device_type)
     try:
         return fn(*args)
     finally:
-        torch.cuda.set_stream(main)
+        torch._C._cuda_setStream(main.stream_id, main.device_index, main.device_type)
 
 
 def join(forked) -> None:
     """Make the current stream of ``forked`` wait for its side stream's work so far."""
     if forked is not None:
-        main, side, events = forked
-        events[1].record(side)
-        main.wait_event(events[1])
+        main, side, joined = forked
+        joined.record(side)
+        joined.wait(main)
