@@ -166,7 +166,9 @@ class _PoolCP(torch.autograd.Function):
     call (and the halo exchange) runs on the side stream, beside the interior call (``DevicePlan.side``)."""
 
     @staticmethod
-    def forward(ctx, kv, score, ape, dp: DevicePlan, ratio, coff, backend, group, reduce_ape):
+    def forward(ctx, kv, score, ape, args):
+        # args: (plan, ratio, coff, backend, group, reduce_ape), one argument (apply costs host time per argument)
+        dp, ratio, coff, backend, group, _ = args
         call = (ratio, coff, backend, group, api.autograd_uses_stats(kv, ratio, coff, backend))
         d = kv.shape[1] // coff
         kind = dp.forward_placement(d, kv.element_size())
@@ -178,13 +180,13 @@ class _PoolCP(torch.autograd.Function):
         kv_b, score_b, stats_b = streams.on_side(forked, _boundary_forward, dp, kv, score, ape, out_b, call)
         streams.join(forked)
         ctx.save_for_backward(kv, score, ape, kv_b, score_b, stats_int, stats_b)
-        ctx.dp, ctx.call = dp, (ratio, coff, backend, group, reduce_ape)
+        ctx.args = args
         return _place_rows(dp, kind, buf, out_b)
 
     @staticmethod
     def backward(ctx, grad_out):
         kv, score, ape, kv_b, score_b, stats_int, stats_b = ctx.saved_tensors
-        dp, (ratio, coff, backend, group, reduce_ape) = ctx.dp, ctx.call
+        dp, ratio, coff, backend, group, reduce_ape = ctx.args
         grad_out = grad_out.contiguous()
         grad_int, grad_b = _rows_grads(grad_out, dp)
         # Every buffer is allocated here, on the current stream, before the side stream forks (streams.py).
@@ -197,8 +199,8 @@ class _PoolCP(torch.autograd.Function):
             op = dp.interior
             api._pool_backward_into(kv, score, ape, op.cu, op.cc, grad_int, (grad_kv, grad_score, grad_ape),
                                     ratio, coff, backend, stats_int)  # fmt: skip
-        side_args = (grad_out, grad_b, (kv_b, score_b, ape), pack_grads, grad_ape_b, grad_send, ctx.call, stats_b)
-        streams.on_side(forked, _side_backward, dp, *side_args)
+        side_args = (grad_out, grad_b, (kv_b, score_b, ape), pack_grads, grad_ape_b, grad_send, stats_b)
+        streams.on_side(forked, _side_backward, ctx.args, *side_args)
         streams.join(forked)
         if dp.boundary is not None:
             grad_ape.add_(grad_ape_b)  # always interior + boundary: a fixed order, the same bits every run
@@ -206,7 +208,7 @@ class _PoolCP(torch.autograd.Function):
             _halo_add_grads(dp, grads, pack_grads, grad_send)
         if reduce_ape:
             dist.all_reduce(grad_ape, group=group)
-        return grad_kv, grad_score, grad_ape, None, None, None, None, None, None
+        return grad_kv, grad_score, grad_ape, None
 
 
 def _boundary_forward(dp: DevicePlan, kv, score, ape, out_b, call):
@@ -234,10 +236,10 @@ def _grad_buffers(dp: DevicePlan, kv):
     return grads, *_halves(grads, stride, tokens), pack_grads
 
 
-def _side_backward(dp: DevicePlan, grad_out, grad_b, inputs, pack_grads, grad_ape_b, grad_send, call, stats_b):
+def _side_backward(args, grad_out, grad_b, inputs, pack_grads, grad_ape_b, grad_send, stats_b):
     """The side stream's backward: the boundary call's (its grad_out gathered here when the interior's was a
     slice, ``grad_b`` None) into ``pack_grads`` / ``grad_ape_b``, then the halo's gradients to their owners."""
-    ratio, coff, backend, group, _ = call
+    dp, ratio, coff, backend, group, _ = args
     op = dp.boundary
     if op is not None:
         if grad_b is None:
@@ -354,7 +356,7 @@ def compressor_pool_cp(
         cu, cc, n = direct
         return compressor_pool(kv_local, score_local, ape, cu, cc, ratio, coff, n, backend), dp.rows
     reduce_ape = reduce_ape_grad and not dp.single
-    return _PoolCP.apply(kv_local, score_local, ape, dp, ratio, coff, backend, group, reduce_ape), dp.rows
+    return _PoolCP.apply(kv_local, score_local, ape, (dp, ratio, coff, backend, group, reduce_ape)), dp.rows
 
 
 class _GatherRows(torch.autograd.Function):
