@@ -211,15 +211,16 @@ class ForwardPlan(_Plan):
             self.kernel.launch(grid, stream, *args, *tail)
 
 
-class TailForwardPlan:
+class TailForwardPlan(_Plan):
     """The long-window forward with a tail: the pooling's statistics forward (``pooling``, a ``ForwardPlan`` with
     statistics and no tail, at its own column-chunked tiles) into the caller's statistics or a workspace, then
     ``csa_tail_fwd_kernel`` over whole rows from ``stats[:, 2]``. Whole-row window programs would hold ``head_dim``
     columns of a long window each; the epilogue adds one read of the pooled rows instead."""
 
     def __init__(self, tail_mod, pooling: ForwardPlan, ratio, head_dim, tail, interpret):
-        self.pooling, self.head_dim, self.device = pooling, head_dim, pooling.device
-        self.with_stats = True  # the statistics are written (the caller's buffer, or a workspace)
+        # The statistics are written (the caller's buffer, or a workspace).
+        super().__init__(pooling.device, interpret, with_stats=True)
+        self.pooling, self.head_dim = pooling, head_dim
         block_d = pow2(head_dim)
         self.block_r = max(1, min(64, TAIL_FWD_ELEMENTS // block_d))
         consts = dict(
@@ -231,17 +232,22 @@ class TailForwardPlan:
     def _stats(self, n_rows: int) -> torch.Tensor:
         return _workspace((n_rows, 3, self.head_dim), self.device)
 
+    def _size(self, n_rows: int, num_segments: int) -> tuple:
+        """(epilogue programs, search halvings) of an ``n_rows`` problem."""
+        return self._remember((n_rows, num_segments), (cdiv(n_rows, self.block_r), search_iters(num_segments)))
+
     def __call__(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail=NO_TAIL) -> None:
         """``stats``: the caller's ``(N, 3, d)`` buffer, or None (a workspace on ``stream``)."""
-        if self.pooling._elsewhere():
-            with torch.cuda.device(self.pooling.index):
+        if self._elsewhere():
+            with torch.cuda.device(self.index):
                 return self(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats, tail)
         n_rows, num_segments = out.shape[0], cu_seqlens.shape[0] - 1
         if stats is None:
             stats = _on_stream(stream, lambda: self._stats(n_rows))
         self.pooling(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stream, stats)
-        offsets = (cu_seqlens, cu_seqlens_comp, n_rows, kv.shape[0], num_segments, search_iters(num_segments))
-        self.epilogue.launch(cdiv(n_rows, self.block_r), stream, stats, out, *offsets, *tail)
+        grid, n_iter = self._sizes.get((n_rows, num_segments)) or self._size(n_rows, num_segments)
+        offsets = (cu_seqlens, cu_seqlens_comp, n_rows, kv.shape[0], num_segments, n_iter)
+        self.epilogue.launch(grid, stream, stats, out, *offsets, *tail)
 
 
 class BackwardPlan(_Plan):
