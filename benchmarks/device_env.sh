@@ -1,11 +1,16 @@
 # Sourced by the device session scripts (run from the repository root): unpack the bundles a device call carries
 # (CuTe-DSL as .cutedsl/*.tar.xz, apache-tvm-ffi as .whl/tvm_ffi_cp312.tar.xz, the tree's packed paths as
-# .devtree/rest.tar.xz: benchmarks/README.md) and put them and the repository on PYTHONPATH.
+# .devtree/rest.tar.xz; or the second half of the two-call form, .cutedsl_b/: benchmarks/README.md) and put them
+# and the repository on PYTHONPATH.
 if [ -f .devtree/rest.tar.xz ]; then
     tar xJf .devtree/rest.tar.xz
 fi
 if [ -d .cutedsl ]; then
     mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
+fi
+# The two-call form: device_stage.sh left the core and the libraries' first part in /tmp.
+if [ -f .cutedsl_b/libs.part.ab ] && [ -f /tmp/libs.part.aa ]; then
+    cat /tmp/libs.part.aa .cutedsl_b/libs.part.ab | xz -dc | tar xf - -C /tmp/cutedsl
 fi
 if [ -f .whl/tvm_ffi_cp312.tar.xz ]; then
     mkdir -p /tmp/site && tar xJf .whl/tvm_ffi_cp312.tar.xz -C /tmp/site
