@@ -8,7 +8,14 @@ fi
 if [ -d .cutedsl ]; then
     mkdir -p /tmp/cutedsl && for f in .cutedsl/*.tar.xz; do tar xJf "$f" -C /tmp/cutedsl; done
 fi
-# The two-call form: device_stage.sh left the core and the libraries' first part in /tmp.
+# The two-call form: the first call's .cutedsl_a/ is unpacked into /tmp (the libraries' first part kept there), and
+# the second call's .cutedsl_b/ completes the libraries.
+if [ -d .cutedsl_a ]; then
+    mkdir -p /tmp/cutedsl /tmp/site
+    tar xJf .cutedsl_a/core.tar.xz -C /tmp/cutedsl
+    cp .cutedsl_a/libs.part.aa /tmp/
+    tar xJf .cutedsl_a/tvm_ffi_cp312.tar.xz -C /tmp/site
+fi
 if [ -f .cutedsl_b/libs.part.ab ] && [ -f /tmp/libs.part.aa ]; then
     cat /tmp/libs.part.aa .cutedsl_b/libs.part.ab | xz -dc | tar xf - -C /tmp/cutedsl
 fi
