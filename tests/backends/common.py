@@ -1,8 +1,10 @@
 """Set-up shared by the backend tests. Without CUDA the Triton kernels run in the interpreter and CuTe-DSL
 compiles for sm_90a without a driver: set before triton / CuTe-DSL are first imported."""
 
+import importlib.util
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,15 @@ def cute_launch():
     if launch.unavailable_reason() is not None:
         pytest.skip(f"cute backend unavailable: {launch.unavailable_reason()}", allow_module_level=True)
     return launch
+
+
+def cubin_resources(cubin) -> dict:
+    """Registers per thread and the largest stack frame (0 without spills) of a cubin's kernels: the reader of
+    ``benchmarks/cubins.py``, loaded from its file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("cubins", Path(__file__).parents[2] / "benchmarks" / "cubins.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.resources(bytes(cubin))
 
 
 def nan(shape, dtype=F32, device=DEVICE):

@@ -5,16 +5,14 @@ configurations, host-function arguments on the CPU; ``tail.check_backend`` on th
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from .common import ENTRY, cute_launch
+from .common import ENTRY, cubin_resources, cute_launch
 
 launch = cute_launch()
 
@@ -27,9 +25,6 @@ from csa_compressor.backends.cute.forward import ForwardShortWindow  # noqa: E40
 from csa_compressor.testing import make_pack  # noqa: E402
 
 H200 = offline_spec("sm_90a")
-_CUBINS_SPEC = importlib.util.spec_from_file_location("cubins", Path(__file__).parents[2] / "benchmarks" / "cubins.py")
-_CUBINS = importlib.util.module_from_spec(_CUBINS_SPEC)
-_CUBINS_SPEC.loader.exec_module(_CUBINS)  # its cubin reader: registers and stack frame per kernel
 
 
 def spec(norm="fp32", rope_dim=0, interleaved=True, positions=False) -> configs.TailSpec:
@@ -72,7 +67,7 @@ def _build(arch: str, name: str, direction: str):
         kernel = kernel_class(select.fused_tail_config(direction, ratio, coff, head_dim, offline_spec(arch), tail))
         with tempfile.TemporaryDirectory() as dump:
             artifacts = compile_kernel(kernel, arch, dump_dir=dump).artifacts
-            _BUILT[key] = (kernel, artifacts.PTX, _CUBINS.resources(bytes(artifacts.CUBIN)))
+            _BUILT[key] = (kernel, artifacts.PTX, cubin_resources(artifacts.CUBIN))
     return _BUILT[key]
 
 
@@ -128,7 +123,7 @@ def test_long_forward_with_tail_compiles(arch, name):
     assert isinstance(kernel, ForwardLongWindow) and cfg.column_chunks == 1 and not cfg.signals_dependents
     with tempfile.TemporaryDirectory() as dump:
         artifacts = compile_kernel(kernel, arch, dump_dir=dump).artifacts
-        ptx, used = artifacts.PTX, _CUBINS.resources(bytes(artifacts.CUBIN))
+        ptx, used = artifacts.PTX, cubin_resources(artifacts.CUBIN)
     assert "ld.local" not in ptx and "st.local" not in ptx and used["frame"] == 0, used
     assert [_kinds(p) for _n, p in ENTRY.findall(ptx)] == ["ppppppp" + "iii" + "ppppp" + "fi"]
     assert f".minnctapersm {configs.launch_bound(cfg.threads)}" in ptx

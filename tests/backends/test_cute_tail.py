@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .common import BF16, ENTRY, F32, cute_launch
+from .common import BF16, ENTRY, F32, cubin_resources, cute_launch
 
 launch = cute_launch()
 
@@ -237,7 +237,8 @@ def built(request):
         for name, ratio, coff, head_dim, spec in FUSED_BUILDS:
             fused = BackwardWithStats(tail_configs.stats_backward_with_tail(ratio, coff, head_dim, offline_spec(arch),
                                                                             SPECS[spec]))  # fmt: skip
-            result[name] = (fused, build.compile_kernel(fused, arch, dump_dir=dump).artifacts.PTX)
+            artifacts = build.compile_kernel(fused, arch, dump_dir=dump).artifacts
+            result[name] = (fused, artifacts.PTX, cubin_resources(artifacts.CUBIN))
     return arch, result
 
 
@@ -303,9 +304,10 @@ def test_fused_statistics_backward_compiles(built, name):
     """The statistics backward with the tail: no local memory, the backward's parameters then the tail block
     (grad_norm_weight among them), its slab reduction (with a norm: into grad_ape and grad_norm_weight)."""
     arch, kernels = built
-    kernel, ptx = kernels[name]
+    kernel, ptx, resources = kernels[name]
     cfg = kernel.config
     assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
+    assert resources["frame"] == 0, resources  # no spills at the launch bound (the half-slot groups' registers)
     main = "ppppppppppiiii" + "pppppp" + "fi"
     reduce = "pppi" if cfg.has_norm else "ppi"
     assert _entries(ptx) == sorted([main, reduce])

@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from .configs import BackwardStatsConfig
-from .norm_rope import RowTail, div_rn
+from .norm_rope import RowTail, div_rn, select
 from .ptx import add_rn, mul_rn, sub_rn
 from .window import registers, vec_view, widen_plain
 
@@ -90,43 +90,53 @@ class StatsTail:
         width, d = cfg.vector_width, cfg.head_dim
         lane = tidx % 32
         for r in cutlass.range(blk + tidx // 32, blk_end, cfg.threads // 32):
+            # The row's own operands go out before the search for its position, which they do not wait for.
+            operands = [self.term_operands(io, t, r, (k * 32 + lane) * width) for k in range(self.term_steps)]
+            saved = Float32(1.0)
+            if t.has_rstd:
+                saved = cute.make_tensor(t.rstd, cute.make_layout(r + 1))[r]
             pos = Int32(0)
             if cutlass.const_expr(self.row.has_rope):
                 pos = self.row.row_position(seg, r, nreal, cfg.ratio, t.position_start)
             parts = [Float32(0.0), Float32(0.0)]
             for k in cutlass.range_constexpr(self.term_steps):
-                parts = self.term_parts(io, t, r, pos, (k * 32 + lane) * width, parts)
+                parts = self.term_parts(t, pos, (k * 32 + lane) * width, operands[k], parts)
             total_sq, total_dot = self.row.row_sums(parts, terms, 0, 0, tidx)
-            rs = self.row.rstd(total_sq, t.eps)
-            if t.has_rstd:
-                rs = cute.make_tensor(t.rstd, cute.make_layout(r + 1))[r]
+            rs = select(t.has_rstd, saved, self.row.rstd(total_sq, t.eps))
             if lane == 0:
                 terms[2 * (r - blk)] = rs
                 terms[2 * (r - blk) + 1] = div_rn(total_dot, Float32(d))
 
     @cute.jit
-    def term_parts(self, io, t, r, pos, c, parts):
-        """``parts`` (the sums of x*x and x*(w*dy)) with the thread's columns from ``c`` of row ``r`` added in
-        order."""
+    def term_operands(self, io, t, r, c):
+        """(x, grad_out, norm weight, grad_out's partners) of row ``r``'s columns from ``c`` (0 past head_dim)."""
         cfg = self.config
         width, d = cfg.vector_width, cfg.head_dim
         ok = c < d
         x = registers(width)
         g = registers(width, BFloat16)
         weight = registers(width)  # read per row (cached): held across rows it would crowd the row steps
+        partners = registers(width)
         x.fill(0.0)
         g.fill(0.0)
         self.row.load_weight(t.norm_weight, weight, c, ok)
         if ok:
             x.store(vec_view(io.stats, r * (3 * d) + 2 * d + c, width).load())
             g.store(vec_view(io.gout, r * d + c, width).load())
+        if cutlass.const_expr(self.row.has_rope and not self.row.pairs_in_thread):
+            self.row.load_partners(io.gout, r * d, c, ok, partners)
+        return x, g, weight, partners
+
+    @cute.jit
+    def term_parts(self, t, pos, c, operands, parts):
+        """``parts`` (the sums of x*x and x*(w*dy)) with the thread's columns from ``c`` added in order."""
+        width = self.config.vector_width
+        x, g, weight, partners = operands
         dy = widen_plain(g, width)
         if cutlass.const_expr(self.row.has_rope):
-            cs, sn, gp = registers(width), registers(width), registers(width)
+            cs, sn = registers(width), registers(width)
             self.row.load_angles(t.rope_cos, t.rope_sin, pos, t.max_position, c, cs, sn)
-            if cutlass.const_expr(not self.row.pairs_in_thread):
-                self.row.load_partners(io.gout, r * d, c, ok, gp)
-            dy = self.row.turn_back(dy, gp, cs, sn, c)
+            dy = self.row.turn_back(dy, partners, cs, sn, c)
         sq, dot = parts
         for i in cutlass.range_constexpr(width):
             sq = add_rn(sq, mul_rn(x[i], x[i]))
