@@ -64,7 +64,7 @@ class _Op:
         self.tail_config: tails.TailConfig | None = None
         self._module = None
         # Per-call fast path, bound by compile(): the backend's launch function, the scalars it takes and the
-        # configuration's generated rechecks (support.Config, tail_args.TailCheck).
+        # configuration's generated rechecks (support.Config; tail_args.TailCheck's, which returns the Tail).
         self._launch = self._recheck = self._recheck_fresh = self._tail_check = None
         self._ratio = self._coff = self._head_dim = 0
         # Long windows: the forward can save softmax statistics that the backward then uses (reference.py).
@@ -119,7 +119,7 @@ class _Op:
         self._ratio, self._coff, self._head_dim = cfg.ratio, cfg.coff, cfg.head_dim
         self._recheck = getattr(cfg, f"recheck_{self.direction}")
         self._recheck_fresh = getattr(cfg, f"recheck_{self.direction}_fresh")
-        self._tail_check = TailCheck(tail_cfg, cfg.head_dim, cfg.device)
+        self._tail_check = TailCheck(tail_cfg, cfg.head_dim, cfg.device).recheck
         # A backend may bind its function to the configuration (the backends' optional ``bind``).
         bind = getattr(self._module, "bind", None)
         self._launch = getattr(self._module, self.direction) if bind is None else bind(*scalars, tail_cfg)
@@ -290,15 +290,19 @@ class CSACompressorForward(_Op):
         """The wrappers' tail path: ``(out, rstd, softmax_stats)``, each absent one None (``rstd`` needs a norm)."""
         rows = self._recheck_fresh(*inputs, total_comp)
         tail = self._tail_check(inputs[3], *tail_args)
-        device = inputs[0].device
+        kv = inputs[0]
         stats = None
         if want_stats:
-            stats = torch.empty((rows, 3, self._head_dim), dtype=torch.float32, device=device)
+            stats = kv.new_empty((rows, 3, self._head_dim), dtype=torch.float32)
             self.config.recheck_stats(stats, rows)  # long windows only: names the bound otherwise
-        has_norm = tail is not None and tail.has_norm
-        rstd = torch.empty((rows,), dtype=torch.float32, device=device) if want_rstd and has_norm else None
-        out = inputs[0].new_empty((rows, self._head_dim))
-        return self._launch_tail(inputs, out, rows, stream, stats, validate, tail, rstd), rstd, stats
+        has_norm = tail is not None and tail.norm_weight is not None
+        rstd = kv.new_empty((rows,), dtype=torch.float32) if want_rstd and has_norm else None
+        out = kv.new_empty((rows, self._head_dim))
+        if tail is None or not rows or stream is not None or validate or _validation_env() is not None:
+            return self._launch_tail(inputs, out, rows, stream, stats, validate, tail, rstd), rstd, stats
+        # The common case straight to the backend (positional: the contract's order), as _launch_tail would.
+        self._launch(*inputs, out, self._ratio, self._coff, None, stats, tail, rstd)
+        return out, rstd, stats
 
 
 class CSACompressorBackward(_Op):
@@ -423,14 +427,21 @@ class CSACompressorBackward(_Op):
         """The wrappers' tail path: ``(grad_kv, grad_score, grad_ape, grad_norm_weight or None)``."""
         rows = self._recheck_fresh(*inputs, grad_out)
         tail = self._tail_check(inputs[3], *tail_args)
-        self._checked_rstd(rstd, rows, tail)
+        if rstd is not None:
+            self._checked_rstd(rstd, rows, tail)
         kv, score, ape = inputs[:3]
         grads = torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape)
         grad_weight = None
-        if tail is not None and tail.has_norm:
-            grad_weight = torch.empty((self._head_dim,), dtype=torch.float32, device=kv.device)
-        result = self._launch_rows(inputs, grad_out, grads, rows, stream, stats, validate, tail, grad_weight, rstd)
-        return (*result, None) if grad_weight is None else result
+        if tail is not None and tail.norm_weight is not None:
+            grad_weight = kv.new_empty((self._head_dim,), dtype=torch.float32)
+        if tail is None or not rows or stream is not None or validate or _validation_env() is not None:
+            result = self._launch_rows(inputs, grad_out, grads, rows, stream, stats, validate, tail, grad_weight, rstd)
+            return (*result, None) if grad_weight is None else result
+        # The common case straight to the backend (positional: the contract's order), as _launch_rows would.
+        if stats is not None:
+            self.config.recheck_stats(stats, rows)
+        self._launch(*inputs, grad_out, *grads, self._ratio, self._coff, None, stats, tail, grad_weight, rstd)
+        return (*grads, grad_weight)
 
     def _launch_rows(
         self, inputs, grad_out, grads, rows, stream, stats, validate, tail=None, grad_weight=None, rstd=None

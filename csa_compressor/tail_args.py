@@ -84,9 +84,10 @@ def _laid_out(t: str, dtype: str, align: int, device_read: str) -> str:
     return f"{t}.dtype is {dtype} and {t}.is_contiguous() and not {t}.data_ptr() & {align - 1} and {on_device}"
 
 
-def _holds_source(config: TailConfig | None, device_type: str) -> str:
-    """``holds(cu_seqlens, <the seven>)``: whether a call's tail arguments are this configuration's, all bounds
-    kept (it may raise on arguments of the wrong kind; the caller then runs the full check)."""
+def _recheck_source(config: TailConfig | None, device_type: str) -> str:
+    """``recheck(cu_seqlens, <the seven>)``: the call's ``Tail`` (None without one) where its tail arguments are
+    this configuration's, all bounds kept; else (or where a test raises on arguments of the wrong kind) the full
+    check's answer, ``FULL(cu_seqlens, args)``."""
     device_read = _DEVICE_READS.get(device_type, "{t}.device == DEVICE")
     tests = ["(type(norm_eps) is float or type(norm_eps) is int) and 0 <= norm_eps < INF", "type(rope_dim) is int"]
     if config is None:
@@ -113,12 +114,22 @@ def _holds_source(config: TailConfig | None, device_type: str) -> str:
                 "position_start.shape == (cu_seqlens.shape[0] - 1,)",
                 _laid_out("position_start", "I32", 4, device_read),
             ]
-    body = "\n        and ".join(f"({test})" for test in tests)
-    params = "cu_seqlens, norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start"
-    return f"def holds({params}):\n    return (\n        {body}\n    )"
+    body = "\n            and ".join(f"({test})" for test in tests)
+    args = "norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start"
+    # The Tail is built here, not by the caller: one call per execute, no second pass over the arguments.
+    held = "None" if config is None else f"Tail({args})"
+    return (
+        f"def recheck(cu_seqlens, {args}):\n"
+        f"    try:\n"
+        f"        if (\n            {body}\n        ):\n"
+        f"            return {held}\n"
+        f"    except PER_CALL_ERRORS:\n"
+        f"        pass\n"
+        f"    return FULL(cu_seqlens, ({args}))"
+    )
 
 
-def _make_holds(config: TailConfig | None, head_dim: int, device: torch.device):
+def _make_recheck(config: TailConfig | None, head_dim: int, device: torch.device, full):
     index = -1
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -126,18 +137,22 @@ def _make_holds(config: TailConfig | None, head_dim: int, device: torch.device):
         INF=math.inf, INT32_LIMIT=INT32_LIMIT, F32=_F32, I32=_I32, DEVICE=device, INDEX=index,
         WEIGHT_SHAPE=(head_dim,), NORM_DTYPE=None if config is None else config.norm_dtype,
         ROPE_DIM=0 if config is None else config.rope_dim, HALF=0 if config is None else config.rope_dim // 2,
-        INTERLEAVED=None if config is None else config.rope_interleaved,
+        INTERLEAVED=None if config is None else config.rope_interleaved, Tail=Tail,
+        PER_CALL_ERRORS=_PER_CALL_ERRORS, FULL=full,
     )  # fmt: skip
-    exec(compile(_holds_source(config, device.type), "<csa_compressor.tail_args recheck>", "exec"), namespace)
-    return namespace["holds"]
+    exec(compile(_recheck_source(config, device.type), "<csa_compressor.tail_args recheck>", "exec"), namespace)
+    return namespace["recheck"]
 
 
 class TailCheck:
-    """The per-call recheck of the tail arguments for an op compiled for ``config`` (None: no tail)."""
+    """The per-call recheck of the tail arguments for an op compiled for ``config`` (None: no tail).
+
+    ``recheck`` is the generated function itself (what the ops store and call); calling the instance does the same.
+    """
 
     def __init__(self, config: TailConfig | None, head_dim: int, device: torch.device):
         self.config, self.head_dim, self.device = config, head_dim, device
-        self._holds = _make_holds(config, head_dim, device)
+        self.recheck = _make_recheck(config, head_dim, device, self._full)
 
     def __call__(
         self, cu_seqlens, norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start
@@ -145,12 +160,7 @@ class TailCheck:
         """The call's ``Tail`` (None for an identity tail), or ValueError naming the bound or the mismatch.
         ``cu_seqlens`` has passed the pooling's recheck (it gives the batch of ``position_start``)."""
         args = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
-        try:
-            if self._holds(cu_seqlens, *args):
-                return None if self.config is None else Tail(*args)
-        except _PER_CALL_ERRORS:
-            pass
-        return self._full(cu_seqlens, args)
+        return self.recheck(cu_seqlens, *args)
 
     def _full(self, cu_seqlens, args):
         tail = Tail(*args)

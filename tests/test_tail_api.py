@@ -4,6 +4,7 @@ the identity tail, opcheck; ``python -m tests.test_tail_api`` prints the entry p
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import timeit
 
@@ -21,6 +22,7 @@ from csa_compressor import (
     csa_compressor_forward_wrapper,
     dispatch,
     reference,
+    support,
     tail_args,
 )
 from csa_compressor import tail as T
@@ -261,12 +263,17 @@ def test_bf16_weight_gradient_is_the_fp32_one_rounded():
 
 
 def _record_launches(monkeypatch):
+    """Each launch as (direction, the tail's arguments it was given, by name: those not None), whether passed by
+    position or keyword."""
     calls = []
     for direction in ("forward", "backward"):
         real = getattr(reference_launch, direction)
+        signature = inspect.signature(real)
 
-        def record(*args, _real=real, _direction=direction, **kw):
-            calls.append((_direction, sorted(kw)))
+        def record(*args, _real=real, _direction=direction, _signature=signature, **kw):
+            given = _signature.bind(*args, **kw).arguments
+            tail_args = ("tail", "grad_norm_weight", "rstd")
+            calls.append((_direction, sorted(n for n in tail_args if given.get(n) is not None)))
             return _real(*args, **kw)
 
         monkeypatch.setattr(reference_launch, direction, record)
@@ -300,7 +307,7 @@ def test_identity_tail_is_the_pooling_bitwise(monkeypatch, identity):
     out_cls = torch.empty_like(out)
     CSACompressorForward(*pack.inputs, out_cls, **kw, **identity).execute(*pack.inputs, out_cls, **identity)
     assert torch.equal(out_cls, want)
-    # The backend saw the pooling alone: no tail keyword reached it.
+    # The backend saw the pooling alone: no tail argument reached it.
     assert calls and all(keywords == [] for _, keywords in calls)
 
 
@@ -310,7 +317,8 @@ def test_tail_reaches_the_backend_as_a_tail(monkeypatch):
     kw = _rc(pack, backend="reference", **_kwargs(tail))
     csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)
     csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
-    assert calls == [("forward", ["rstd", "tail"]), ("backward", ["grad_norm_weight", "rstd", "tail"])]
+    # The wrappers keep no rstd: the forward computes none and the backward recomputes it.
+    assert calls == [("forward", ["tail"]), ("backward", ["grad_norm_weight", "tail"])]
 
 
 # ---------------------------------------------------------------- bounds
@@ -433,6 +441,30 @@ def test_positions_outside_the_tables_through_the_api(backend):
         with pytest.raises(ValueError, match=bound):
             call()
             raise AssertionError(f"{name} let a position outside the tables through")
+
+
+def test_the_environment_variable_validates_the_tail_paths(monkeypatch):
+    """``CSA_COMPRESSOR_VALIDATE=1`` checks the rows' positions on every tail path, autograd's backward included, as
+    ``validate=True`` does; ``0`` leaves them unchecked and any other value is refused."""
+    pack, tail = out_of_table_tail("r4c2d5-rope2-pos", seed=22)
+    kw = _pool_kw(pack, backend="reference", **_kwargs(tail))
+    monkeypatch.delenv(support.VALIDATE_ENV_VAR, raising=False)
+    pooled = compressor_pool(*_leaves(pack.kv, pack.score, pack.ape), *pack.inputs[3:], **kw)
+    calls = {
+        "forward wrapper": lambda: csa_compressor_forward_wrapper(*pack.inputs, **kw),
+        "backward wrapper": lambda: csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw),
+        "compressor_pool forward": lambda: compressor_pool(*pack.inputs, **kw),
+        "compressor_pool backward": lambda: pooled.backward(pack.grad_out, retain_graph=True),
+    }
+    for value, match in (("1", "row positions must lie in"), ("yes", "CSA_COMPRESSOR_VALIDATE must be 0 or 1")):
+        monkeypatch.setenv(support.VALIDATE_ENV_VAR, value)
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match=match):
+                call()
+                raise AssertionError(f"{name} ran with {support.VALIDATE_ENV_VAR}={value}")
+    monkeypatch.setenv(support.VALIDATE_ENV_VAR, "0")
+    for call in calls.values():
+        call()
 
 
 def test_empty_output_zeroes_the_weight_gradient():
