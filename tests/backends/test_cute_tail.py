@@ -494,6 +494,175 @@ def test_identity_tail_is_the_pooling(host_path):
     assert torch.equal(rstd, torch.ones(n))
 
 
+# ---------------------------------------------------------------- bound calls (launch.bind with a tail)
+
+
+def _tail_of(pack, spec: configs.TailSpec, seed: int = 5):
+    """A tail of ``spec`` for ``pack``."""
+    dtype = F32 if spec.norm_weight_float32 else BF16
+    return T.random_tail(pack, norm=spec.has_norm, norm_dtype=dtype, rope_dim=spec.rope_dim,
+                         interleaved=spec.rope_interleaved, positions=spec.has_positions, seed=seed)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_block_function_is_tail_arguments(name):
+    """The generated block of a spec holds tail_arguments' values, rstd and grad_norm_weight given or not."""
+    pack, _ = _pack_and_tail()
+    spec = SPECS[name]
+    tail = _tail_of(pack, spec)
+    assert tail_launch.spec_of(tail) == spec
+    rstd, grad_w = torch.empty(pack.total_comp), torch.empty(pack.head_dim)
+    for r in (None, rstd):
+        assert tail_launch.block_function(spec)(tail, r) == tail_launch.tail_arguments(tail, r)
+        for g in (None, grad_w):
+            got = tail_launch.block_function(spec, True)(tail, r, g)
+            assert got == tail_launch.tail_arguments(tail, r, g, gradient=True)
+    assert tail_launch.block_function(spec) is tail_launch.block_function(spec)  # one per (spec, gradient)
+
+
+def test_bind_without_a_tail_is_the_module_function():
+    shape = (4, 2, 64, BF16, torch.device("cpu"))
+    assert launch.bind("forward", *shape) is launch.forward and launch.bind("backward", *shape) is launch.backward
+    identity = TailConfig(None, 0, False, True)
+    assert launch.bind("forward", *shape, identity) is launch.forward
+    assert launch.bind("backward", *shape, identity) is launch.backward
+    bound = launch.bind("forward", *shape, TailConfig(F32, 16, True, True))
+    assert bound is not launch.forward and bound.__qualname__.startswith("_bound_forward")
+
+
+def _stats_backward_route(host_path, pack, spec):
+    """The fused statistics backward with the tail (its statistics forward to recompute with), recording."""
+    route = tail_launch.TailRoute.__new__(tail_launch.TailRoute)
+    route.tail = route.pool = None
+    route.stats = _forward_launcher()
+    config = tail_configs.stats_backward_with_tail(pack.ratio, pack.coff, pack.head_dim, H200, spec)
+    route.fused = _backward_launcher(config)
+    host_path[("backward", pack.ratio, pack.coff, pack.head_dim, pack.kv.dtype, None, spec, True)] = route
+    return route
+
+
+def _fused_route(host_path, direction, pack, spec):
+    route = tail_launch.TailRoute.__new__(tail_launch.TailRoute)
+    route.stats = route.tail = route.pool = None
+    cfg = SimpleNamespace(whole_tile=False, slab_entries=pack.ape.numel() + pack.head_dim)
+    route.fused = _forward_launcher() if direction == "forward" else _backward_launcher(cfg)
+    host_path[(direction, pack.ratio, pack.coff, pack.head_dim, pack.kv.dtype, None, spec, True)] = route
+    return route
+
+
+def _recorders(routes):
+    steps = ("fused", "stats", "tail", "pool")
+    return [s for route in routes for s in (getattr(route, n) for n in steps) if s is not None]
+
+
+def _normalised(calls, known: set) -> list:
+    """The calls with each pointer the call allocated itself (workspaces) named by its first appearance."""
+    names: dict = {}
+    return [tuple(names.setdefault(a, f"ws{len(names)}") if isinstance(a, int) and a > 1 << 32 and a not in known
+                  else a for a in call) for call in calls]  # fmt: skip
+
+
+# (name, direction, ratio, coff, head_dim, routes to build, stats given)
+BOUND_CASES = [
+    ("fused forward", "forward", 4, 2, 64, "fused", False),
+    ("composed forward, statistics given", "forward", 4, 2, 64, "fused+composed", True),
+    ("composed forward", "forward", 4, 2, 64, "composed", False),
+    ("fused backward", "backward", 4, 2, 64, "fused", False),
+    ("composed backward", "backward", 4, 2, 64, "composed", False),
+    ("composed backward, statistics given", "backward", 4, 2, 64, "composed", True),
+    ("statistics backward", "backward", 128, 1, 128, "stats", False),
+    ("statistics backward, statistics given", "backward", 128, 1, 128, "stats", True),
+]
+
+
+def _bound_case(host_path, case):
+    """The case's pack, tail, recording routes and the protocol call's arguments."""
+    _, direction, ratio, coff, head_dim, kind, given = case
+    pack = make_pack((300, 9, 1030), head_dim, ratio, coff, token_padding=3, comp_padding=2, seed=6)
+    tail = T.random_tail(pack, rope_dim=16, positions=True, seed=6)
+    spec = tail_launch.spec_of(tail)
+    if kind == "stats":
+        routes = [_stats_backward_route(host_path, pack, spec)]
+    elif kind == "composed":
+        routes = [_composed(host_path, direction, pack, spec)]
+    else:
+        routes = [_fused_route(host_path, direction, pack, spec)]
+        routes += [_composed(host_path, direction, pack, spec, fuse=False)] if kind == "fused+composed" else []
+    n, d = pack.total_comp, head_dim
+    stats = torch.empty((n, 3, d)) if given else None
+    rstd = torch.empty(n)
+    if direction == "forward":
+        args = (*pack.inputs, torch.empty((n, d), dtype=BF16), ratio, coff, None, stats, tail, rstd)
+    else:
+        grads = (torch.empty_like(pack.kv), torch.empty_like(pack.score), torch.empty_like(pack.ape))
+        args = (*pack.inputs, pack.grad_out, *grads, ratio, coff, None, stats, tail, torch.empty(d), rstd)
+    return pack, tail, routes, args
+
+
+@pytest.mark.parametrize("case", BOUND_CASES, ids=[c[0] for c in BOUND_CASES])
+def test_bound_calls_launch_as_the_module_functions(host_path, case):
+    """Every route: the bound function's launches are the module function's, argument for argument (the
+    workspaces each call allocates named by their order); a repeat call finds its route without a lookup."""
+    pack, tail, routes, args = _bound_case(host_path, case)
+    direction, ratio, coff, head_dim = case[1:5]
+    module = launch.forward if direction == "forward" else launch.backward
+    bound = launch.bind(direction, ratio, coff, head_dim, BF16, pack.kv.device, tail.config)
+    known = {t.data_ptr() for t in args if isinstance(t, torch.Tensor)} | set(tail_launch.tail_arguments(tail, None))
+    recorders = _recorders(routes)
+    module(*args)
+    want = [_normalised(r.function.calls, known) for r in recorders]
+    assert any(want)
+    for r in recorders:
+        r.function.calls.clear()
+    bound(*args)
+    host_path.clear()  # resolved at the first call: no lookup after it
+    bound(*args)
+    for r, calls in zip(recorders, want, strict=True):
+        assert _normalised(r.function.calls[: len(calls)], known) == calls
+        assert _normalised(r.function.calls[len(calls) :], known) == calls
+
+
+def test_bound_calls_keep_the_errors_and_the_capture_refusal(host_path, monkeypatch):
+    """grad_norm_weight required with a norm (before any launch); an unresolved route is built as by the module
+    functions, so never under CUDA-graph capture; no tail: the pooling's path."""
+    case = BOUND_CASES[3]
+    pack, tail, routes, args = _bound_case(host_path, case)
+    bound = launch.bind("backward", 4, 2, 64, BF16, pack.kv.device, tail.config)
+    with pytest.raises(ValueError, match="grad_norm_weight"):
+        bound(*args[:-2], None, args[-1])
+    assert routes[0].fused.function.calls == []
+    host_path.clear()
+    with monkeypatch.context() as capturing:
+        capturing.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        for fn in (bound, launch.backward):
+            with pytest.raises(RuntimeError, match="cannot be compiled during CUDA-graph capture"):
+                fn(*args)
+    forward = launch.bind("forward", 4, 2, 64, BF16, pack.kv.device, tail.config)
+    plain = _forward_launcher()
+    launch._LAUNCHERS[("forward", 4, 2, 64, BF16, None)] = plain
+    out, rstd = torch.empty((pack.total_comp, 64), dtype=BF16), torch.full((pack.total_comp,), 7.0)
+    forward(*pack.inputs, out, 4, 2, None, None, None, rstd)
+    assert len(plain.function.calls) == 1 and len(plain.function.calls[0]) == 11
+    assert torch.equal(rstd, torch.ones_like(rstd))
+
+
+def test_compiled_ops_call_the_bound_functions():
+    """The API's ops with a tail call launch.bind's functions (the host-cost tool's stand-ins for the kernels)."""
+    from csa_compressor import api
+    from csa_compressor.bench.host import launch_stubs
+
+    pack, tail = _pack_and_tail()
+    kw = dict(ratio=4, coff=2, head_dim=pack.head_dim, backend="cute", **tail.arguments())
+    with launch_stubs() as stubs:
+        for _ in range(2):
+            before = stubs.launches
+            api.csa_compressor_forward_wrapper(*pack.inputs, total_comp=pack.total_comp, **kw)
+            api.csa_compressor_backward_wrapper(*pack.inputs, pack.grad_out, **kw)
+            assert stubs.launches - before == 2  # the fused forward, the fused backward
+        names = sorted(op._launch.__qualname__ for op in api._OPS.values())
+    assert names == ["_bound_backward.<locals>.backward", "_bound_forward.<locals>.forward"]
+
+
 # ---------------------------------------------------------------- GPU: the contract
 
 

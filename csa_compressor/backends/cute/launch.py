@@ -32,6 +32,7 @@ __all__ = [
     "backward",
     "backward_arguments",
     "backward_grid",
+    "bind",
     "call_backward",
     "call_forward",
     "compile",
@@ -271,6 +272,15 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
     else:
         with torch.cuda.device(index):
             call_backward(launcher, tensors, stream, stats)
+
+
+def bind(direction, ratio, coff, head_dim, dtype, device, tail_config=None):
+    """``forward`` or ``backward`` (as ``direction`` says) for one compiled configuration (the backends' optional
+    ``bind``): with a ``tail_config``, ``tail_launch.bind``'s, whose calls skip the route's lookup; without one, the
+    module's function."""
+    if tail_config is not None:
+        return tail_launch.bind(direction, ratio, coff, head_dim, dtype, device, tail_config)
+    return forward if direction == "forward" else backward
 
 
 def call_backward(launcher, tensors, stream, stats, scratch: bool = True, tail_block=()) -> None:

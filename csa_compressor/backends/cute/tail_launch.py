@@ -15,11 +15,15 @@ Workspaces (statistics, the pooled rows' bf16 copy, dx, the weight's own slabs) 
 stream, so the caching allocator hands their blocks to no other stream before the stream's work has run, and under
 capture they come from the graph's pool. The pooling backward's slabs (with a fused norm, the weight's too) are
 ``launch.slab_space``'s: the per-stream scratch of eager calls.
+
+``bind`` (``launch.bind`` with a tail): the calls of one compiled configuration, each route resolved at its first
+call with or without statistics and the tail's block read by a function generated for the ``TailSpec``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -67,6 +71,27 @@ def tail_arguments(tail, rstd, grad_norm_weight=None, gradient: bool = False) ->
     return (*pointers, float(tail.norm_eps), tail.rope_cos.shape[0] if rope else 0)
 
 
+@functools.cache
+def block_function(spec: TailSpec, gradient: bool = False):
+    """``tail_arguments`` of the tails of ``spec``: ``block(tail, rstd)`` (``gradient``: ``block(tail, rstd,
+    grad_norm_weight)``), generated with only the reads the spec needs (an absent operand is a literal 0)."""
+    rope = spec.rope_dim > 0
+    items = [
+        "tail.norm_weight.data_ptr()" if spec.has_norm else "0",
+        "tail.rope_cos.data_ptr()" if rope else "0",
+        "tail.rope_sin.data_ptr()" if rope else "0",
+        "tail.position_start.data_ptr()" if spec.has_positions else "0",
+        "0 if rstd is None else rstd.data_ptr()",
+        *(["0 if grad_norm_weight is None else grad_norm_weight.data_ptr()"] if gradient else []),
+        "float(tail.norm_eps)",
+        "tail.rope_cos.shape[0]" if rope else "0",
+    ]
+    params = "tail, rstd, grad_norm_weight" if gradient else "tail, rstd"
+    namespace: dict = {}
+    exec(f"def block({params}):\n    return ({', '.join(items)})\n", namespace)
+    return namespace["block"]
+
+
 def _route(direction, ratio, coff, head_dim, dtype, index, spec, fuse=True) -> TailRoute:
     """The route's launchers, created (compiled or loaded, then primed) on a miss."""
     key = (direction, ratio, coff, head_dim, dtype, index, spec, fuse)
@@ -93,15 +118,19 @@ def _route(direction, ratio, coff, head_dim, dtype, index, spec, fuse=True) -> T
 
 
 def _lookup(direction, kv, ratio, coff, head_dim, tail, stats) -> TailRoute:
-    """The call's route: the fused one unless statistics are given to a fused kernel that takes none (all but the
-    long-window forward, which writes them)."""
-    spec = spec_of(tail)
-    index = kv.device.index
-    route = _ROUTES.get((direction, ratio, coff, head_dim, kv.dtype, index, spec, True))
+    """The call's route (``_route_of``)."""
+    return _route_of((direction, ratio, coff, head_dim, kv.dtype, kv.device.index, spec_of(tail)), stats is not None)
+
+
+def _route_of(shape: tuple, given: bool) -> TailRoute:
+    """The route of ``shape`` = (direction, ratio, coff, head_dim, dtype, index, TailSpec): the fused one unless
+    statistics are ``given`` to a fused kernel that takes none (all but the long-window forward, which writes
+    them)."""
+    route = _ROUTES.get((*shape, True))
     if route is None:
-        route = _route(direction, ratio, coff, head_dim, kv.dtype, index, spec)
-    if route.fused is not None and stats is not None and not takes_stats(route.fused.config):
-        route = _route(direction, ratio, coff, head_dim, kv.dtype, index, spec, fuse=False)
+        route = _route(*shape)
+    if route.fused is not None and given and not takes_stats(route.fused.config):
+        route = _route(*shape, fuse=False)
     return route
 
 
@@ -142,11 +171,15 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, strea
     inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
     with _on_device(kv.device.index):
         if route.fused is not None:
-            fused = route.fused
-            function = fused.function if out.shape[0] < fused.wide_rows else fused.wide
-            base.call_forward(function, *inputs, out, stats, stream, block)
+            _fused_forward(route.fused, inputs, out, stats, block, stream)
         else:
             _composed_forward(route, inputs, out, stats, block, stream)
+
+
+def _fused_forward(launcher, inputs, out, stats, block, stream) -> None:
+    """The fused forward (the register-capped build from ``wide_rows`` rows on)."""
+    function = launcher.function if out.shape[0] < launcher.wide_rows else launcher.wide
+    base.call_forward(function, *inputs, out, stats, stream, block)
 
 
 def _composed_forward(route, inputs, out, stats, block, stream) -> None:
@@ -160,6 +193,9 @@ def _composed_forward(route, inputs, out, stats, block, stream) -> None:
                         base._stream_handle(stream, kv.device.index))  # fmt: skip
 
 
+_NEEDS_GRAD_WEIGHT = "cute backend: a tail with norm_weight needs grad_norm_weight, a (head_dim,) float32 buffer"
+
+
 def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff,
              stream, stats, tail, grad_norm_weight, rstd) -> None:  # fmt: skip
     """``launch.backward`` with a tail."""
@@ -168,7 +204,7 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
         base.backward(*tensors, ratio, coff, stream, stats)
         return
     if tail.has_norm and grad_norm_weight is None:
-        raise ValueError("cute backend: a tail with norm_weight needs grad_norm_weight, a (head_dim,) float32 buffer")
+        raise ValueError(_NEEDS_GRAD_WEIGHT)
     route = _lookup("backward", kv, ratio, coff, grad_out.shape[1], tail, stats)
     block = tail_arguments(tail, rstd, grad_norm_weight, gradient=True)
     with _on_device(kv.device.index):
@@ -271,3 +307,80 @@ def compile(direction, ratio, coff, head_dim, dtype, index, tail_config) -> None
         base.compile(direction, ratio, coff, head_dim, dtype, torch.device("cuda", index))
         return
     _route(direction, ratio, coff, head_dim, dtype, index, spec)
+
+
+# ---------------------------------------------------------------- bound calls of one configuration
+
+
+def bind(direction, ratio, coff, head_dim, dtype, device, tail_config):
+    """``launch.bind`` with a ``tail_config``: ``forward`` or ``backward`` for calls with tails of that configuration
+    on ``device`` (the op's tail check has matched them), which resolve their route once per whether statistics are
+    given and read the tail's block with ``block_function``; a call without a tail takes the pooling's path.
+    An identity configuration is the pooling alone: the module's function."""
+    spec = TailSpec.of(tail_config)
+    if not spec.has_norm and not spec.rope_dim:
+        return base.forward if direction == "forward" else base.backward
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is None:
+        index = torch.cuda.current_device()  # as launch.compile resolves it
+    shape = (direction, ratio, coff, head_dim, dtype, index, spec)
+    if direction == "forward":
+        return _bound_forward(shape, block_function(spec))
+    return _bound_backward(shape, block_function(spec, True), spec.has_norm)
+
+
+def _step(steps: list, shape: tuple, given: bool):
+    """The launch of the route with statistics ``given`` or not, resolved (and on a miss built, as ``_route``
+    allows) at its first call: ``step(inputs, out, stats, block, stream)`` forward, ``step(tensors, stream, stats,
+    block)`` backward."""
+    route = _route_of(shape, given)
+    if shape[0] != "forward":
+        step = functools.partial(_fused_backward if route.fused is not None else _composed_backward, route)
+    elif route.fused is not None:
+        step = functools.partial(_fused_forward, route.fused)
+    else:
+        step = functools.partial(_composed_forward, route)
+    steps[given] = step
+    return step
+
+
+def _bound_forward(shape: tuple, block):
+    index = shape[5]
+    steps = [None, None]  # by whether statistics are given
+
+    def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None, stats=None, tail=None,
+                rstd=None) -> None:  # fmt: skip
+        if tail is None:
+            return base.forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats, None,
+                                rstd)  # fmt: skip
+        given = stats is not None
+        step = steps[given] or _step(steps, shape, given)
+        inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
+        if index == base._GET_DEVICE():
+            return step(inputs, out, stats, block(tail, rstd), stream)
+        with torch.cuda.device(index):
+            return step(inputs, out, stats, block(tail, rstd), stream)
+
+    return forward
+
+
+def _bound_backward(shape: tuple, block, has_norm: bool):
+    index = shape[5]
+    steps = [None, None]  # by whether statistics are given
+
+    def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, ratio, coff,
+                 stream=None, stats=None, tail=None, grad_norm_weight=None, rstd=None) -> None:  # fmt: skip
+        tensors = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape)
+        if tail is None:
+            return base.backward(*tensors, ratio, coff, stream, stats)
+        if has_norm and grad_norm_weight is None:
+            raise ValueError(_NEEDS_GRAD_WEIGHT)
+        given = stats is not None
+        step = steps[given] or _step(steps, shape, given)
+        if index == base._GET_DEVICE():
+            return step(tensors, stream, stats, block(tail, rstd, grad_norm_weight))
+        with torch.cuda.device(index):
+            return step(tensors, stream, stats, block(tail, rstd, grad_norm_weight))
+
+    return backward
