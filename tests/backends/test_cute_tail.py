@@ -927,23 +927,29 @@ def test_rstd_and_identity_tail():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bound", [False, True], ids=["module", "bound"])
 @pytest.mark.parametrize("ratio,coff", [(4, 2), (128, 1), (128, 2)])
-def test_cuda_graph_capture_with_a_tail(ratio, coff):
-    """compile() with the tail's configuration, then forward and backward captured: the replay equals the eager call
-    (short fused, long fused forward with the composed backward, composed)."""
+def test_cuda_graph_capture_with_a_tail(ratio, coff, bound):
+    """compile() with the tail's configuration, then forward and backward captured (the module functions or
+    launch.bind's, whose routes the eager call resolves): the replay equals the eager call (short fused, long fused
+    forward with the composed backward, composed)."""
     _gpu_launch()
     pack = make_pack((600, 50, 7, 300), 128, ratio, coff, comp_padding=3, device="cuda", seed=35)
     tail = T.random_tail(pack, rope_dim=64, positions=True, seed=36)
     for direction in ("forward", "backward"):
         launch.compile(direction, ratio, coff, 128, BF16, pack.kv.device, tail_config=tail.config)
+    forward, backward = launch.forward, launch.backward
+    if bound:
+        shape = (ratio, coff, 128, BF16, pack.kv.device, tail.config)
+        forward, backward = launch.bind("forward", *shape), launch.bind("backward", *shape)
     n, d = pack.total_comp, pack.head_dim
     out, rstd = torch.empty((n, d), dtype=BF16, device="cuda"), torch.empty(n, device="cuda")
     grads = (torch.empty_like(pack.kv), torch.empty_like(pack.score), torch.empty_like(pack.ape))
     grad_w = torch.empty(d, device="cuda")
 
     def step():
-        launch.forward(*pack.inputs, out, ratio, coff, None, None, tail, rstd)
-        launch.backward(*pack.inputs, pack.grad_out, *grads, ratio, coff, None, None, tail, grad_w, rstd)
+        forward(*pack.inputs, out, ratio, coff, None, None, tail, rstd)
+        backward(*pack.inputs, pack.grad_out, *grads, ratio, coff, None, None, tail, grad_w, rstd)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
