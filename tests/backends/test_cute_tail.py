@@ -160,8 +160,10 @@ def test_statistics_backward_with_the_tail_reduces_the_weight_in_its_slabs():
         rope_only = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPECS["rope-only-half-pos"])
         assert rope_only.slab_entries == rope_only.ape_size and rope_only.reduce.norm_entries == 0
     # Whole tiles: every CTA would read all rows for their terms; the composed route serves them.
-    assert configs.stats_backward_for_sm90(128, 1, 512, H200).whole_tile
-    assert tail_configs.stats_backward_with_tail(128, 1, 512, H200, SPEC_FULL) is None
+    whole = configs.stats_backward_for_sm90(128, 1, 512, H200)
+    assert whole.whole_tile and tail_configs.stats_backward_with_tail(128, 1, 512, H200, SPEC_FULL) is None
+    with pytest.raises(ValueError, match="slab form"):
+        BackwardWithStats(dataclasses.replace(whole, tail=SPEC_FULL))
 
 
 # ---------------------------------------------------------------- offline compile (sm_90a and sm_100a)
@@ -308,7 +310,7 @@ def test_fused_statistics_backward_compiles(built, name):
     cfg = kernel.config
     assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
     assert resources["frame"] == 0, resources  # no spills at the launch bound (the half-slot groups' registers)
-    main = "ppppppppppiiii" + "pppppp" + "fi"
+    main = "ppppppppppiiii" + "ppppp" + "fi"  # the tail's pointers but grad_norm_weight, which the reduction writes
     reduce = "pppi" if cfg.has_norm else "ppi"
     assert _entries(ptx) == sorted([main, reduce])
     if cfg.has_norm:

@@ -100,22 +100,18 @@ class BackwardWithStats:
                    norm_weight: cute.Pointer, rope_cos: cute.Pointer, rope_sin: cute.Pointer,
                    position_start: cute.Pointer, rstd: cute.Pointer, grad_norm_weight: cute.Pointer,
                    norm_eps: Float32, max_position: Int32, stream: cuda.CUstream):  # fmt: skip
-        """Host function with the tail (arguments: ``build.py``): ``grad_out`` is the gradient of the tail's output,
-        ``rstd`` (0: recomputed) the forward's; ``grad_norm_weight`` is written with a norm, by the main kernel in
-        the whole-tile form, else by the reduction of the slabs."""
+        """Host function with the tail (arguments: ``build.py``; the slab form): ``grad_out`` is the gradient of the
+        tail's output, ``rstd`` (0: recomputed) the forward's; the reduction of the slabs writes grad_ape and, with a
+        norm, ``grad_norm_weight``."""
         cfg = self.config
-        partials = slabs
-        if cutlass.const_expr(cfg.whole_tile):
-            partials = grad_ape
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, partials, stats)
-        tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, grad_norm_weight, norm_eps, max_position)
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs, stats)
+        tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
         launch_tiles(cfg, self.fused_kernel(*args, segments, total_comp, tokens, rows_per_cta, *tail_args), num_ctas,
                      stream)  # fmt: skip
-        if cutlass.const_expr(not cfg.whole_tile):
-            if cutlass.const_expr(cfg.has_norm):
-                self.reduce.launch_with_norm(slabs, grad_ape, grad_norm_weight, num_ctas, stream)
-            else:
-                self.reduce.launch(slabs, grad_ape, num_ctas, stream)
+        if cutlass.const_expr(cfg.has_norm):
+            self.reduce.launch_with_norm(slabs, grad_ape, grad_norm_weight, num_ctas, stream)
+        else:
+            self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
@@ -128,11 +124,10 @@ class BackwardWithStats:
                      cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
                      stats: cute.Pointer, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32,
                      norm_weight: cute.Pointer, rope_cos: cute.Pointer, rope_sin: cute.Pointer,
-                     position_start: cute.Pointer, rstd: cute.Pointer, grad_norm_weight: cute.Pointer, eps: Float32,
-                     max_position: Int32):  # fmt: skip
+                     position_start: cute.Pointer, rstd: cute.Pointer, eps: Float32, max_position: Int32):  # fmt: skip
         tail_io = SimpleNamespace(norm_weight=norm_weight, rope_cos=rope_cos, rope_sin=rope_sin,
-                                  position_start=position_start, rstd=rstd, grad_norm_weight=grad_norm_weight,
-                                  eps=eps, max_position=max_position, has_rstd=rstd.toint() != 0)  # fmt: skip
+                                  position_start=position_start, rstd=rstd, eps=eps, max_position=max_position,
+                                  has_rstd=rstd.toint() != 0)  # fmt: skip
         self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B, N, T, rows_per_cta, tail_io)
 
     @cute.jit
@@ -188,8 +183,7 @@ class BackwardWithStats:
             self.zeros.unowned(gkv, gsc, regs.zero, seg, T, N, bx, gdx, rl * groups + gl, groups * lanes, c)
         self.write_slab(ws, regs.dape, tc, gl, rl, gg, c, col_ok, bx)
         if cutlass.const_expr(cfg.has_norm):
-            self.tail.write_norm(ws, tail_io.grad_norm_weight, th.shared, regs.tail.acc, th.norm_owner, rl, tc, c,
-                                 col_ok, bx)  # fmt: skip
+            self.tail.write_norm(ws, th.shared, regs.tail.acc, th.norm_owner, rl, tc, c, col_ok, bx)
 
     @cute.jit
     def blocked_rows(self, io, seg, regs, th, row_begin, row_lim, nreal):

@@ -8,13 +8,14 @@ both terms for a block of its rows (``term_rows``; one warp per row, its lanes a
 butterfly of shuffles: one fixed order) into shared memory. Each thread then forms its own columns'
 ``dx = r (w dy) - (x r^3) mean(x w dy)``: dy is grad_out rotated back (the partner from the same vector, or read
 again from grad_out) and x the statistics' third plane, loaded a row step ahead; the row's cos and sin and the
-partners are loaded in the step (this CTA's terms read them already).
-The threads of slot group 0 in the first slot chunk add ``dy x r`` of the real rows into the norm weight's
-gradient: per CTA into the slab after its grad_ape partials (the whole-tile form: grad_norm_weight itself).
+partners are loaded in the step (this CTA's terms read them already). The threads of slot group 0 in the first
+slot chunk add ``dy x r`` of the real rows into the norm weight's gradient, per CTA into the slab after its
+grad_ape partials.
 
 Every CTA of a row range reads the range's whole rows for the terms (from L2 after the first): the cost of not
-running a second kernel. Every multiply and add is ``.rn``-pinned in the fp32 reference's order, as in the other
-tail kernels (``norm_rope``).
+running a second kernel, small in the slab form, whose row ranges are short. The whole-tile form (every CTA over
+all rows) is not built with a tail (``tail_configs.stats_backward_with_tail``). Every multiply and add is
+``.rn``-pinned in the fp32 reference's order, as in the other tail kernels (``norm_rope``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class StatsTail:
     step ahead, each column's dx and the norm weight's gradient."""
 
     def __init__(self, config: BackwardStatsConfig):
+        if config.whole_tile:
+            raise ValueError(f"the statistics backward takes the tail in its slab form only, got {config}")
         self.config = config
         self.spec = config.tail
         # Columns of a step are the thread's vector; the terms' rows are one warp each (shuffles only).
@@ -169,9 +172,9 @@ class StatsTail:
         return [sub_rn(mul_rn(r, mul_rn(weight[i], dy[i])), mul_rn(mul_rn(x[i], r3), mean)) for i in range(width)]
 
     @cute.jit
-    def write_norm(self, ws, grad_norm_weight, shared, acc, owner, rl, tc, c, col_ok, bx):
+    def write_norm(self, ws, shared, acc, owner, rl, tc, c, col_ok, bx):
         """The row lanes' weight gradients (``owner`` threads) summed in lane order; row lane 0 writes the CTA's
-        part of its slab (the whole-tile form: of grad_norm_weight). Every thread of the CTA calls this."""
+        part of its slab. Every thread of the CTA calls this."""
         cfg = self.config
         width, cw = cfg.vector_width, cfg.columns_per_cta
         if cutlass.const_expr(cfg.row_lanes > 1):
@@ -183,7 +186,4 @@ class StatsTail:
                     for i in cutlass.range_constexpr(width):
                         acc[i] = add_rn(acc[i], shared.lanes[h * cw + tc * width + i])
         if owner & (rl == 0) & col_ok:
-            if cutlass.const_expr(cfg.whole_tile):
-                vec_view(grad_norm_weight, c, width).store(acc.load())
-            else:
-                vec_view(ws, bx * cfg.slab_entries + cfg.ape_size + c, width).store(acc.load())
+            vec_view(ws, bx * cfg.slab_entries + cfg.ape_size + c, width).store(acc.load())
