@@ -166,6 +166,16 @@ def test_statistics_backward_with_the_tail_reduces_the_weight_in_its_slabs():
         BackwardWithStats(dataclasses.replace(whole, tail=SPEC_FULL))
 
 
+def test_a_gpu_case_spans_several_blocks_of_terms():
+    """The GPU contract's r16c2d64 case gives the fused statistics backward row ranges longer than its block of row
+    terms on an H100 / H200 (132 SMs), so that the terms are recomputed mid-range there."""
+    ratio, coff, head_dim, seqlens = OWN_CASES["r16c2d64-rope64-pos-blocks"][:4]
+    config = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPEC_FULL)
+    grid = SimpleNamespace(row_lanes=config.row_lanes, tiles=config.tiles, capacity=launch.grid_capacity(config, H200))
+    rows_per_cta, _ = launch.backward_grid(grid, sum(s // ratio for s in seqlens), config.slab_entries)
+    assert config.term_rows < rows_per_cta < 2 * config.term_rows
+
+
 # ---------------------------------------------------------------- offline compile (sm_90a and sm_100a)
 
 SPECS = {
@@ -730,6 +740,8 @@ OWN_CASES = {
     "r128c1d128-rope64-padding-ctas": (128, 1, 128, (300, 1, 129), 2, 40, dict(rope_dim=64)),
     "r128c2d65-norm-padding-ctas": (128, 2, 65, (600, 3, 256), 1, 30, dict()),
     "r128c1d128-rope64-pos-many": (128, 1, 128, (20000, 13000, 5400), 3, 3, dict(rope_dim=64, positions=True)),
+    # The statistics backward with the tail over row ranges of several blocks of terms (MULTI_BLOCK_CASE).
+    "r16c2d64-rope64-pos-blocks": (16, 2, 64, (200000, 40000, 3000), 2, 5, dict(rope_dim=64, positions=True)),
     "r128c2d128-rope64-half-bf16w": (128, 2, 128, (9000, 300), 0, 37,
                                      dict(rope_dim=64, interleaved=False, norm_dtype=BF16)),
     "r128c2d128-rope64-only": (128, 2, 128, (9000, 300), 0, 37, dict(norm=False, rope_dim=64)),
