@@ -16,8 +16,12 @@ if [ -d .cutedsl_a ]; then
     cp .cutedsl_a/libs.part.aa /tmp/
     tar xJf .cutedsl_a/tvm_ffi_cp312.tar.xz -C /tmp/site
 fi
-if [ -f .cutedsl_b/libs.part.ab ] && [ -f /tmp/libs.part.aa ]; then
-    cat /tmp/libs.part.aa .cutedsl_b/libs.part.ab | xz -dc | tar xf - -C /tmp/cutedsl
+if [ -f .cutedsl_b/libs.part.ab ]; then
+    if [ -f /tmp/libs.part.aa ]; then
+        cat /tmp/libs.part.aa .cutedsl_b/libs.part.ab | xz -dc | tar xf - -C /tmp/cutedsl
+    else
+        echo "device_env.sh: no /tmp/libs.part.aa (a fresh machine?): carry .cutedsl_a in a call first" >&2
+    fi
 fi
 if [ -f .whl/tvm_ffi_cp312.tar.xz ]; then
     mkdir -p /tmp/site && tar xJf .whl/tvm_ffi_cp312.tar.xz -C /tmp/site
