@@ -30,12 +30,15 @@ CASES = [
     (2, 2, 24, (9, 1, 4), 2, 1),
 ]
 
-# (ratio, coff, head_dim, seqlens, comp_padding, rope_dim): the fused route, the composed one, an odd head_dim.
+# (ratio, coff, head_dim, seqlens, comp_padding, rope_dim): the fused routes (the short kernels; the statistics
+# backward with the tail, the last case's row ranges spanning two blocks of row terms on 132 SMs), the composed one,
+# an odd head_dim.
 TAIL_CASES = [
     (4, 2, 128, (37, 3, 0, 64), 2, 64),
     (128, 1, 128, (300, 17, 256), 1, 64),
     (128, 2, 512, (260, 128), 0, 64),
     (4, 2, 72, (19, 4), 1, 2),
+    (16, 2, 8, (100000, 40000), 2, 8),
 ]
 
 _ALL = "all"
