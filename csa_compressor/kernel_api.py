@@ -252,10 +252,7 @@ class CSACompressorForward(_Op):
             return out
         if stream is not None:
             _keep_alive(stream, (*inputs, out, stats, rstd, *_tail_tensors(tail)))
-        if tail is None:
-            self._launch(*inputs, out, self._ratio, self._coff, stream, stats)
-        else:
-            self._launch(*inputs, out, self._ratio, self._coff, stream, stats, tail=tail, rstd=rstd)
+        self._launch(*inputs, out, self._ratio, self._coff, stream, stats, tail, rstd)  # the protocol's order
         return out
 
     def _run_fresh(self, kv, score, ape, cu_seqlens, cu_seqlens_comp, total_comp, stream, validate=False):
@@ -298,11 +295,7 @@ class CSACompressorForward(_Op):
         has_norm = tail is not None and tail.norm_weight is not None
         rstd = kv.new_empty((rows,), dtype=torch.float32) if want_rstd and has_norm else None
         out = kv.new_empty((rows, self._head_dim))
-        if tail is None or not rows or stream is not None or validate or _validation_env() is not None:
-            return self._launch_tail(inputs, out, rows, stream, stats, validate, tail, rstd), rstd, stats
-        # The common case straight to the backend (positional: the contract's order), as _launch_tail would.
-        self._launch(*inputs, out, self._ratio, self._coff, None, stats, tail, rstd)
-        return out, rstd, stats
+        return self._launch_tail(inputs, out, rows, stream, stats, validate, tail, rstd), rstd, stats
 
 
 class CSACompressorBackward(_Op):
@@ -434,14 +427,8 @@ class CSACompressorBackward(_Op):
         grad_weight = None
         if tail is not None and tail.norm_weight is not None:
             grad_weight = kv.new_empty((self._head_dim,), dtype=torch.float32)
-        if tail is None or not rows or stream is not None or validate or _validation_env() is not None:
-            result = self._launch_rows(inputs, grad_out, grads, rows, stream, stats, validate, tail, grad_weight, rstd)
-            return (*result, None) if grad_weight is None else result
-        # The common case straight to the backend (positional: the contract's order), as _launch_rows would.
-        if stats is not None:
-            self.config.recheck_stats(stats, rows)
-        self._launch(*inputs, grad_out, *grads, self._ratio, self._coff, None, stats, tail, grad_weight, rstd)
-        return (*grads, grad_weight)
+        result = self._launch_rows(inputs, grad_out, grads, rows, stream, stats, validate, tail, grad_weight, rstd)
+        return (*result, None) if grad_weight is None else result
 
     def _launch_rows(
         self, inputs, grad_out, grads, rows, stream, stats, validate, tail=None, grad_weight=None, rstd=None
@@ -463,11 +450,6 @@ class CSACompressorBackward(_Op):
             return result
         if stream is not None:
             _keep_alive(stream, (*inputs, grad_out, *result, stats, rstd, *_tail_tensors(tail)))
-        if tail is None:
-            self._launch(*inputs, grad_out, *grads, self._ratio, self._coff, stream, stats)
-        else:
-            self._launch(
-                *inputs, grad_out, *grads, self._ratio, self._coff, stream, stats, tail=tail,
-                grad_norm_weight=grad_weight, rstd=rstd,
-            )  # fmt: skip
+        # The protocol's order, positional: the tail's three are None without a tail.
+        self._launch(*inputs, grad_out, *grads, self._ratio, self._coff, stream, stats, tail, grad_weight, rstd)
         return result

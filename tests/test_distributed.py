@@ -266,6 +266,17 @@ def test_side_stream_is_cuda_only():
     streams.join(None)
 
 
+@pytest.mark.gpu
+def test_side_stream_uses_torchs_c_stream_functions():
+    """The installed CUDA build of torch has the C functions streams.py switches streams with (a release that renames them makes
+    it fall back to torch.cuda's Python layers, slower but the same: this test says so first)."""
+    from csa_compressor.distributed import streams
+
+    assert streams._GET_STREAM is torch._C._cuda_getCurrentStream
+    assert streams._SET_STREAM is torch._C._cuda_setStream
+    assert streams._GET_DEVICE is torch._C._cuda_getDevice
+
+
 def test_layouts():
     cu = torch.tensor([0, 8, 8, 24], dtype=torch.int32)
     assert CPLayout.contiguous(cu, 1, 3).pieces == ((8, 8),)

@@ -29,6 +29,11 @@ _STREAMS: dict[int, torch.cuda.Stream] = {}
 _PRIORITY = -1
 _LOCAL = threading.local()  # .events: device index -> (fork event, join event) of this thread
 _MAIN: dict[tuple, torch.cuda.Stream] = {}  # (stream id, device index, device type) -> its Stream object
+# torch's C functions behind torch.cuda.current_stream / set_stream / current_device (the public ones where a
+# release lacks them: tests/test_distributed.py says when).
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 def side_stream(device: torch.device):
@@ -56,7 +61,9 @@ def _current_stream(index: int):
     """The current stream of device ``index`` through torch's C functions (``torch.cuda.current_stream`` and
     ``set_stream`` are several Python calls each, as much host time as the rest of a fork); its Stream object
     made once per stream."""
-    key = torch._C._cuda_getCurrentStream(index)
+    if _GET_STREAM is None:
+        return torch.cuda.current_stream(index)
+    key = _GET_STREAM(index)
     stream = _MAIN.get(key)
     if stream is None:
         stream = _MAIN[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
@@ -81,14 +88,14 @@ def on_side(forked, fn, *args):
     if forked is None:
         return fn(*args)
     main, side = forked[0], forked[1]
-    if torch._C._cuda_getDevice() != side.device_index:  # setting the stream would also switch the device
+    if _SET_STREAM is None or _GET_DEVICE() != side.device_index:  # setting it would also switch the device
         with torch.cuda.stream(side):
             return fn(*args)
-    torch._C._cuda_setStream(side.stream_id, side.device_index, side.device_type)
+    _SET_STREAM(side.stream_id, side.device_index, side.device_type)
     try:
         return fn(*args)
     finally:
-        torch._C._cuda_setStream(main.stream_id, main.device_index, main.device_type)
+        _SET_STREAM(main.stream_id, main.device_index, main.device_type)
 
 
 def join(forked) -> None:

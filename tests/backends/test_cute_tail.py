@@ -516,19 +516,30 @@ def _tail_of(pack, spec: configs.TailSpec, seed: int = 5):
                          interleaved=spec.rope_interleaved, positions=spec.has_positions, seed=seed)  # fmt: skip
 
 
+def _expected_block(tail, rstd, grad_w=None, gradient=False) -> tuple:
+    """build.py's tail block, written out: the operands' pointers (0 where absent), eps, the table's positions."""
+    rope = tail.rope_cos is not None
+    pointers = [tail.norm_weight, tail.rope_cos, tail.rope_sin, tail.position_start, rstd]
+    pointers += [grad_w] if gradient else []
+    ptrs = (0 if t is None else t.data_ptr() for t in pointers)
+    return (*ptrs, float(tail.norm_eps), tail.rope_cos.shape[0] if rope else 0)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
-def test_block_function_is_tail_arguments(name):
-    """The generated block of a spec holds tail_arguments' values, rstd and grad_norm_weight given or not."""
+def test_block_function_holds_the_tail_block(name):
+    """The generated block of a spec (and tail_arguments, which calls it) holds build.py's block, rstd and
+    grad_norm_weight given or not."""
     pack, _ = _pack_and_tail()
     spec = SPECS[name]
     tail = _tail_of(pack, spec)
     assert tail_launch.spec_of(tail) == spec
     rstd, grad_w = torch.empty(pack.total_comp), torch.empty(pack.head_dim)
     for r in (None, rstd):
-        assert tail_launch.block_function(spec)(tail, r) == tail_launch.tail_arguments(tail, r)
+        assert tail_launch.block_function(spec)(tail, r) == _expected_block(tail, r)
+        assert tail_launch.tail_arguments(tail, r) == _expected_block(tail, r)
         for g in (None, grad_w):
-            got = tail_launch.block_function(spec, True)(tail, r, g)
-            assert got == tail_launch.tail_arguments(tail, r, g, gradient=True)
+            assert tail_launch.block_function(spec, True)(tail, r, g) == _expected_block(tail, r, g, True)
+            assert tail_launch.tail_arguments(tail, r, g, gradient=True) == _expected_block(tail, r, g, True)
     assert tail_launch.block_function(spec) is tail_launch.block_function(spec)  # one per (spec, gradient)
 
 

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .configs import BackwardShortConfig
 from .norm_rope import RowTail, div_rn, ordered_sum, select
-from .persistent import PersistentBackward, launch_tiles
+from .persistent import FusedTailHost, PersistentBackward
 from .ptx import add_rn, ex2, mul_rn, sub_rn
 from .reduce import ApeReduce
 from .softmax import LOG2E, exact_probabilities, torch_order_sum
@@ -94,7 +93,7 @@ class _Registers:
         self.rsb = register_slots(2, 1)
 
 
-class BackwardShortWindow(PersistentBackward):
+class BackwardShortWindow(FusedTailHost, PersistentBackward):
     """Short windows: the persistent double-buffered backward with a grad_ape slab per CTA."""
 
     def __init__(self, config: BackwardShortConfig):
@@ -108,27 +107,6 @@ class BackwardShortWindow(PersistentBackward):
             self.tail = RowTail(c.tail, c.head_dim, c.vector_width, c.column_threads, c.row_lanes)
             # cute.compile traces the instance's __call__: with a tail, the host function that takes its arguments.
             self.__call__ = self.fused_host
-
-    @cute.jit
-    def fused_host(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
-                   cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
-                   grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
-                   segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
-                   norm_weight: cute.Pointer, rope_cos: cute.Pointer, rope_sin: cute.Pointer,
-                   position_start: cute.Pointer, rstd: cute.Pointer, grad_norm_weight: cute.Pointer,
-                   norm_eps: Float32, max_position: Int32, stream: cuda.CUstream):  # fmt: skip
-        """Host function with the tail (arguments: ``build.py``): ``grad_out`` is the gradient of the tail's output;
-        ``rstd`` (0: recomputed) the forward's; ``grad_norm_weight`` is written with a norm. Then the reduction of
-        the slabs (grad_ape and grad_norm_weight)."""
-        cfg = self.config
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs)
-        tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
-        launch_tiles(cfg, self.fused_kernel(*args, segments, total_comp, tokens, rows_per_cta, *tail_args), num_ctas,
-                     stream)  # fmt: skip
-        if cutlass.const_expr(cfg.tail.has_norm):
-            self.reduce.launch_with_norm(slabs, grad_ape, grad_norm_weight, num_ctas, stream)
-        else:
-            self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,

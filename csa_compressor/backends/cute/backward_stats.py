@@ -33,7 +33,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
 from .configs import BackwardStatsConfig
-from .persistent import launch_tiles
+from .persistent import FusedTailHost, launch_tiles
 from .ptx import ex2
 from .reduce import ApeReduce
 from .softmax import LOG2E
@@ -54,10 +54,11 @@ from .window import (
 from .zeros import ZeroStores
 
 
-class BackwardWithStats:
+class BackwardWithStats(FusedTailHost):
     """Long windows with the forward's softmax statistics: slot chunks x column chunks x row ranges."""
 
     kind = "backward"
+    fused_reads_stats = True
 
     def __init__(self, config: BackwardStatsConfig):
         self.config = config
@@ -90,27 +91,6 @@ class BackwardWithStats:
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, partials, stats)
         launch_tiles(cfg, self.kernel(*args, segments, total_comp, tokens, rows_per_cta), num_ctas, stream)
         if cutlass.const_expr(not cfg.whole_tile):
-            self.reduce.launch(slabs, grad_ape, num_ctas, stream)
-
-    @cute.jit
-    def fused_host(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
-                   cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
-                   grad_score: cute.Pointer, grad_ape: cute.Pointer, slabs: cute.Pointer, stats: cute.Pointer,
-                   segments: Int32, total_comp: Int32, tokens: Int32, rows_per_cta: Int32, num_ctas: Int32,
-                   norm_weight: cute.Pointer, rope_cos: cute.Pointer, rope_sin: cute.Pointer,
-                   position_start: cute.Pointer, rstd: cute.Pointer, grad_norm_weight: cute.Pointer,
-                   norm_eps: Float32, max_position: Int32, stream: cuda.CUstream):  # fmt: skip
-        """Host function with the tail (arguments: ``build.py``; the slab form): ``grad_out`` is the gradient of the
-        tail's output, ``rstd`` (0: recomputed) the forward's; the reduction of the slabs writes grad_ape and, with a
-        norm, ``grad_norm_weight``."""
-        cfg = self.config
-        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, slabs, stats)
-        tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
-        launch_tiles(cfg, self.fused_kernel(*args, segments, total_comp, tokens, rows_per_cta, *tail_args), num_ctas,
-                     stream)  # fmt: skip
-        if cutlass.const_expr(cfg.has_norm):
-            self.reduce.launch_with_norm(slabs, grad_ape, grad_norm_weight, num_ctas, stream)
-        else:
             self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
     @cute.kernel

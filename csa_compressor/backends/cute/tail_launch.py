@@ -62,18 +62,14 @@ def _ptr(t) -> int:
 
 def tail_arguments(tail, rstd, grad_norm_weight=None, gradient: bool = False) -> tuple:
     """The tail's block of a host function (``build.py``): pointers (0 where absent), ``norm_eps``,
-    ``max_position``."""
-    rope = tail.rope_dim > 0
-    tables = (tail.rope_cos, tail.rope_sin, tail.position_start) if rope else (None, None, None)
-    pointers = (_ptr(tail.norm_weight), *(_ptr(t) for t in tables), _ptr(rstd))
-    if gradient:
-        pointers += (_ptr(grad_norm_weight),)
-    return (*pointers, float(tail.norm_eps), tail.rope_cos.shape[0] if rope else 0)
+    ``max_position`` (``block_function`` of the tail's spec)."""
+    block = block_function(spec_of(tail), gradient)
+    return block(tail, rstd, grad_norm_weight) if gradient else block(tail, rstd)
 
 
 @functools.cache
 def block_function(spec: TailSpec, gradient: bool = False):
-    """``tail_arguments`` of the tails of ``spec``: ``block(tail, rstd)`` (``gradient``: ``block(tail, rstd,
+    """The tail block of the tails of ``spec``: ``block(tail, rstd)`` (``gradient``: ``block(tail, rstd,
     grad_norm_weight)``), generated with only the reads the spec needs (an absent operand is a literal 0)."""
     rope = spec.rope_dim > 0
     items = [
@@ -167,17 +163,17 @@ def forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, strea
         base.forward(kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream, stats, None, rstd)
         return
     route = _lookup("forward", kv, ratio, coff, out.shape[1], tail, stats)
-    block = tail_arguments(tail, rstd)
     inputs = (kv, score, ape, cu_seqlens, cu_seqlens_comp)
     with _on_device(kv.device.index):
-        if route.fused is not None:
-            _fused_forward(route.fused, inputs, out, stats, block, stream)
-        else:
-            _composed_forward(route, inputs, out, stats, block, stream)
+        _route_forward(route, inputs, out, stats, tail_arguments(tail, rstd), stream)
 
 
-def _fused_forward(launcher, inputs, out, stats, block, stream) -> None:
-    """The fused forward (the register-capped build from ``wide_rows`` rows on)."""
+def _route_forward(route, inputs, out, stats, block, stream) -> None:
+    """The route's forward: the fused kernel (the register-capped build from ``wide_rows`` rows on), or composed."""
+    if route.fused is None:
+        _composed_forward(route, inputs, out, stats, block, stream)
+        return
+    launcher = route.fused
     function = launcher.function if out.shape[0] < launcher.wide_rows else launcher.wide
     base.call_forward(function, *inputs, out, stats, stream, block)
 
@@ -206,16 +202,16 @@ def backward(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, gra
     if tail.has_norm and grad_norm_weight is None:
         raise ValueError(_NEEDS_GRAD_WEIGHT)
     route = _lookup("backward", kv, ratio, coff, grad_out.shape[1], tail, stats)
-    block = tail_arguments(tail, rstd, grad_norm_weight, gradient=True)
     with _on_device(kv.device.index):
-        if route.fused is not None:
-            _fused_backward(route, tensors, stream, stats, block)
-        else:
-            _composed_backward(route, tensors, stream, stats, block)
+        _route_backward(route, tensors, stream, stats, tail_arguments(tail, rstd, grad_norm_weight, gradient=True))
 
 
-def _fused_backward(route, tensors, stream, stats, block, scratch: bool = True) -> None:
-    """The fused backward; the statistics backward's statistics computed first where none were given."""
+def _route_backward(route, tensors, stream, stats, block, scratch: bool = True) -> None:
+    """The route's backward: fused (the statistics backward's statistics computed first where none were given),
+    or composed."""
+    if route.fused is None:
+        _composed_backward(route, tensors, stream, stats, block, scratch)
+        return
     if isinstance(route.fused.config, BackwardStatsConfig):
         if stats is None:
             stats = _recomputed_stats(route, tensors, stream)
@@ -294,10 +290,7 @@ def _prime(route, direction: str, ratio: int, coff: int, head_dim: int, index: i
     tensors = (*inputs, grad_out, torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(ape))
     grad_w = torch.empty(head_dim, dtype=torch.float32, device=dev) if spec.has_norm else None
     block = tail_arguments(tail, rstd, grad_w, gradient=True)
-    if route.fused is not None:
-        _fused_backward(route, tensors, None, None, block, scratch=False)
-    else:
-        _composed_backward(route, tensors, None, None, block, scratch=False)
+    _route_backward(route, tensors, None, None, block, scratch=False)
 
 
 def compile(direction, ratio, coff, head_dim, dtype, index, tail_config) -> None:
@@ -334,13 +327,7 @@ def _step(steps: list, shape: tuple, given: bool):
     """The launch of the route with statistics ``given`` or not, resolved (and on a miss built, as ``_route``
     allows) at its first call: ``step(inputs, out, stats, block, stream)`` forward, ``step(tensors, stream, stats,
     block)`` backward."""
-    route = _route_of(shape, given)
-    if shape[0] != "forward":
-        step = functools.partial(_fused_backward if route.fused is not None else _composed_backward, route)
-    elif route.fused is not None:
-        step = functools.partial(_fused_forward, route.fused)
-    else:
-        step = functools.partial(_composed_forward, route)
+    step = functools.partial(_route_forward if shape[0] == "forward" else _route_backward, _route_of(shape, given))
     steps[given] = step
     return step
 
