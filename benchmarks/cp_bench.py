@@ -148,9 +148,13 @@ def _extra_kernels(plain: dict, cp: dict) -> dict[str, list[float]]:
     return {n: d for n, d in diff.items() if d != [0, 0]}
 
 
-def one_gpu(backends) -> list[dict]:
-    """Every wall first, then every profiler session (after one, CUPTI's callbacks add host time to every
-    later CUDA call: csa_compressor/bench.py)."""
+ONE_GPU_SPLITS = {"whole": 1, "pieces2": 2, "pieces8": 8}
+
+
+def one_gpu(backends, splits=tuple(ONE_GPU_SPLITS)) -> list[dict]:
+    """Every wall and host time first, then every profiler session (after one, CUPTI's callbacks add host time to
+    every later CUDA call: csa_compressor/bench.py). Host time: the caller's per call, calls back to back, plain and
+    CP in turns (a shared host's load hits both alike); the walls' difference also holds the extra kernels'."""
     from csa_compressor.distributed import CPLayout
     from csa_compressor.testing import make_pack
 
@@ -159,8 +163,8 @@ def one_gpu(backends) -> list[dict]:
     runs = []
     for name, seqlens, head_dim, ratio, coff in ONE_GPU_CASES:
         pack = make_pack(seqlens, head_dim, ratio, coff, device=device, seed=1)
-        for split, count in (("whole", 1), ("pieces2", 2), ("pieces8", 8)):
-            layout = CPLayout.from_pieces(pack.cu_seqlens, _split_pieces(sum(seqlens), count))
+        for split in splits:
+            layout = CPLayout.from_pieces(pack.cu_seqlens, _split_pieces(sum(seqlens), ONE_GPU_SPLITS[split]))
             for backend in backends:
                 fns = _callables(pack, layout, backend)
                 same = bool(torch.equal(fns[0]().detach(), fns[2]().detach()))
@@ -172,6 +176,11 @@ def one_gpu(backends) -> list[dict]:
         timer.warm_up(cp)
         meta["plain_wall_us"], meta["cp_wall_us"] = timer.wall_us(plain, 20), timer.wall_us(cp, 20)
         meta["host_overhead_us"] = meta["cp_wall_us"] - meta["plain_wall_us"]
+        hosts = [[], []]
+        for _ in range(5):
+            for i, fn in enumerate((plain, cp)):
+                hosts[i].append(timer.host_us(fn, 40))
+        meta["plain_host_us"], meta["cp_host_us"] = min(hosts[0]), min(hosts[1])
     for meta, plain, cp in runs:
         meta["plain_kernel_us"] = timer.kernel_us(plain, 20, cold=False)
         meta["cp_kernel_us"] = timer.kernel_us(cp, 20, cold=False)
@@ -183,7 +192,8 @@ def one_gpu(backends) -> list[dict]:
 
 
 def _row(r: dict) -> str:
-    keys = ("plain_wall_us", "cp_wall_us", "host_overhead_us", "plain_kernel_us", "cp_kernel_us", "device_overhead_us")
+    keys = ("plain_wall_us", "cp_wall_us", "host_overhead_us", "plain_host_us", "cp_host_us", "plain_kernel_us",
+            "cp_kernel_us", "device_overhead_us")  # fmt: skip
     values = " | ".join(f"{r[k]:.1f}" for k in keys)
     return (
         f"| {r['case']} | {r['split']} | {r['backend']} | {r['direction']} | {values} | "
@@ -192,8 +202,8 @@ def _row(r: dict) -> str:
 
 
 ONE_GPU_HEADER = (
-    "| case | split | backend | direction | plain wall | CP wall | host + | plain kernel | CP kernel | device + "
-    "| kernels plain / CP | out bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| case | split | backend | direction | plain wall | CP wall | wall + | plain host | CP host | plain kernel "
+    "| CP kernel | device + | kernels plain / CP | out bitwise |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -304,8 +314,8 @@ def host_only(calls: int) -> list[dict]:
     records = []
     for name, seqlens, head_dim, ratio, coff in HOST_CASES:
         pack = make_pack(seqlens, head_dim, ratio, coff, seed=1)
-        for split, count in (("whole", 1), ("pieces2", 2), ("pieces8", 8)):
-            layout = CPLayout.from_pieces(pack.cu_seqlens, _split_pieces(sum(seqlens), count))
+        for split in ONE_GPU_SPLITS:
+            layout = CPLayout.from_pieces(pack.cu_seqlens, _split_pieces(sum(seqlens), ONE_GPU_SPLITS[split]))
             for record in host_record(pack, layout, calls):
                 records.append({"case": name, "split": split} | record)
                 print(_host_row(records[-1]), flush=True)
@@ -491,6 +501,13 @@ def main(argv=None) -> int:
     parser.add_argument("--backends", nargs="+", default=["cute", "triton"])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cp"))
     parser.add_argument("--host-only", action="store_true", help="CPU: launches and host time around the kernels")
+    parser.add_argument(
+        "--splits",
+        nargs="+",
+        choices=tuple(ONE_GPU_SPLITS),
+        default=list(ONE_GPU_SPLITS),
+        help="--world 1: the rank's pieces (whole: no halo; piecesN: N pieces in reverse order)",
+    )
     parser.add_argument("--calls", type=int, default=30, help="--host-only: calls per timing (best of 40)")
     args = parser.parse_args(argv)
     if args.host_only:
@@ -509,7 +526,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.world == 1:
         print(ONE_GPU_HEADER)
-        records = one_gpu(backends)
+        records = one_gpu(backends, args.splits)
         table = ONE_GPU_HEADER + "\n" + "\n".join(_row(r) for r in records)
     else:
         if torch.cuda.device_count() < args.world:
