@@ -218,6 +218,33 @@ def _pool_backward_into(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, g
     return op.execute(kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, *grads, softmax_stats=stats)
 
 
+def _tail_op(inputs, grad_out, ratio, coff, backend, tail_args, head_dim=None):
+    """The cached op of a call with the tail: the backward's with ``grad_out``, else the forward's."""
+    key = _tail_key(inputs[0], ratio, coff, head_dim, backend, tail_args)
+    op = (_FWD_TAIL_FAST if grad_out is None else _BWD_TAIL_FAST).get(key) if key is not None else None
+    if op is not None:
+        return op
+    if grad_out is None:
+        return _forward_op(*inputs, ratio, coff, head_dim, backend, key, tail_args)
+    return _backward_op(*inputs, grad_out, ratio, coff, head_dim, backend, key, tail_args)
+
+
+def _pool_forward_tail_into(inputs, out, ratio, coff, backend, tail_args, stats=None, rstd=None):
+    """``_pool_forward_into`` with the seven tail arguments ``tail_args``; ``rstd``: a ``(rows,)`` float32 buffer
+    for the rows' rstd (with a norm), or None."""
+    op = _tail_op(inputs, None, ratio, coff, backend, tail_args)
+    return op.execute(*inputs, out, softmax_stats=stats, rstd=rstd, **dict(zip(TAIL_ARGS, tail_args, strict=True)))
+
+
+def _pool_backward_tail_into(inputs, grad_out, grads, ratio, coff, backend, tail_args, stats=None, rstd=None,
+                             grad_norm_weight=None):  # fmt: skip
+    """``_pool_backward_into`` with the tail: ``grad_norm_weight`` (with a norm) is overwritten too."""
+    op = _tail_op(inputs, grad_out, ratio, coff, backend, tail_args)
+    tail_kw = dict(zip(TAIL_ARGS, tail_args, strict=True))
+    return op.execute(*inputs, grad_out, *grads, softmax_stats=stats, rstd=rstd, grad_norm_weight=grad_norm_weight,
+                      **tail_kw)  # fmt: skip
+
+
 def _pool_forward_tail(
     inputs, ratio, coff, total_comp, backend, tail_args, head_dim=None, stream=None, return_stats=False,
     return_rstd=False, validate=False,
@@ -225,10 +252,7 @@ def _pool_forward_tail(
     """The forward of ``inputs`` (kv, score, ape, cu_seqlens, cu_seqlens_comp) with the seven tail arguments
     ``tail_args``: ``(out, rstd, softmax_stats)``, rstd (with a norm and ``return_rstd``) and the statistics
     (``return_stats``) None where absent."""
-    key = _tail_key(inputs[0], ratio, coff, head_dim, backend, tail_args)
-    op = _FWD_TAIL_FAST.get(key) if key is not None else None
-    if op is None:
-        op = _forward_op(*inputs, ratio, coff, head_dim, backend, key, tail_args)
+    op = _tail_op(inputs, None, ratio, coff, backend, tail_args, head_dim)
     if total_comp is None:
         total_comp = _rows_on_device(inputs[4])
     return op._run_fresh_tail(inputs, total_comp, tail_args, stream, return_stats, return_rstd, validate)
@@ -240,10 +264,7 @@ def _pool_backward_tail(
 ):  # fmt: skip
     """The backward of ``inputs`` (as for the forward) with the tail: ``(grad_kv, grad_score, grad_ape,
     grad_norm_weight or None)``."""
-    key = _tail_key(inputs[0], ratio, coff, head_dim, backend, tail_args)
-    op = _BWD_TAIL_FAST.get(key) if key is not None else None
-    if op is None:
-        op = _backward_op(*inputs, grad_out, ratio, coff, head_dim, backend, key, tail_args)
+    op = _tail_op(inputs, grad_out, ratio, coff, backend, tail_args, head_dim)
     return op._run_fresh_tail(inputs, grad_out, tail_args, stream, stats, rstd, validate)
 
 

@@ -34,6 +34,7 @@ class Case:
     gather: bool = True  # False: the loss on out_local directly
     empty_rank: int | None = None  # pieces: a rank that holds no token
     cuts: int = 0  # pieces: random cuts (0: 2 per rank)
+    tail: str = ""  # the fused tail (TAILS), "" for none
 
 
 @dataclass
@@ -43,6 +44,16 @@ class Bad:
     name: str
     expect: str
 
+
+# Fused tails of the cases (csa_compressor.tail.random_tail's arguments).
+TAILS = {
+    "full": dict(rope_dim=4, positions=True),  # fp32 norm, interleaved pairs, per-segment offsets
+    "rope-half": dict(norm=False, rope_dim=8, interleaved=False),  # the whole row rotated, half-split pairs
+    "norm-bf16": dict(norm_dtype=torch.bfloat16),
+}
+# DeepSeek-V4's tail on the GPU cases: 64 rotary columns.
+GPU_TAILS = {"v4": dict(rope_dim=64, positions=True), "v4-half-bf16": dict(norm_dtype=torch.bfloat16, rope_dim=64,
+                                                                          interleaved=False)}  # fmt: skip
 
 # Bad layouts or calls (see run_bad): name -> what the error says.
 BAD = {
@@ -56,6 +67,7 @@ BAD = {
     "bad-cu-one-rank": "non-decreasing",
     "validate-per-call": "kv_local has",
     "second-config": "kv_local has",
+    "tail-offsets": "position_start shape",
 }
 
 
@@ -73,14 +85,22 @@ def suite(world: int, kind: str) -> list:
         Case(f"w{w}-r4c2-tiny", (2, 3, 9, 1, 2, 7), 4, 2, "contiguous", seed=w + 50, gather=False),
         Case(f"w{w}-r4c2-balanced", balanced(5, 1, 3), 4, 2, "load_balanced", seed=w + 60, reduce_ape=True),
         Case(f"w{w}-r128c2-balanced", balanced(40, 3), 128, 2, "load_balanced", seed=w + 70, head_dim=4),
-    ]
+        Case(f"w{w}-r4c2-pieces-tail", (37, 3, 29, 1, 18), 4, 2, "pieces", head_dim=8, seed=w + 100, cuts=3 * w,
+             tail="full"),
+        Case(f"w{w}-r128c1-contig-tail", (300, 70, 200), 128, 1, "contiguous", head_dim=8, seed=w + 110,
+             tail="rope-half"),
+        Case(f"w{w}-r4c2-balanced-tail", balanced(5, 1, 3), 4, 2, "load_balanced", head_dim=8, seed=w + 120,
+             reduce_ape=True, tail="norm-bf16"),
+    ]  # fmt: skip
     if world == 2:
         cases.append(Case("w2-r4c2-shared-grad", (21, 14), 4, 2, "pieces", seed=80, grad="shared", cuts=5))
     if world == 2 and triton_on_cpu():
         cases += [
             Case("w2-r4c2-triton", (13, 2, 10), 4, 2, "pieces", backend="triton", head_dim=8, seed=81, cuts=4),
             Case("w2-r128c1-triton", (270,), 128, 1, "contiguous", backend="triton", head_dim=8, seed=82),
-        ]
+            Case("w2-r4c2-triton-tail", (13, 2, 10), 4, 2, "pieces", backend="triton", head_dim=8, seed=83, cuts=4,
+                 tail="full"),
+        ]  # fmt: skip
     if world == 4:
         cases.append(Case("w4-r4c2-empty-rank", (9, 2, 6), 4, 2, "pieces", seed=90, empty_rank=1, cuts=7))
     cases += _random_cases(world, 5)
@@ -120,7 +140,10 @@ def _nccl_suite(world: int) -> list:
             Case(f"{b}-r4c2-pieces", (3001, 17, 999), 4, 2, "pieces", b, 512, seed=3, cuts=9),
             Case(f"{b}-r128c1-contig", (9000, 300, 4101), 128, 1, "contiguous", b, 512, seed=4),
             Case(f"{b}-r128c1-balanced", balanced(2001, 97), 128, 1, "load_balanced", b, 512, seed=5, reduce_ape=True),
-        ]
+            Case(f"{b}-r4c2-pieces-tail", (3001, 17, 999), 4, 2, "pieces", b, 512, seed=6, cuts=9, tail="v4"),
+            Case(f"{b}-r128c1-contig-tail", (9000, 300, 4101), 128, 1, "contiguous", b, 128, seed=7,
+                 tail="v4-half-bf16"),
+        ]  # fmt: skip
     return [*cases, *(Bad(n, BAD[n]) for n in ("cu-differs", "overlap"))]
 
 
@@ -172,14 +195,16 @@ def run_case(case: Case, rank: int, world: int, group, device) -> dict:
     p = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, seed=case.seed, device=device)
     mine, total = _weights(case, p.total_comp, case.head_dim, rank, world, device)
     leaves = [t.clone().requires_grad_(True) for t in (p.kv, p.score, p.ape)]
-    ref = compressor_pool(*leaves, p.cu_seqlens, p.cu_seqlens_comp, case.ratio, case.coff, p.total_comp, case.backend)
+    ref_tail, tail = tail_kwargs(case.tail, p, case.seed)
+    ref = compressor_pool(*leaves, p.cu_seqlens, p.cu_seqlens_comp, case.ratio, case.coff, p.total_comp, case.backend,
+                          **ref_tail)  # fmt: skip
     _backward(ref, total)
     layout = _layout(case, p.cu_seqlens, rank, world)
     idx = layout.local_token_index(device)
     kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
     ape = p.ape.clone().requires_grad_(True)
     out, rows = compressor_pool_cp(kv, score, ape, layout, ratio=case.ratio, coff=case.coff, group=group,
-                                   backend=case.backend, reduce_ape_grad=case.reduce_ape)  # fmt: skip
+                                   backend=case.backend, reduce_ape_grad=case.reduce_ape, **tail)  # fmt: skip
     problems = []
     first_token = row_layout(p.cu_seqlens, p.cu_seqlens_comp, p.total_comp, case.ratio)[0]
     expected_rows = torch.nonzero(torch.isin(first_token + case.ratio - 1, idx)).flatten()
@@ -199,14 +224,35 @@ def run_case(case: Case, rank: int, world: int, group, device) -> dict:
     for name, got, want in (("kv", kv.grad, leaves[0].grad[idx]), ("score", score.grad, leaves[1].grad[idx])):
         if not _bits_equal(got, want):
             problems.append(f"grad_{name}: {int((got != want).any(1).sum())} of {got.shape[0]} local tokens differ")
-    summed = ape.grad.double().clone()
-    if not case.reduce_ape:
-        dist.all_reduce(summed, group=group)
-    ref_ape = leaves[2].grad.double()
-    err = float((summed - ref_ape).norm() / ref_ape.norm().clamp_min(1e-30))
-    if err > 1e-6:
-        problems.append(f"grad_ape relative error {err:.3g} > 1e-6")
+    params = [("grad_ape", ape.grad, leaves[2].grad)]
+    if tail.get("norm_weight") is not None:
+        params.append(("grad_norm_weight", tail["norm_weight"].grad, ref_tail["norm_weight"].grad))
+    for name, got, want in params:
+        if got is None:  # still in the collective below, so that the group stays in step
+            problems.append(f"{name} is None")
+            got = torch.full_like(want, float("nan"))
+        summed = got.double().clone()
+        if not case.reduce_ape:
+            dist.all_reduce(summed, group=group)
+        err = float((summed - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+        if err > 1e-6:
+            problems.append(f"{name} relative error {err:.3g} > 1e-6")
     return {"ok": not problems, "problems": problems, "rows": int(rows.numel()), "tokens": int(kv.shape[0])}
+
+
+def tail_kwargs(name: str, p, seed: int) -> tuple[dict, dict]:
+    """The tail ``TAILS[name]`` as two sets of keywords, the reference's and the CP call's (each with its own
+    norm weight leaf); two empty ones for ``name`` "" (no tail)."""
+    if not name:
+        return {}, {}
+    from csa_compressor.tail import random_tail
+
+    kw = random_tail(p, seed=seed, **(TAILS | GPU_TAILS)[name]).arguments()
+    weight = kw["norm_weight"]
+    if weight is None:
+        return kw, dict(kw)
+    return ({**kw, "norm_weight": weight.clone().requires_grad_(True)},
+            {**kw, "norm_weight": weight.clone().requires_grad_(True)})  # fmt: skip
 
 
 def _backward(out: torch.Tensor, weights: torch.Tensor) -> None:
@@ -251,9 +297,14 @@ def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
             ratio, coff, ape = 2, 1, torch.zeros(2, 16, device=device)
     if name in ("kv-rows", "validate-per-call", "second-config") and last:
         kv = kv[:-1]
+    tail = {}
+    if name == "tail-offsets":  # one offset per global segment, one too few on the last rank
+        table = torch.ones(64, 4, device=device)
+        tail = dict(rope_cos=table, rope_sin=table, rope_dim=8, position_start=torch.zeros(2 - last, dtype=torch.int32,
+                                                                                              device=device))  # fmt: skip
     try:
         out, rows = compressor_pool_cp(kv, kv, ape, layout, ratio=ratio, coff=coff, group=group,
-                                       validate=validate or None)  # fmt: skip
+                                       validate=validate or None, **tail)  # fmt: skip
     except ValueError as exc:
         ok = bad.expect in str(exc)
         return {"ok": ok, "problems": [] if ok else [str(exc)], "message": str(exc)}

@@ -65,11 +65,18 @@ def test_suite_covers_the_edge_cases():
 # ---------------------------------------------------------------- one process
 
 
-def _plain(p, backend="reference"):
+def _plain(p, backend="reference", tail=None):
+    """The single-GPU op's rows and gradients (``tail``: its keywords; the norm weight's gradient last)."""
     leaves = [t.clone().requires_grad_(True) for t in (p.kv, p.score, p.ape)]
-    out = compressor_pool(*leaves, p.cu_seqlens, p.cu_seqlens_comp, p.ratio, p.coff, p.total_comp, backend)
+    tail = tail or {}
+    out = compressor_pool(*leaves, p.cu_seqlens, p.cu_seqlens_comp, p.ratio, p.coff, p.total_comp, backend, **tail)
     cp_worker._backward(out, p.grad_out)
-    return out.detach(), [t.grad for t in leaves]
+    return out.detach(), [*(t.grad for t in leaves), *_weight_grad(tail)]
+
+
+def _weight_grad(tail) -> list:
+    weight = (tail or {}).get("norm_weight")
+    return [] if weight is None else [weight.grad]
 
 
 class _Misaligned(torch.autograd.Function):
@@ -85,27 +92,32 @@ class _Misaligned(torch.autograd.Function):
         return view.copy_(grad)
 
 
-def _single_rank(p, layout, backend="reference", misaligned=False, before=None):
-    """The CP call and gather_rows on a world of one, then the backward; ``before`` runs first."""
+def _single_rank(p, layout, backend="reference", misaligned=False, before=None, tail=None):
+    """The CP call and gather_rows on a world of one, then the backward; ``before`` runs first; ``tail``: the
+    call's tail keywords (the norm weight's gradient last)."""
     kv, score = (layout.select_local(t).requires_grad_(True) for t in (p.kv, p.score))
     ape = p.ape.clone().requires_grad_(True)
     if before is not None:
         before(kv, score, ape)
-    out, rows = compressor_pool_cp(kv, score, ape, layout, ratio=p.ratio, coff=p.coff, backend=backend)
+    tail = tail or {}
+    out, rows = compressor_pool_cp(kv, score, ape, layout, ratio=p.ratio, coff=p.coff, backend=backend, **tail)
     out_all = gather_rows(_Misaligned.apply(out) if misaligned else out, rows, layout)
     cp_worker._backward(out_all, p.grad_out)
     idx = layout.local_token_index(p.kv.device)
     grad_kv, grad_score = torch.zeros_like(p.kv), torch.zeros_like(p.score)
     grad_kv[idx], grad_score[idx] = kv.grad, score.grad
-    return out_all.detach(), [grad_kv, grad_score, ape.grad]
+    return out_all.detach(), [grad_kv, grad_score, ape.grad, *_weight_grad(tail)]
 
 
-def _assert_plain(p, out, grads, backend="reference", ape_bitwise=False):
-    """Rows and kv/score gradients bitwise the plain op's; grad_ape bitwise or within 1e-6."""
-    ref_out, ref_grads = _plain(p, backend)
+def _assert_plain(p, out, grads, backend="reference", ape_bitwise=False, tail=None):
+    """Rows and kv/score gradients bitwise the plain op's; grad_ape (and the norm weight's) bitwise or within
+    1e-6."""
+    ref_out, ref_grads = _plain(p, backend, tail)
     assert out is None or torch.equal(out, ref_out)
     assert torch.equal(grads[0], ref_grads[0]) and torch.equal(grads[1], ref_grads[1])
-    assert torch.equal(grads[2], ref_grads[2]) if ape_bitwise else rel_l2(grads[2], ref_grads[2]) <= 1e-6
+    assert len(grads) == len(ref_grads)
+    for got, want in zip(grads[2:], ref_grads[2:], strict=True):
+        assert torch.equal(got, want) if ape_bitwise else rel_l2(got, want) <= 1e-6
 
 
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (2, 1), (8, 2), (1, 2)])
@@ -120,6 +132,25 @@ def test_world_of_one_matches_plain_op(ratio, coff, split):
         "single-tokens": [(t, 1) for t in reversed(range(total))],
     }[split]
     _assert_plain(p, *_single_rank(p, CPLayout.from_pieces(p.cu_seqlens, pieces)))
+
+
+@pytest.mark.parametrize("tail", list(cp_worker.TAILS))
+@pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (2, 1), (8, 2), (16, 2)])
+@pytest.mark.parametrize("split", ["whole", "reversed", "single-tokens"])
+def test_world_of_one_with_tail_matches_plain_op(tail, ratio, coff, split):
+    """The fused tail through the CP op: every row normalised and rotated at its place in its global segment
+    (offsets per global segment), rows and kv/score gradients bitwise the plain op's, the norm weight's within
+    1e-6."""
+    p = make_pack((37, 3, 20, 1, 50, 33), 8, ratio, coff, seed=ratio + coff)
+    total = sum(p.seqlens)
+    pieces = {
+        "whole": [(0, total)],
+        "reversed": [(60, total - 60), (5, 55), (0, 5)],
+        "single-tokens": [(t, 1) for t in reversed(range(total))],
+    }[split]
+    ref_tail, tail_kw = cp_worker.tail_kwargs(tail, p, seed=ratio)
+    out, grads = _single_rank(p, CPLayout.from_pieces(p.cu_seqlens, pieces), tail=tail_kw)
+    _assert_plain(p, out, grads, tail=ref_tail)
 
 
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2), (2, 1)])
@@ -215,18 +246,19 @@ def _cut(p, cut):
     return CPLayout.from_pieces(p.cu_seqlens, [(cut, end - cut), (0, cut)] if cut else [(0, end)])
 
 
-def _placement_run(name, backend, misaligned=False):
+def _placement_run(name, backend, misaligned=False, tail=""):
     seqlens, ratio, coff, head_dim, cut, _, _ = _PLACEMENTS[name]
     p = make_pack(seqlens, head_dim, ratio, coff, seed=len(name))
     layout = _cut(p, cut)
+    ref_tail, tail_kw = cp_worker.tail_kwargs(tail, p, seed=3)
     plans = layout._plans
 
     def undirect(kv, score, ape):
         compressor_pool_cp(kv.detach(), score.detach(), ape.detach(), layout, ratio=ratio, coff=coff, backend=backend)
         next(iter(plans.values())).direct = None  # the autograd node even where the call would be the plain op
 
-    out, grads = _single_rank(p, layout, backend, misaligned, before=undirect)
-    return p, next(iter(plans.values())), out, grads
+    out, grads = _single_rank(p, layout, backend, misaligned, before=undirect, tail=tail_kw)
+    return p, next(iter(plans.values())), out, grads, ref_tail
 
 
 _BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
@@ -240,7 +272,7 @@ def test_world_of_one_placements_match_plain_op(name, backend):
     within 1e-6 and bitwise run to run."""
     if backend == "triton" and name == "patch-unaligned":
         pytest.skip("head_dim 6 is the reference backend's")
-    p, dp, out, grads = _placement_run(name, backend)
+    p, dp, out, grads, _ = _placement_run(name, backend)
     expect_kind, expect_slice = _PLACEMENTS[name][5:]
     assert dp.forward_placement(p.head_dim, p.kv.element_size()) == expect_kind
     assert dp.grad_slice == expect_slice
@@ -252,8 +284,18 @@ def test_world_of_one_placements_match_plain_op(name, backend):
 @pytest.mark.parametrize("name", ["patch-c1", "patch-c1-r128", "gather-c2"])
 def test_unaligned_grad_out_is_gathered(name):
     """A grad_out the op cannot take as it is: gathered instead of sliced, the same gradients."""
-    p, _, _, grads = _placement_run(name, "reference", misaligned=True)
+    p, _, _, grads, _ = _placement_run(name, "reference", misaligned=True)
     _assert_plain(p, None, grads)
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("tail", list(cp_worker.TAILS))
+@pytest.mark.parametrize("name", ["patch-c1", "patch-c1-r128", "patch-c2", "gather-c2"])
+def test_world_of_one_placements_with_tail_match_plain_op(name, tail, backend):
+    """Each row placement through the autograd node with the fused tail: both op calls' rows at their places
+    in their global segments, the norm weight's gradient the two calls' sum."""
+    p, _, out, grads, ref_tail = _placement_run(name, backend, tail=tail)
+    _assert_plain(p, out, grads, backend, tail=ref_tail)
 
 
 def test_side_stream_is_cuda_only():
@@ -380,6 +422,22 @@ def test_world_of_one_cute_equals_plain_op(split, ratio, coff, head_dim):
     pieces = [(0, total)] if split == "whole" else [(5000, total - 5000), (1999, 3001), (0, 1999)]
     layout = CPLayout.from_pieces(p.cu_seqlens, pieces)
     _assert_plain(p, *_single_rank(p, layout, "cute"), "cute", ape_bitwise=split == "whole")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail", list(cp_worker.GPU_TAILS))
+@pytest.mark.parametrize("split", ["whole", "pieces"])
+@pytest.mark.parametrize(("ratio", "coff", "head_dim"), [(4, 2, 512), (4, 2, 128), (128, 1, 128), (128, 2, 512)])
+def test_world_of_one_cute_with_tail_equals_plain_op(split, ratio, coff, head_dim, tail):
+    """The cute CP op with DeepSeek-V4's tail on a world of one: the plain op's rows and kv/score gradients
+    bitwise, grad_ape and the norm weight's within 1e-6 (bitwise in one piece)."""
+    p = make_pack((4096, 1000, 3000), head_dim, ratio, coff, device="cuda", seed=4)
+    total = sum(p.seqlens)
+    pieces = [(0, total)] if split == "whole" else [(5000, total - 5000), (1999, 3001), (0, 1999)]
+    layout = CPLayout.from_pieces(p.cu_seqlens, pieces)
+    ref_tail, tail_kw = cp_worker.tail_kwargs(tail, p, seed=5)
+    out, grads = _single_rank(p, layout, "cute", tail=tail_kw)
+    _assert_plain(p, out, grads, "cute", ape_bitwise=split == "whole", tail=ref_tail)
 
 
 @pytest.mark.gpu

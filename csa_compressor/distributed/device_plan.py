@@ -42,7 +42,8 @@ class OpPack:
     """One local call of the single-GPU op: offsets, row count, and where its rows go in ``out_local``.
 
     ``dst``: output position of every op row, extras sent to a dump row ``n_local``; ``extra``: the op rows
-    that are extras, or None.
+    that are extras, or None; ``segment`` (int64) and ``first_position`` (int32): per op segment, its global
+    segment and its first row's position in it (``OpPlan``).
     """
 
     cu: torch.Tensor
@@ -50,6 +51,8 @@ class OpPack:
     rows: int
     dst: torch.Tensor
     extra: torch.Tensor | None
+    segment: torch.Tensor
+    first_position: torch.Tensor
 
 
 @dataclass
@@ -98,9 +101,9 @@ class DevicePlan:
     # gather_rows: every rank's rows padded to max_rows; gather_src maps global rows to gathered rows.
     max_rows: int
     gather_src: torch.Tensor | None  # None: the gathered rows are already in global order
-    # The call is the single-GPU op on the local tensors (no halo on any rank, no row to place): its offsets
-    # and row count (a rank with no row: the op with no rows, so that the gradients are zeros, not None).
-    direct: tuple | None
+    # The call is the single-GPU op on the local tensors (no halo on any rank, no row to place): its OpPack
+    # (a rank with no row: an op of one empty segment, so that the gradients are zeros, not None).
+    direct: OpPack | None
     single: bool  # a world of one rank (no process group, or a group of one)
     signature: tuple = ()  # shapes, dtypes and devices of the arguments last checked with this plan
 
@@ -150,7 +153,7 @@ def expand_on_device(starts: torch.Tensor, counts: torch.Tensor, total: int) -> 
 def _op_host(op: OpPlan | None, prefix: str) -> dict:
     if op is None:
         return {}
-    names = ("cu", "cc", "op_first", "position", "count", "extra")
+    names = ("cu", "cc", "op_first", "position", "count", "extra", "segment", "first_position")
     return {f"{prefix}_{name}": getattr(op, name) for name in names}
 
 
@@ -162,7 +165,8 @@ def _op_pack(dev: dict, prefix: str, op: OpPlan | None, n_local: int) -> OpPack 
     ops = expand_on_device(dev[f"{prefix}_op_first"], dev[f"{prefix}_count"], total)
     dst = torch.full((op.rows,), n_local, dtype=torch.int64, device=ops.device)
     dst[ops] = expand_on_device(dev[f"{prefix}_position"], dev[f"{prefix}_count"], total)
-    return OpPack(dev[f"{prefix}_cu"], dev[f"{prefix}_cc"], op.rows, dst, dev[f"{prefix}_extra"])
+    place = dev[f"{prefix}_segment"], dev[f"{prefix}_first_position"]
+    return OpPack(dev[f"{prefix}_cu"], dev[f"{prefix}_cc"], op.rows, dst, dev[f"{prefix}_extra"], *place)
 
 
 def _shift(op: OpPlan | None) -> int | None:
@@ -239,6 +243,7 @@ def device_plan(plan: RankPlan, device: torch.device, group_id: int, tokens: int
     """The plan on ``device``; ``tokens``: the rank's local tokens."""
     n_local = plan.n_local
     host = {"row_first": plan.row_first, "row_count": plan.row_count, "no_rows": torch.zeros(2, dtype=torch.int32)}
+    host |= {"no_segment": torch.zeros(1, dtype=torch.int64), "no_position": torch.zeros(1, dtype=torch.int32)}
     host |= {"gather_dest": plan.gather_dest, "gather_count": plan.gather_count}
     host |= _op_host(plan.interior, "int") | _op_host(plan.boundary, "b")
     if plan.boundary is not None and not plan.exchange:
@@ -258,7 +263,9 @@ def device_plan(plan: RankPlan, device: torch.device, group_id: int, tokens: int
         gather_src = expand_on_device(dev["gather_dest"], dev["gather_count"], plan.total_rows)
     direct = None
     if placement == "straight" and not plan.exchange:
-        direct = (interior.cu, interior.cc, interior.rows) if interior else (dev["no_rows"], dev["no_rows"], 0)
+        nothing = dev["no_rows"].new_empty((0,), dtype=torch.int64)
+        empty = OpPack(dev["no_rows"], dev["no_rows"], 0, nothing, None, dev["no_segment"], dev["no_position"])
+        direct = interior if interior is not None else empty
     return DevicePlan(
         plan=plan,
         group_id=group_id,

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from .. import api
 from ..autograd import compressor_pool
+from ..tail import Tail, check_tail
+from ..tail_args import TAIL_ARGS, is_default_tail
 from . import streams
 from .device_plan import DevicePlan, OpPack, device_plan
 from .layout import CPLayout, _error, validation_requested
@@ -88,15 +90,36 @@ def _halo_add_grads(dp: DevicePlan, grads, grad_pack, grad_send) -> None:
 # ---------------------------------------------------------------- the op calls and the rows
 
 
-def _forward_call(kv, score, ape, op: OpPack, out, call):
-    """The softmax statistics (or None) of one op call writing ``out`` (the forward wrapper's code); ``call``:
-    ``(ratio, coff, backend, group, whether the backward takes the statistics)``."""
+def _op_tail(tail, op: OpPack | None):
+    """The seven tail arguments of one op call (None without a tail or a call): its rows' positions are their
+    places in their global segments, ``position_start[segment] + first_position`` per op segment."""
+    if tail is None or op is None:
+        return None
+    norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start = tail
+    positions = None
+    if rope_dim:
+        positions = op.first_position
+        if position_start is not None:
+            positions = position_start.index_select(0, op.segment).add_(positions)
+    return norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, positions
+
+
+def _forward_call(kv, score, ape, op: OpPack, out, call, tail_args):
+    """``(softmax statistics, rstd)`` (each None where absent) of one op call writing ``out`` (the forward
+    wrapper's code); ``call``: ``(ratio, coff, backend, group, whether the backward takes the statistics)``;
+    ``tail_args``: the call's tail (``_op_tail``) or None."""
     ratio, coff, backend, _, stats = call
-    softmax_stats = None
+    softmax_stats = rstd = None
     if stats:
         softmax_stats = torch.empty((op.rows, 3, out.shape[1]), dtype=torch.float32, device=kv.device)
-    api._pool_forward_into(kv, score, ape, op.cu, op.cc, out, ratio, coff, backend, softmax_stats)
-    return softmax_stats
+    if tail_args is None:
+        api._pool_forward_into(kv, score, ape, op.cu, op.cc, out, ratio, coff, backend, softmax_stats)
+        return softmax_stats, None
+    if tail_args[0] is not None:
+        rstd = torch.empty((op.rows,), dtype=torch.float32, device=kv.device)
+    inputs = (kv, score, ape, op.cu, op.cc)
+    api._pool_forward_tail_into(inputs, out, ratio, coff, backend, tail_args, softmax_stats, rstd)
+    return softmax_stats, rstd
 
 
 def _out_buffers(dp: DevicePlan, kind: str, new_empty, d: int):
@@ -166,60 +189,94 @@ class _PoolCP(torch.autograd.Function):
     call (and the halo exchange) runs on the side stream, beside the interior call (``DevicePlan.side``)."""
 
     @staticmethod
-    def forward(ctx, kv, score, ape, args):
-        # args: (plan, ratio, coff, backend, group, reduce_ape), one argument (apply costs host time per argument)
-        dp, ratio, coff, backend, group, _ = args
+    def forward(ctx, kv, score, ape, norm_weight, args):
+        # args: (plan, ratio, coff, backend, group, reduce_ape, tail), one argument (apply costs host time per
+        # argument); tail: the seven tail arguments with norm_weight's place None, or None without a tail.
+        dp, ratio, coff, backend, group, _, tail = args
         call = (ratio, coff, backend, group, api.autograd_uses_stats(kv, ratio, coff, backend))
         d = kv.shape[1] // coff
         kind = dp.forward_placement(d, kv.element_size())
         buf, out_int, out_b = _out_buffers(dp, kind, kv.new_empty, d)
+        tail = None if tail is None else (norm_weight, *tail[1:])
+        tails = _op_tail(tail, dp.interior), _op_tail(tail, dp.boundary)  # before the fork: the side waits on them
         forked = streams.fork(kv.device) if dp.side else None
-        stats_int = None
+        stats_int = rstd_int = None
         if dp.interior is not None:
-            stats_int = _forward_call(kv, score, ape, dp.interior, out_int, call)
-        kv_b, score_b, stats_b = streams.on_side(forked, _boundary_forward, dp, kv, score, ape, out_b, call)
+            stats_int, rstd_int = _forward_call(kv, score, ape, dp.interior, out_int, call, tails[0])
+        boundary = streams.on_side(forked, _boundary_forward, dp, kv, score, ape, out_b, call, tails[1])
         streams.join(forked)
-        ctx.save_for_backward(kv, score, ape, kv_b, score_b, stats_int, stats_b)
-        ctx.args = args
+        kv_b, score_b, stats_b, rstd_b = boundary
+        ctx.save_for_backward(kv, score, ape, kv_b, score_b, stats_int, stats_b, rstd_int, rstd_b)
+        ctx.args, ctx.tails = args, tails
         return _place_rows(dp, kind, buf, out_b)
 
     @staticmethod
     def backward(ctx, grad_out):
-        kv, score, ape, kv_b, score_b, stats_int, stats_b = ctx.saved_tensors
-        dp, ratio, coff, backend, group, reduce_ape = ctx.args
+        kv, score, ape, kv_b, score_b, stats_int, stats_b, rstd_int, rstd_b = ctx.saved_tensors
+        dp, group, reduce_ape = ctx.args[0], ctx.args[4], ctx.args[5]
         grad_out = grad_out.contiguous()
         grad_int, grad_b = _rows_grads(grad_out, dp)
         # Every buffer is allocated here, on the current stream, before the side stream forks (streams.py).
         grads, grad_kv, grad_score, pack_grads = _grad_buffers(dp, kv)
-        grad_ape = torch.empty_like(ape) if dp.interior is not None else torch.zeros_like(ape)
-        grad_ape_b = torch.empty_like(ape) if dp.boundary is not None else None
+        tail = ctx.args[6]
+        params_int, params_b = _param_grads(dp, ape, None if tail is None else tail[0])
         grad_send = kv.new_empty((dp.sent, 2 * kv.shape[1])) if dp.exchange else None
         forked = streams.fork(kv.device) if dp.side else None
         if dp.interior is not None:
-            op = dp.interior
-            api._pool_backward_into(kv, score, ape, op.cu, op.cc, grad_int, (grad_kv, grad_score, grad_ape),
-                                    ratio, coff, backend, stats_int)  # fmt: skip
-        side_args = (grad_out, grad_b, (kv_b, score_b, ape), pack_grads, grad_ape_b, grad_send, stats_b)
-        streams.on_side(forked, _side_backward, ctx.args, *side_args)
+            inputs, saved = (kv, score, ape, dp.interior.cu, dp.interior.cc), (stats_int, rstd_int)
+            _backward_call(inputs, grad_int, (grad_kv, grad_score), params_int, ctx.args, ctx.tails[0], saved)
+        side_args = (grad_out, grad_b, (kv_b, score_b, ape), pack_grads, params_b, grad_send, (stats_b, rstd_b))
+        streams.on_side(forked, _side_backward, ctx.args, ctx.tails[1], *side_args)
         streams.join(forked)
         if dp.boundary is not None:
-            grad_ape.add_(grad_ape_b)  # always interior + boundary: a fixed order, the same bits every run
+            for grad, part in zip(params_int, params_b, strict=True):
+                if grad is not None:
+                    grad.add_(part)  # always interior + boundary: a fixed order, the same bits every run
         if dp.uses_halo:
             _halo_add_grads(dp, grads, pack_grads, grad_send)
         if reduce_ape:
-            dist.all_reduce(grad_ape, group=group)
-        return grad_kv, grad_score, grad_ape, None
+            for grad in params_int:
+                if grad is not None:
+                    dist.all_reduce(grad, group=group)
+        return grad_kv, grad_score, *params_int, None
 
 
-def _boundary_forward(dp: DevicePlan, kv, score, ape, out_b, call):
+def _param_grads(dp: DevicePlan, ape, weight) -> tuple:
+    """The parameters' gradient buffers ``(grad_ape, grad_norm_weight)`` of the interior call (zeros without
+    one: a rank with no row has zero gradients, not None) and of the boundary call (None without one);
+    grad_norm_weight None without a norm (``weight``)."""
+
+    def buffers(new):
+        return new(ape), None if weight is None else new(weight, dtype=torch.float32)
+
+    params_int = buffers(torch.empty_like if dp.interior is not None else torch.zeros_like)
+    params_b = buffers(torch.empty_like) if dp.boundary is not None else (None, None)
+    return params_int, params_b
+
+
+def _backward_call(inputs, grad_out, grads, params, args, tail_args, saved) -> None:
+    """One op call's backward into the caller's buffers: ``grads`` (kv's and score's), ``params`` (ape's and,
+    with a norm, the norm weight's); ``saved``: the forward's softmax statistics and rstd (each None where
+    absent)."""
+    _, ratio, coff, backend = args[:4]
+    stats, rstd = saved
+    grad_ape, grad_weight = params
+    if tail_args is None:
+        api._pool_backward_into(*inputs, grad_out, (*grads, grad_ape), ratio, coff, backend, stats)
+    else:
+        api._pool_backward_tail_into(inputs, grad_out, (*grads, grad_ape), ratio, coff, backend, tail_args, stats,
+                                     rstd, grad_weight)  # fmt: skip
+
+
+def _boundary_forward(dp: DevicePlan, kv, score, ape, out_b, call, tail_args):
     """The side stream's forward: the boundary pack (the halo exchanged where it crosses ranks) and its call
-    into ``out_b``; ``(kv_b, score_b, softmax statistics)``, each None where absent."""
-    kv_b = score_b = stats_b = None
+    into ``out_b``; ``(kv_b, score_b, softmax statistics, rstd)``, each None where absent."""
+    kv_b = score_b = stats_b = rstd_b = None
     if dp.uses_halo:
         kv_b, score_b = _halo_forward(dp, kv, score, call[3])
     if dp.boundary is not None:
-        stats_b = _forward_call(kv_b, score_b, ape, dp.boundary, out_b, call)
-    return kv_b, score_b, stats_b
+        stats_b, rstd_b = _forward_call(kv_b, score_b, ape, dp.boundary, out_b, call, tail_args)
+    return kv_b, score_b, stats_b, rstd_b
 
 
 def _grad_buffers(dp: DevicePlan, kv):
@@ -236,17 +293,16 @@ def _grad_buffers(dp: DevicePlan, kv):
     return grads, *_halves(grads, stride, tokens), pack_grads
 
 
-def _side_backward(args, grad_out, grad_b, inputs, pack_grads, grad_ape_b, grad_send, stats_b):
+def _side_backward(args, tail_args, grad_out, grad_b, inputs, pack_grads, params_b, grad_send, saved):
     """The side stream's backward: the boundary call's (its grad_out gathered here when the interior's was a
-    slice, ``grad_b`` None) into ``pack_grads`` / ``grad_ape_b``, then the halo's gradients to their owners."""
-    dp, ratio, coff, backend, group, _ = args
+    slice, ``grad_b`` None) into ``pack_grads`` / ``params_b``, then the halo's gradients to their owners."""
+    dp, group = args[0], args[4]
     op = dp.boundary
     if op is not None:
         if grad_b is None:
             grad_b = _gather_grads(grad_out, dp.b_grad_src, dp.b_grad_extra, op.rows)
-        grads = (*_halves(pack_grads, dp.pack_stride, dp.pack_rows), grad_ape_b)
-        kv_b, score_b, ape = inputs
-        api._pool_backward_into(kv_b, score_b, ape, op.cu, op.cc, grad_b, grads, ratio, coff, backend, stats_b)
+        grads = _halves(pack_grads, dp.pack_stride, dp.pack_rows)
+        _backward_call((*inputs, op.cu, op.cc), grad_b, grads, params_b, args, tail_args, saved)
     if dp.exchange:
         _halo_send_grads(dp, pack_grads, grad_send, group)
 
@@ -254,8 +310,9 @@ def _side_backward(args, grad_out, grad_b, inputs, pack_grads, grad_ape_b, grad_
 # ---------------------------------------------------------------- entry points
 
 
-def _call_error(layout: CPLayout, kv, score, ape, ratio, coff) -> str | None:
-    """What is wrong with this rank's arguments, checked before any collective (None if nothing)."""
+def _call_error(layout: CPLayout, kv, score, ape, ratio, coff, tail=None) -> str | None:
+    """What is wrong with this rank's arguments (``tail``: the seven tail arguments, or None), checked before
+    any collective (None if nothing)."""
     for name, t in (("kv_local", kv), ("score_local", score), ("ape", ape)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             return f"{name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}"
@@ -269,6 +326,11 @@ def _call_error(layout: CPLayout, kv, score, ape, ratio, coff) -> str | None:
         return f"ape must be (ratio, coff * head_dim) = {(ratio, kv.shape[1])}, got {tuple(ape.shape)}"
     if score.dtype != kv.dtype or ape.dtype != torch.float32 or len({kv.device, score.device, ape.device}) != 1:
         return f"kv_local/score_local must share dtype and device and ape be float32 on it, got {kv.dtype}/{score.dtype}/{ape.dtype}"
+    if tail is not None:
+        try:  # position_start is per global segment, as for the single-GPU op on the whole pack
+            check_tail(Tail(*tail), head_dim=kv.shape[1] // coff, batch=layout._cu.numel() - 1, device=kv.device)
+        except ValueError as exc:
+            return str(exc).removeprefix("csa_compressor: ")
     return None
 
 
@@ -282,7 +344,7 @@ def _signature(kv, score, ape) -> tuple:
     return (kv.shape, score.shape, ape.shape, kv.dtype, score.dtype, ape.dtype, kv.device, score.device, ape.device)
 
 
-def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate) -> DevicePlan:
+def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate, tail=None) -> DevicePlan:
     """The plan of this call. Hot path: the layout's last call (its configuration, group and checked argument
     signature) compared with this one, no dict lookup; else the plan of the configuration, whose arguments are
     checked when they differ from its last ones (and the first call on a group or configuration, or
@@ -295,11 +357,11 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate)
     key = (ratio, coff, id(group), device)
     dp = layout._plans.get(key)
     if dp is None or validate:
-        dp = _checked_plan(layout, dp, key, kv, score, ape, group, validate)
+        dp = _checked_plan(layout, dp, key, kv, score, ape, group, validate, tail)
     else:
         signature = _signature(kv, score, ape)
         if signature != dp.signature:
-            error = _call_error(layout, kv, score, ape, ratio, coff)
+            error = _call_error(layout, kv, score, ape, ratio, coff, tail)
             if error is not None:
                 raise _error(error)
             dp.signature = signature
@@ -307,11 +369,11 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate)
     return dp
 
 
-def _checked_plan(layout: CPLayout, dp, key: tuple, kv, score, ape, group, validate) -> DevicePlan:
+def _checked_plan(layout: CPLayout, dp, key: tuple, kv, score, ape, group, validate, tail) -> DevicePlan:
     """The collective check of this call (and, on a group's first call or with ``validate``, of every rank's
     layout); the plan of ``key`` built if ``dp`` is None."""
     ratio, coff, _, device = key
-    error = _call_error(layout, kv, score, ape, ratio, coff)
+    error = _call_error(layout, kv, score, ape, ratio, coff, tail)
     call = {"ratio": ratio, "coff": coff, "width": kv.shape[-1] if error is None else None, "error": error}
     call["dtype"] = str(getattr(kv, "dtype", None))
     all_pieces = layout.checked_pieces(group, device if error is None else torch.device("cpu"), call, validate)
@@ -335,6 +397,13 @@ def compressor_pool_cp(
     backend: str = "auto",
     reduce_ape_grad: bool = False,
     validate: bool | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    rope_cos: torch.Tensor | None = None,
+    rope_sin: torch.Tensor | None = None,
+    rope_dim: int = 0,
+    rope_interleaved: bool = True,
+    position_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pooling of a THD pack split over a context-parallel group; differentiable.
 
@@ -345,18 +414,32 @@ def compressor_pool_cp(
     ``$CSA_COMPRESSOR_VALIDATE``) gathers and checks every rank's layout and arguments on every call, not
     only on the first one. A collective: every rank of ``group`` must call it, with the same ratio and coff.
     Under ``torch.compile`` it runs eagerly behind a graph break.
+
+    ``norm_weight`` .. ``position_start``: the fused tail of ``compressor_pool`` (docs/tail.md), each row placed
+    in its global segment (``position_start``: one offset per segment of the global pack); the norm weight's
+    gradient is this rank's partial sum, all-reduced with ape's under ``reduce_ape_grad``.
     """
+    tail = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
     if _is_compiling():
         args = (ratio, coff, group, backend, reduce_ape_grad, validate)
-        return _eager(compressor_pool_cp)(kv_local, score_local, ape, layout, *args)
+        return _eager(compressor_pool_cp)(kv_local, score_local, ape, layout, *args, *tail)
+    if is_default_tail(*tail):
+        tail = None
     group = _resolve_group(group)
-    dp = _device_plan(layout, kv_local, score_local, ape, ratio, coff, group, validation_requested(validate))
+    dp = _device_plan(layout, kv_local, score_local, ape, ratio, coff, group, validation_requested(validate), tail)
     direct = dp.direct
     if direct is not None and (dp.single or not reduce_ape_grad):
-        cu, cc, n = direct
-        return compressor_pool(kv_local, score_local, ape, cu, cc, ratio, coff, n, backend), dp.rows
+        out = compressor_pool(kv_local, score_local, ape, direct.cu, direct.cc, ratio, coff, direct.rows, backend,
+                              **_tail_kwargs(tail, direct))  # fmt: skip
+        return out, dp.rows
     reduce_ape = reduce_ape_grad and not dp.single
-    return _PoolCP.apply(kv_local, score_local, ape, (dp, ratio, coff, backend, group, reduce_ape)), dp.rows
+    args = (dp, ratio, coff, backend, group, reduce_ape, tail)
+    return _PoolCP.apply(kv_local, score_local, ape, norm_weight if tail else None, args), dp.rows
+
+
+def _tail_kwargs(tail, op: OpPack) -> dict:
+    """``compressor_pool``'s tail keywords for a call on ``op`` (none without a tail)."""
+    return {} if tail is None else dict(zip(TAIL_ARGS, _op_tail(tail, op), strict=True))
 
 
 class _GatherRows(torch.autograd.Function):

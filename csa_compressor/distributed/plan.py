@@ -48,7 +48,9 @@ def _offsets(lengths: torch.Tensor) -> torch.Tensor:
 class OpPlan:
     """One call of the single-GPU op: ``cu`` / ``cc`` (int32 offsets) and ``rows`` (its row count); its real
     rows as runs, ``count[i]`` op rows from ``op_first[i]`` landing in ``out_local`` from ``position[i]``;
-    ``extra``: the other op rows, None when there are none; ``in_order``: op row ``k`` is output row ``k``."""
+    ``extra``: the other op rows, None when there are none; ``in_order``: op row ``k`` is output row ``k``;
+    per op segment, the global segment it lies in (``segment``) and its first row's position in it
+    (``first_position``: group index times ratio), which place its rows for the rotary tail."""
 
     cu: torch.Tensor
     cc: torch.Tensor
@@ -58,6 +60,8 @@ class OpPlan:
     count: torch.Tensor
     extra: torch.Tensor | None
     in_order: bool
+    segment: torch.Tensor
+    first_position: torch.Tensor
 
 
 @dataclass
@@ -147,7 +151,8 @@ def _piece_rows(cu, cc, pieces: _Pieces, ratio: int, world: int):
 def _interior(cu, cc, gs, ge, ratio: int, coff: int):
     """The interior pack over pieces ``[gs, ge)`` (local order): per piece and overlapping segment, a filler
     up to the first group that starts in the piece, then the groups. Returns the op's offsets and, per
-    segment part, its first real op row, real row count, first real global row and piece."""
+    segment part, its first real op row, real row count, first real global row and piece, and per op segment
+    its global segment and first group."""
     b_first = torch.searchsorted(cu, gs, right=True) - 1
     b_last = torch.searchsorted(cu, ge - 1, right=True) - 1
     b, piece = _expand(b_first, b_last - b_first + 1)
@@ -161,12 +166,14 @@ def _interior(cu, cc, gs, ge, ratio: int, coff: int):
     rows = torch.stack([torch.zeros_like(groups), groups], 1).reshape(-1)
     cc_local = _offsets(rows)
     op_first = cc_local[1:-1:2] + skip
-    return _offsets(lengths), cc_local, op_first, (groups - skip).clamp_min(0), cc[b] + jstart + skip, piece
+    place = torch.stack([b, b], 1).reshape(-1), torch.stack([torch.zeros_like(jstart), jstart], 1).reshape(-1)
+    return _offsets(lengths), cc_local, op_first, (groups - skip).clamp_min(0), cc[b] + jstart + skip, piece, place
 
 
 def _boundary(cu, cc, pieces: _Pieces, ratio: int, coff: int):
     """Per piece (of every rank): the boundary segment ``[A, E)`` of its rows whose window starts before the
-    piece (length 0 when none), its first real row offset, real row count and first real global row."""
+    piece (length 0 when none), its first real row offset, real row count, first real global row, and its
+    global segment and first group."""
     gs, ge = pieces.start, pieces.start + pieces.length
     b = torch.searchsorted(cu, gs, right=True) - 1
     start, groups = cu[b], torch.div(cu[b + 1] - cu[b], ratio, rounding_mode="floor")
@@ -183,11 +190,14 @@ def _boundary(cu, cc, pieces: _Pieces, ratio: int, coff: int):
     jstart = first - ((first > 0) & (coff == 2)).to(_I64)  # coff 2: from the first row's previous group
     seg_start = torch.where(exists, start + jstart * ratio, gs)
     length = torch.where(exists, (last + 1 - jstart) * ratio, torch.zeros_like(gs))
-    return seg_start, length, first - jstart, torch.where(exists, last - first + 1, 0), cc[b] + first
+    real = torch.where(exists, last - first + 1, 0)
+    return seg_start, length, first - jstart, real, cc[b] + first, (b, torch.where(exists, jstart, 0))
 
 
-def _op(cu_local: torch.Tensor, cc_local: torch.Tensor, op_first, count, position, n_local: int) -> OpPlan:
-    """An op call whose real rows are runs: ``count`` op rows from ``op_first`` land at ``position``."""
+def _op(cu_local: torch.Tensor, cc_local: torch.Tensor, op_first, count, position, n_local: int, place,
+        ratio: int) -> OpPlan:  # fmt: skip
+    """An op call whose real rows are runs: ``count`` op rows from ``op_first`` land at ``position``; ``place``:
+    per op segment, its global segment and first group."""
     rows = int(cc_local[-1])
     keep = count > 0
     op_first, count, position = op_first[keep], count[keep], position[keep]
@@ -195,8 +205,9 @@ def _op(cu_local: torch.Tensor, cc_local: torch.Tensor, op_first, count, positio
     gap_count = torch.cat([op_first, torch.tensor([rows])]) - gap_start
     extra = _expand(gap_start, gap_count)[0]
     in_order = rows == n_local and bool(torch.equal(op_first, position))
+    segment, group = place
     return OpPlan(cu_local.to(torch.int32), cc_local.to(torch.int32), rows, op_first, position, count,
-                  extra if extra.numel() else None, in_order)  # fmt: skip
+                  extra if extra.numel() else None, in_order, segment, (group * ratio).to(torch.int32))  # fmt: skip
 
 
 def _overlaps_rank(pieces: _Pieces, a: torch.Tensor, e: torch.Tensor, rank: int) -> torch.Tensor:
@@ -239,17 +250,20 @@ def build_plan(cu, all_pieces, rank: int, ratio: int, coff: int) -> RankPlan:
     interior = None
     if mine.numel():
         gs, ge = pieces.start[mine], pieces.start[mine] + pieces.length[mine]
-        cu_int, cc_int, op_first, real, global_first, part_piece = _interior(cu, cc, gs, ge, ratio, coff)
+        cu_int, cc_int, op_first, real, global_first, part_piece, place = _interior(cu, cc, gs, ge, ratio, coff)
         if int(real.sum()):
             p = mine[part_piece]
-            interior = _op(cu_int, cc_int, op_first, real, offset[p] + global_first - first[p], n_local)
-    seg_start, length, first_off, real_b, global_b = _boundary(cu, cc, pieces, ratio, coff)
+            position = offset[p] + global_first - first[p]
+            interior = _op(cu_int, cc_int, op_first, real, position, n_local, place, ratio)
+    seg_start, length, first_off, real_b, global_b, place_b = _boundary(cu, cc, pieces, ratio, coff)
     boundary = None
     if int(real_b[mine].sum()):
         lengths = length[mine]
         cc_b = _offsets(torch.div(lengths, ratio, rounding_mode="floor"))
         position = offset[mine] + global_b[mine] - first[mine]
-        boundary = _op(_offsets(lengths), cc_b, cc_b[:-1] + first_off[mine], real_b[mine], position, n_local)
+        place = (place_b[0][mine], place_b[1][mine])
+        boundary = _op(_offsets(lengths), cc_b, cc_b[:-1] + first_off[mine], real_b[mine], position, n_local,
+                       place, ratio)  # fmt: skip
     # The boundary packs this rank takes part in: its own, and those whose tokens it holds.
     involved = (pieces.rank == rank) | _overlaps_rank(pieces, seg_start, seg_start + length, rank)
     tokens, piece = _expand(seg_start[involved], length[involved])  # receiver by receiver, in pack order
