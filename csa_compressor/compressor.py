@@ -128,36 +128,49 @@ class Compressor(nn.Module):
             total_comp = int(cu_seqlens_comp[-1].item())
         kv, score = self.wkv(x), self.wgate(x)
         out = self._pool_and_tail(
-            kv,
-            score,
-            cu_seqlens,
-            cu_seqlens_comp,
-            total_comp,
-            position_start,
-            self.rope_cos if rope_cos is None else rope_cos,
-            self.rope_sin if rope_sin is None else rope_sin,
+            kv, score, cu_seqlens, cu_seqlens_comp, total_comp, position_start, rope_cos, rope_sin
         )
         return out.unsqueeze(1) if three_d else out
 
-    def _pool_and_tail(self, kv, score, cu_seqlens, cu_seqlens_comp, total_comp, position_start, cos, sin):
+    def forward_cp(
+        self,
+        x_local: torch.Tensor,
+        layout,
+        group=None,
+        position_start: torch.Tensor | None = None,
+        rope_cos: torch.Tensor | None = None,
+        rope_sin: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compress a THD pack split over a context-parallel group (docs/distributed.md).
+
+        ``x_local`` ``(layout.local_tokens, hidden_size)``: this rank's tokens in the layout's local order; the
+        projections run on them, then ``compressor_pool_cp`` with the fused tail (``position_start``: one offset
+        per segment of the global pack). Returns ``(out_local, rows)``: the global rows whose last token this rank
+        holds, and their global indices; ``gather_rows`` gives every rank all of them. Every parameter's
+        gradient is this rank's partial sum, as for any parameter under CP: trainers reduce them over the CP group.
+        """
+        from .distributed import compressor_pool_cp
+
+        kv, score = self.wkv(x_local), self.wgate(x_local)
+        tail = self._tail_arguments(position_start, rope_cos, rope_sin)
+        return compressor_pool_cp(kv, score, self.ape, layout, self.ratio, self.coff, group, self.backend, **tail)
+
+    def _tail_arguments(self, position_start, cos, sin) -> dict:
+        """The fused tail's keyword arguments: the module's norm, and its rotary tables unless given."""
         rope = self.rope_dim > 0
         if rope and position_start is not None and position_start.dtype != torch.int32:
             position_start = position_start.to(torch.int32)  # the op's dtype; a device-side cast, no sync
-        return compressor_pool(
-            kv,
-            score,
-            self.ape,
-            cu_seqlens,
-            cu_seqlens_comp,
-            ratio=self.ratio,
-            coff=self.coff,
-            total_comp=total_comp,
-            backend=self.backend,
-            norm_weight=self.norm.weight,
-            norm_eps=self.norm.eps if self.norm.eps is not None else 1e-6,
-            rope_cos=cos if rope else None,
-            rope_sin=sin if rope else None,
-            rope_dim=self.rope_dim,
-            rope_interleaved=self.rope_interleaved,
-            position_start=position_start if rope else None,
-        )
+        return {
+            "norm_weight": self.norm.weight,
+            "norm_eps": self.norm.eps if self.norm.eps is not None else 1e-6,
+            "rope_cos": (self.rope_cos if cos is None else cos) if rope else None,
+            "rope_sin": (self.rope_sin if sin is None else sin) if rope else None,
+            "rope_dim": self.rope_dim,
+            "rope_interleaved": self.rope_interleaved,
+            "position_start": position_start if rope else None,
+        }
+
+    def _pool_and_tail(self, kv, score, cu_seqlens, cu_seqlens_comp, total_comp, position_start, cos, sin):
+        tail = self._tail_arguments(position_start, cos, sin)
+        return compressor_pool(kv, score, self.ape, cu_seqlens, cu_seqlens_comp, ratio=self.ratio, coff=self.coff,
+                               total_comp=total_comp, backend=self.backend, **tail)  # fmt: skip

@@ -68,6 +68,7 @@ BAD = {
     "validate-per-call": "kv_local has",
     "second-config": "kv_local has",
     "tail-offsets": "position_start shape",
+    "tail-after-plain": "position_start shape",
 }
 
 
@@ -289,16 +290,16 @@ def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
         validate = name == "validate-per-call"
     kv = torch.randn(layout.local_tokens if layout._error is None else 4, 16, device=device).to(torch.bfloat16)
     ape, ratio, coff = torch.zeros(4, 16, device=device), 4, 2
-    if name in ("validate-per-call", "second-config"):
+    if name in ("validate-per-call", "second-config", "tail-after-plain"):
         # A good first call, then a bad one on the last rank (found by validate=True, or as another
-        # configuration's first call).
+        # configuration's first call, a tail's included).
         compressor_pool_cp(kv, kv, ape, layout, ratio=4, coff=2, group=group, validate=validate)
         if name == "second-config":
             ratio, coff, ape = 2, 1, torch.zeros(2, 16, device=device)
     if name in ("kv-rows", "validate-per-call", "second-config") and last:
         kv = kv[:-1]
     tail = {}
-    if name == "tail-offsets":  # one offset per global segment, one too few on the last rank
+    if name in ("tail-offsets", "tail-after-plain"):  # one offset per global segment, one too few on the last rank
         table = torch.ones(64, 4, device=device)
         tail = dict(rope_cos=table, rope_sin=table, rope_dim=8, position_start=torch.zeros(2 - last, dtype=torch.int32,
                                                                                               device=device))  # fmt: skip

@@ -201,3 +201,33 @@ def test_matches_eager_module_gpu(case):
     assert int(bf16_ulp_distance(out[:real], expected).max()) <= 3
     for name, g in _grads(module).items():
         assert rel_l2(fused[name], g) < 2e-2, name
+
+
+@pytest.mark.parametrize(("ratio", "rope_dim", "interleaved"), [(4, 8, True), (128, 16, False), (2, 0, True)])
+def test_forward_cp_world_of_one_matches_forward(ratio, rope_dim, interleaved):
+    """``forward_cp`` on a world of one holding the pack in pieces out of order: after ``gather_rows`` the
+    module's rows bitwise, kv's and score's paths the same (so every parameter gradient agrees up to the order of
+    its sum over tokens)."""
+    from csa_compressor.distributed import CPLayout, gather_rows
+
+    torch.manual_seed(ratio)
+    module = Compressor(24, 16, ratio, rope_dim=rope_dim, max_position=2048, rope_interleaved=interleaved,
+                        learned_ape=ratio != 2, backend="reference")  # fmt: skip
+    with torch.no_grad():
+        module.norm.weight.uniform_(0.5, 1.5)
+    seqlens = (3 * ratio + 1, 2, 2 * ratio + 3)
+    x, cu = _pack(seqlens, 24, padding=0, seed=ratio)
+    start = torch.tensor([5, 100, 0], dtype=torch.int64)  # cast to int32 by the module, as forward does
+    total = sum(seqlens)
+    layout = CPLayout.from_pieces(cu, [(total // 2, total - total // 2), (1, total // 2 - 1), (0, 1)])
+    out = module(x, cu, position_start=start)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out.backward(grad)
+    expected = _grads(module)
+    module.zero_grad(set_to_none=True)
+    out_local, rows = module.forward_cp(layout.select_local(x), layout, position_start=start)
+    out_all = gather_rows(out_local, rows, layout)
+    assert torch.equal(out_all, out)
+    out_all.backward(grad)
+    for name, value in _grads(module).items():
+        assert rel_l2(value.float(), expected[name].float()) <= (1e-6 if value.dtype == torch.float32 else 1e-2), name

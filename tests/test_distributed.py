@@ -254,8 +254,11 @@ def _placement_run(name, backend, misaligned=False, tail=""):
     plans = layout._plans
 
     def undirect(kv, score, ape):
-        compressor_pool_cp(kv.detach(), score.detach(), ape.detach(), layout, ratio=ratio, coff=coff, backend=backend)
-        next(iter(plans.values())).direct = None  # the autograd node even where the call would be the plain op
+        detached = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in tail_kw.items()}
+        compressor_pool_cp(kv.detach(), score.detach(), ape.detach(), layout, ratio=ratio, coff=coff, backend=backend,
+                           **detached)  # fmt: skip
+        (dp,) = plans.values()
+        dp.direct = None  # the autograd node even where the call would be the plain op
 
     out, grads = _single_rank(p, layout, backend, misaligned, before=undirect, tail=tail_kw)
     return p, next(iter(plans.values())), out, grads, ref_tail

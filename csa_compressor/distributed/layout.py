@@ -111,9 +111,9 @@ class CPLayout:
         self._local_tokens = int(self._pieces_t[:, 1].sum())
         # id(group) -> (group, every rank's pieces, the (ratio, coff) whose first call was checked)
         self._checked: dict[int, tuple[object, list, set]] = {}
-        self._plans: dict[tuple, object] = {}  # (ratio, coff, id(group), device) -> DevicePlan
+        self._plans: dict[tuple, object] = {}  # (ratio, coff, id(group), device, tail key) -> DevicePlan
         self._by_rows: dict[int, object] = {}  # id(plan.rows) -> DevicePlan, for gather_rows
-        self._hot: tuple | None = None  # (ratio, coff, group, argument signature, DevicePlan) of the last call
+        self._hot: tuple | None = None  # (ratio, coff, group, tail key, argument signature, DevicePlan): the last call
 
     @classmethod
     def contiguous(cls, cu_seqlens, rank: int, world_size: int) -> CPLayout:
@@ -225,11 +225,11 @@ class CPLayout:
 
     def checked_pieces(self, group, device: torch.device, call: dict, validate: bool) -> list[torch.Tensor]:
         """Every rank's pieces (``(n, 2)`` int64), gathered and checked by the first call on ``group``; the
-        first call of each (ratio, coff) on it (and every call with ``validate``) gathers and checks the call's
-        arguments too. Raises the same ValueError on every rank when anything disagrees."""
+        first call of each (ratio, coff, tail configuration) on it (and every call with ``validate``) gathers and
+        checks the call's arguments too. Raises the same ValueError on every rank when anything disagrees."""
         key = id(group)
         hit = self._checked.get(key)
-        config = (call["ratio"], call["coff"])
+        config = (call["ratio"], call["coff"], call.get("tail"))
         if hit is not None and not validate and config in hit[2]:
             return hit[1]
         full = hit is None or validate  # the layouts too, not only the call

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .. import api
 from ..autograd import compressor_pool
 from ..tail import Tail, check_tail
-from ..tail_args import TAIL_ARGS, is_default_tail
+from ..tail_args import TAIL_ARGS
 from . import streams
 from .device_plan import DevicePlan, OpPack, device_plan
 from .layout import CPLayout, _error, validation_requested
@@ -345,16 +345,17 @@ def _signature(kv, score, ape) -> tuple:
 
 
 def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate, tail=None) -> DevicePlan:
-    """The plan of this call. Hot path: the layout's last call (its configuration, group and checked argument
-    signature) compared with this one, no dict lookup; else the plan of the configuration, whose arguments are
-    checked when they differ from its last ones (and the first call on a group or configuration, or
-    ``validate``, checks every rank's layout and call collectively)."""
+    """The plan of this call. Hot path: the layout's last call (its configuration, group, tail configuration and
+    checked argument signature) compared with this one, no dict lookup; else the plan of the configuration, whose
+    arguments are checked when they differ from its last ones (and the first call on a group or configuration,
+    a tail configuration's included, or ``validate``, checks every rank's layout and call collectively)."""
     hot = layout._hot
+    tail_key = None if tail is None else (getattr(tail[0], "dtype", None), tail[4], tail[5], tail[6] is None)
     if hot is not None and not validate and type(ratio) is int and hot[0] == ratio and hot[1] == coff:
-        if hot[2] is group and _signature(kv, score, ape) == hot[3]:
-            return hot[4]
+        if hot[2] is group and hot[3] == tail_key and _signature(kv, score, ape) == hot[4]:
+            return hot[5]
     device = getattr(kv, "device", None)
-    key = (ratio, coff, id(group), device)
+    key = (ratio, coff, id(group), device, tail_key)
     dp = layout._plans.get(key)
     if dp is None or validate:
         dp = _checked_plan(layout, dp, key, kv, score, ape, group, validate, tail)
@@ -365,16 +366,17 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate,
             if error is not None:
                 raise _error(error)
             dp.signature = signature
-    layout._hot = (ratio, coff, group, dp.signature, dp)
+    layout._hot = (ratio, coff, group, tail_key, dp.signature, dp)
     return dp
 
 
 def _checked_plan(layout: CPLayout, dp, key: tuple, kv, score, ape, group, validate, tail) -> DevicePlan:
     """The collective check of this call (and, on a group's first call or with ``validate``, of every rank's
     layout); the plan of ``key`` built if ``dp`` is None."""
-    ratio, coff, _, device = key
+    ratio, coff, _, device, tail_key = key
     error = _call_error(layout, kv, score, ape, ratio, coff, tail)
-    call = {"ratio": ratio, "coff": coff, "width": kv.shape[-1] if error is None else None, "error": error}
+    call = {"ratio": ratio, "coff": coff, "tail": tail_key, "width": kv.shape[-1] if error is None else None}
+    call["error"] = error
     call["dtype"] = str(getattr(kv, "dtype", None))
     all_pieces = layout.checked_pieces(group, device if error is None else torch.device("cpu"), call, validate)
     if dp is None:
@@ -419,12 +421,18 @@ def compressor_pool_cp(
     in its global segment (``position_start``: one offset per segment of the global pack); the norm weight's
     gradient is this rank's partial sum, all-reduced with ape's under ``reduce_ape_grad``.
     """
-    tail = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+    tail = None
+    if (
+        norm_weight is not None
+        or rope_dim != 0
+        or rope_cos is not None
+        or rope_sin is not None
+        or position_start is not None
+    ):
+        tail = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
     if _is_compiling():
         args = (ratio, coff, group, backend, reduce_ape_grad, validate)
-        return _eager(compressor_pool_cp)(kv_local, score_local, ape, layout, *args, *tail)
-    if is_default_tail(*tail):
-        tail = None
+        return _eager(compressor_pool_cp)(kv_local, score_local, ape, layout, *args, *(tail or ()))
     group = _resolve_group(group)
     dp = _device_plan(layout, kv_local, score_local, ape, ratio, coff, group, validation_requested(validate), tail)
     direct = dp.direct
