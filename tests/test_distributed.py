@@ -125,13 +125,16 @@ def _assert_plain(p, out, grads, backend="reference", ape_bitwise=False, tail=No
 def test_world_of_one_matches_plain_op(ratio, coff, split):
     """No process group: one rank holds everything, in one piece or in pieces out of order."""
     p = make_pack((37, 3, 20, 1, 50), 6, ratio, coff, seed=ratio + coff)
-    total = sum(p.seqlens)
-    pieces = {
+    _assert_plain(p, *_single_rank(p, CPLayout.from_pieces(p.cu_seqlens, _pieces(sum(p.seqlens), split))))
+
+
+def _pieces(total: int, split: str) -> list[tuple[int, int]]:
+    """One rank's pieces of ``total`` tokens: in one piece, in three out of order, or one token each, reversed."""
+    return {
         "whole": [(0, total)],
         "reversed": [(60, total - 60), (5, 55), (0, 5)],
         "single-tokens": [(t, 1) for t in reversed(range(total))],
     }[split]
-    _assert_plain(p, *_single_rank(p, CPLayout.from_pieces(p.cu_seqlens, pieces)))
 
 
 @pytest.mark.parametrize("tail", list(cp_worker.TAILS))
@@ -142,14 +145,9 @@ def test_world_of_one_with_tail_matches_plain_op(tail, ratio, coff, split):
     (offsets per global segment), rows and kv/score gradients bitwise the plain op's, the norm weight's within
     1e-6."""
     p = make_pack((37, 3, 20, 1, 50, 33), 8, ratio, coff, seed=ratio + coff)
-    total = sum(p.seqlens)
-    pieces = {
-        "whole": [(0, total)],
-        "reversed": [(60, total - 60), (5, 55), (0, 5)],
-        "single-tokens": [(t, 1) for t in reversed(range(total))],
-    }[split]
     ref_tail, tail_kw = cp_worker.tail_kwargs(tail, p, seed=ratio)
-    out, grads = _single_rank(p, CPLayout.from_pieces(p.cu_seqlens, pieces), tail=tail_kw)
+    layout = CPLayout.from_pieces(p.cu_seqlens, _pieces(sum(p.seqlens), split))
+    out, grads = _single_rank(p, layout, tail=tail_kw)
     _assert_plain(p, out, grads, tail=ref_tail)
 
 
