@@ -499,7 +499,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=1, help="1: one GPU, no process group; 2+: one process per GPU")
     parser.add_argument("--backends", nargs="+", default=["cute", "triton"])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cp"))
+    parser.add_argument("--out", type=Path, default=Path("csa_compressor_bench/cp"))  # beside the bench's reports
     parser.add_argument("--host-only", action="store_true", help="CPU: launches and host time around the kernels")
     parser.add_argument(
         "--splits",
