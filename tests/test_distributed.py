@@ -353,18 +353,24 @@ def test_bad_layout_raises_at_the_first_call(build, expect):
         compressor_pool_cp(kv, kv, torch.zeros(4, 16), layout, ratio=4, coff=2)
 
 
-def test_torch_compile_breaks_the_graph_around_the_op():
-    """Under torch.compile the CP calls run eagerly behind a graph break; the eager result, gradients included."""
-    p = make_pack((37, 3, 20), 6, 4, 2, seed=4)
+@pytest.mark.parametrize("tail", ["", "full"])
+def test_torch_compile_breaks_the_graph_around_the_op(tail):
+    """Under torch.compile the CP calls run eagerly behind a graph break; the eager result, gradients included
+    (with the fused tail, the norm weight's)."""
+    p = make_pack((37, 3, 20), 8, 4, 2, seed=4)
     layout = CPLayout.from_pieces(p.cu_seqlens, [(30, 30), (0, 30)])
+    tail_kw = cp_worker.tail_kwargs(tail, p, seed=4)[1]
+    weight = tail_kw.pop("norm_weight", None)
 
-    def loss(kv, score, ape):
-        out, rows = compressor_pool_cp(kv * 1.0, score, ape, layout, ratio=4, coff=2)
+    def loss(kv, score, ape, *norm_weight):
+        weight_arg = norm_weight[0] if norm_weight else None
+        out, rows = compressor_pool_cp(kv * 1.0, score, ape, layout, ratio=4, coff=2, norm_weight=weight_arg, **tail_kw)
         return (gather_rows(out, rows, layout).float() * p.grad_out.float()).sum()
 
     results = []
     for fn in (loss, torch.compile(loss, backend="eager")):
         leaves = [layout.select_local(p.kv), layout.select_local(p.score), p.ape.clone()]
+        leaves += [] if weight is None else [weight.detach().clone()]
         leaves = [t.requires_grad_(True) for t in leaves]
         value = fn(*leaves)
         value.backward()
