@@ -2,13 +2,16 @@
 
     python benchmarks/triton_sweep.py [--cases r4|r128|NAME,...] [--directions forward,backward] [--quick] [--out DIR]
     python benchmarks/triton_sweep.py --stats [--cases r128]      # the softmax-statistics backward's tiles
+    python benchmarks/triton_sweep.py --tail [--cases r4]         # the short windows' whole-row tiles with the tail
 
 Default mode: for every case and direction, each candidate ``KernelConfig`` (and the default the backend picks)
 is built first in parallel worker processes (Triton's disk cache), then launched directly with that config and
 timed cold and warm (``csa_compressor.bench.Timer``), with its numerics beside it: max bf16 ulp and the count of
 non-bitwise elements against the fp32 reference, dAPE rel-L2 against fp64, and the full contract for the default.
 ``--stats``: the statistics backward (long windows) with the default tile and candidates, against the backward
-without statistics. Prints one line per candidate and the best per case; writes ``triton_sweep.json`` to --out.
+without statistics. ``--tail``: the short windows' forward and backward with DeepSeek-V4's tail (fp32 norm, 64
+rotary columns), whole-row tiles (``config.whole_rows``'s shape at other warps and vector widths), numerics against
+the tail's fp32 reference and the default against the tail's contract. Prints one line per candidate and the best per case; writes ``triton_sweep.json`` to --out.
 
 The sweep drives the backend below its public API, through the few names of ``backends.triton.launch`` used in
 ``_Backend`` (configs, their launches, the statistics tile): the one place to follow when those move.
@@ -61,14 +64,27 @@ class _Backend:
 
     def stats_backward(self, pack, grads, stats, tile):
         """The backward with statistics at ``tile`` (None: the default), as autograd runs it."""
-        key = (pack.ratio, pack.coff, pack.head_dim)
-        self.launch.STATS_TILE_OVERRIDE.pop(key, None)
         if tile is not None:
-            self.launch.STATS_TILE_OVERRIDE[key] = tile
-        self.default_backward(pack, grads, stats)
+            tile = self.launch.StatsTile(*tile)
+        self.launch.launch_backward(*pack.inputs, pack.grad_out, *grads, pack.ratio, pack.coff, None, stats, tile)
 
     def pow2(self, n):
-        return self.launch._pow2(n)
+        from csa_compressor.backends.triton.config import pow2
+
+        return pow2(n)
+
+    def tail_default(self, direction, ratio, coff, head_dim):
+        return self.launch.whole_rows(self.default(direction, ratio, coff, head_dim), head_dim)
+
+    def tail_forward(self, pack, out, cfg, tail, rstd):
+        """The forward with ``tail`` at tile ``cfg``, writing the rows' rstd into ``rstd``."""
+        self.launch.launch_forward(*pack.inputs, out, pack.ratio, pack.coff, cfg, tail=tail, rstd=rstd)
+
+    def tail_backward(self, pack, grads, cfg, tail, rstd):
+        """The backward with ``tail`` at tile ``cfg`` from the forward's ``rstd``; ``grads`` ends with the norm
+        weight's."""
+        self.launch.launch_backward(*pack.inputs, pack.grad_out, *grads[:3], pack.ratio, pack.coff, cfg, tail=tail,
+                                    grad_norm_weight=grads[3], rstd=rstd)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- candidates
@@ -114,6 +130,24 @@ def short_candidates(backend, direction, ratio, coff, head_dim):
             for r in rows:
                 fields = dict(block_r=br, block_d=bd, num_warps=nw, vec=vec, rows_per_prog=r, precise_exp=precise)
                 out.add(dataclasses.replace(default, **fields))
+    return [default, *sorted(out - {default}, key=dataclasses.astuple)]
+
+
+def tail_candidates(backend, direction, ratio, coff, head_dim):
+    """Short windows with the tail: whole rows (``block_d`` covers head_dim) of 1 to 16 warps and 2- to 8-column
+    vectors (at most 32 window elements per thread, at most 4 rows per tile), several rows per program."""
+    default = backend.tail_default(direction, ratio, coff, head_dim)
+    k, d2 = coff * backend.pow2(ratio), backend.pow2(head_dim)
+    out = {default}
+    for vec in (2, 4, 8):
+        for nw in (1, 2, 4, 8, 16):
+            lanes = 32 * nw * vec
+            if k * vec > 32 or lanes < d2 or lanes > 4 * d2:
+                continue
+            br = lanes // d2
+            rows = [br, 2 * br, 4 * br] if direction == "forward" else [max(br, r) for r in (8, 16, 32)]
+            for r in rows:
+                out.add(dataclasses.replace(default, block_r=br, block_d=d2, num_warps=nw, vec=vec, rows_per_prog=r))
     return [default, *sorted(out - {default}, key=dataclasses.astuple)]
 
 
@@ -218,6 +252,48 @@ def sweep_case(backend, timer, rate, case, directions, quick, reps, log) -> list
     return rows
 
 
+def sweep_tail_case(backend, timer, case, directions, reps, log) -> list[dict]:
+    """Every whole-row candidate of one short-window case with DeepSeek-V4's tail: time and numerics."""
+    from csa_compressor import tail as T
+
+    pack = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, device="cuda", seed=1)
+    tail = T.random_tail(pack, rope_dim=min(64, case.head_dim), seed=2)
+    kw = dict(ratio=pack.ratio, coff=pack.coff)
+    ref_out = T.forward(*pack.inputs, tail, total_comp=pack.total_comp, **kw)
+    rstd = torch.empty(pack.total_comp, dtype=torch.float32, device="cuda")
+    backend.tail_forward(pack, torch.empty_like(ref_out), backend.tail_default("forward", *case_config(case)), tail,
+                         rstd)  # fmt: skip
+    ref_grads = T.backward(*pack.inputs, pack.grad_out, tail, **kw)
+    rows = []
+    for direction in directions:
+        default = backend.tail_default(direction, *case_config(case))
+        for cfg in tail_candidates(backend, direction, *case_config(case)):
+            if direction == "forward":
+                outputs = [torch.empty_like(ref_out)]
+                fn = lambda cfg=cfg, o=outputs: backend.tail_forward(pack, o[0], cfg, tail, rstd)  # noqa: E731
+                refs, contract = [ref_out], lambda o: T.contract_report(pack, tail, out=o[0])["ok"]
+            else:
+                outputs = [torch.empty_like(t) for t in (pack.kv, pack.score, pack.ape)]
+                outputs.append(torch.empty(pack.head_dim, dtype=torch.float32, device="cuda"))
+                fn = lambda cfg=cfg, g=outputs: backend.tail_backward(pack, g, cfg, tail, rstd)  # noqa: E731
+                refs, contract = ref_grads, lambda g: T.contract_report(pack, tail, grads=tuple(g))["ok"]
+            try:
+                row = time_and_check(timer, fn, outputs, refs, reps, contract if cfg == default else None)
+            except Exception as exc:  # a tile may not build or fit: report, go on
+                log(f"  FAILED {case.name} {direction} {cfg}: {type(exc).__name__}: {exc}")
+                continue
+            row.update(case=case.name + "-tail", direction=direction, default=cfg == default,
+                       config=dataclasses.asdict(cfg))  # fmt: skip
+            rows.append(row)
+            log(f"  {case.name:22s} {direction:8s} {'*' if row['default'] else ' '} {row['cold_us']:8.2f} cold "
+                f"{row['warm_us']:8.2f} warm  {row['check']}  {cfg}")  # fmt: skip
+    return rows
+
+
+def case_config(case) -> tuple:
+    return case.ratio, case.coff, case.head_dim
+
+
 STATS_TILES = (None, (64, 32, 4, 0), (128, 32, 8, 0), (64, 64, 8, 0), (64, 16, 2, 0), (32, 32, 2, 0), (64, 32, 4, 8))
 
 
@@ -284,6 +360,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10, help="cold and warm calls per candidate")
     ap.add_argument("--quick", action="store_true", help="fewer candidates")
     ap.add_argument("--stats", action="store_true", help="the statistics backward's tiles (long windows)")
+    ap.add_argument("--tail", action="store_true", help="the short windows' whole-row tiles with the fused tail")
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--no-build", action="store_true", help="skip the parallel build step")
     args = ap.parse_args()
@@ -304,6 +381,10 @@ def main() -> int:
     if args.stats:
         for case in cases:
             rows += sweep_stats_case(backend, timer, case, args.reps, log)
+    elif args.tail:
+        for case in (c for c in cases if c.coff * c.ratio <= 16):
+            rows += sweep_tail_case(backend, timer, case, directions, args.reps, log)
+            torch.cuda.empty_cache()
     else:
         jobs = [(d, c.ratio, c.coff, c.head_dim, dataclasses.replace(cfg, rows_per_prog=cfg.block_r))
                 for c in cases for d in directions for cfg in candidates(backend, d, c.ratio, c.coff, c.head_dim, args.quick)]  # fmt: skip
