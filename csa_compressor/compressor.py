@@ -33,6 +33,13 @@ def rope_tables(
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 
+def _two_d(x: torch.Tensor) -> torch.Tensor:
+    """A ``(T, 1, hidden)`` input as ``(T, hidden)``."""
+    if x.shape[1] != 1:
+        raise ValueError(f"csa_compressor: 3-D x must be (T, 1, hidden), got {tuple(x.shape)}")
+    return x.reshape(x.shape[0], x.shape[2])
+
+
 class Compressor(nn.Module):
     """The compressor of DeepSeek-V4-style attention (CSA and HCA) over a THD pack.
 
@@ -119,9 +126,7 @@ class Compressor(nn.Module):
         """
         three_d = x.dim() == 3
         if three_d:
-            if x.shape[1] != 1:
-                raise ValueError(f"csa_compressor: 3-D x must be (T, 1, hidden), got {tuple(x.shape)}")
-            x = x.reshape(x.shape[0], x.shape[2])
+            x = _two_d(x)
         if cu_seqlens_comp is None:
             cu_seqlens_comp = compute_cu_seqlens_comp(cu_seqlens, self.ratio)
         if total_comp is None:
@@ -143,7 +148,8 @@ class Compressor(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress a THD pack split over a context-parallel group (docs/distributed.md).
 
-        ``x_local`` ``(layout.local_tokens, hidden_size)``: this rank's tokens in the layout's local order; the
+        ``x_local`` ``(layout.local_tokens, hidden_size)`` (or with a middle dimension of 1, as ``forward``'s ``x``,
+        and ``out_local`` then too): this rank's tokens in the layout's local order; the
         projections run on them, then ``compressor_pool_cp`` with the fused tail (``position_start``: one offset
         per segment of the global pack). Returns ``(out_local, rows)``: the global rows whose last token this rank
         holds, and their global indices; ``gather_rows`` gives every rank all of them. Every parameter's
@@ -151,9 +157,13 @@ class Compressor(nn.Module):
         """
         from .distributed import compressor_pool_cp
 
+        three_d = x_local.dim() == 3
+        if three_d:
+            x_local = _two_d(x_local)
         kv, score = self.wkv(x_local), self.wgate(x_local)
         tail = self._tail_arguments(position_start, rope_cos, rope_sin)
-        return compressor_pool_cp(kv, score, self.ape, layout, self.ratio, self.coff, group, self.backend, **tail)
+        out, rows = compressor_pool_cp(kv, score, self.ape, layout, self.ratio, self.coff, group, self.backend, **tail)
+        return (out.unsqueeze(1) if three_d else out), rows
 
     def _tail_arguments(self, position_start, cos, sin) -> dict:
         """The fused tail's keyword arguments: the module's norm, and its rotary tables unless given."""
