@@ -92,6 +92,8 @@ def suite(world: int, kind: str) -> list:
              tail="rope-half"),
         Case(f"w{w}-r4c2-balanced-tail", balanced(5, 1, 3), 4, 2, "load_balanced", head_dim=8, seed=w + 120,
              reduce_ape=True, tail="norm-bf16"),
+        Case(f"w{w}-r128c2-pieces-tail", (400, 100, 150), 128, 2, "pieces", head_dim=8, seed=w + 130, cuts=w + 2,
+             tail="full"),
     ]  # fmt: skip
     if world == 2:
         cases.append(Case("w2-r4c2-shared-grad", (21, 14), 4, 2, "pieces", seed=80, grad="shared", cuts=5))
