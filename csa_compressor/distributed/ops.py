@@ -191,7 +191,7 @@ class _PoolCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, score, ape, norm_weight, args):
         # args: (plan, ratio, coff, backend, group, reduce_ape, tail), one argument (apply costs host time per
-        # argument); tail: the seven tail arguments with norm_weight's place None, or None without a tail.
+        # argument); tail: the seven tail arguments or None. The norm weight is also an input, for its gradient.
         dp, ratio, coff, backend, group, _, tail = args
         call = (ratio, coff, backend, group, api.autograd_uses_stats(kv, ratio, coff, backend))
         d = kv.shape[1] // coff
