@@ -69,6 +69,7 @@ BAD = {
     "second-config": "kv_local has",
     "tail-offsets": "position_start shape",
     "tail-after-plain": "position_start shape",
+    "tail-positions": "row positions must lie in",
 }
 
 
@@ -305,6 +306,10 @@ def run_bad(bad: Bad, rank: int, world: int, group, device) -> dict:
         table = torch.ones(64, 4, device=device)
         tail = dict(rope_cos=table, rope_sin=table, rope_dim=8, position_start=torch.zeros(2 - last, dtype=torch.int32,
                                                                                               device=device))  # fmt: skip
+    if name == "tail-positions":  # the validation mode: a segment's rows past the tables (on every rank's call)
+        table = torch.ones(64, 4, device=device)
+        start = torch.tensor([0, 60], dtype=torch.int32, device=device)
+        tail, validate = dict(rope_cos=table, rope_sin=table, rope_dim=8, position_start=start), True
     try:
         out, rows = compressor_pool_cp(kv, kv, ape, layout, ratio=ratio, coff=coff, group=group,
                                        validate=validate or None, **tail)  # fmt: skip

@@ -40,7 +40,12 @@ def runs(tmp_path_factory):
 
 
 def test_every_example_is_listed_here():
-    assert {p.name for p in EXAMPLES} == {"context_parallel.py", "cuda_graphs.py", "megatron_dispatch.py", "train_compressor.py"}
+    assert {p.name for p in EXAMPLES} == {
+        "context_parallel.py",
+        "cuda_graphs.py",
+        "megatron_dispatch.py",
+        "train_compressor.py",
+    }
 
 
 @pytest.mark.parametrize("script", [p.name for p in EXAMPLES])

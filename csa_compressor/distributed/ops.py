@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .. import api
 from ..autograd import compressor_pool
-from ..tail import Tail, check_tail
+from ..tail import Tail, check_tail, validate_positions
 from ..tail_args import TAIL_ARGS
 from . import streams
 from .device_plan import DevicePlan, OpPack, device_plan
@@ -310,9 +310,10 @@ def _side_backward(args, tail_args, grad_out, grad_b, inputs, pack_grads, params
 # ---------------------------------------------------------------- entry points
 
 
-def _call_error(layout: CPLayout, kv, score, ape, ratio, coff, tail=None) -> str | None:
-    """What is wrong with this rank's arguments (``tail``: the seven tail arguments, or None), checked before
-    any collective (None if nothing)."""
+def _call_error(layout: CPLayout, kv, score, ape, ratio, coff, tail=None, validate=False) -> str | None:
+    """What is wrong with this rank's arguments (``tail``: the seven tail arguments, or None; with ``validate``
+    its rows' positions too, as the single-GPU op's validation mode checks them), checked before any collective
+    (None if nothing)."""
     for name, t in (("kv_local", kv), ("score_local", score), ("ape", ape)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             return f"{name} must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}"
@@ -329,6 +330,9 @@ def _call_error(layout: CPLayout, kv, score, ape, ratio, coff, tail=None) -> str
     if tail is not None:
         try:  # position_start is per global segment, as for the single-GPU op on the whole pack
             check_tail(Tail(*tail), head_dim=kv.shape[1] // coff, batch=layout._cu.numel() - 1, device=kv.device)
+            if validate:
+                rows = torch.div(layout._cu[1:] - layout._cu[:-1], ratio, rounding_mode="floor")
+                validate_positions(Tail(*tail), torch.cat([rows.new_zeros(1), rows.cumsum(0)]), ratio)
         except ValueError as exc:
             return str(exc).removeprefix("csa_compressor: ")
     return None
@@ -374,7 +378,7 @@ def _checked_plan(layout: CPLayout, dp, key: tuple, kv, score, ape, group, valid
     """The collective check of this call (and, on a group's first call or with ``validate``, of every rank's
     layout); the plan of ``key`` built if ``dp`` is None."""
     ratio, coff, _, device, tail_key = key
-    error = _call_error(layout, kv, score, ape, ratio, coff, tail)
+    error = _call_error(layout, kv, score, ape, ratio, coff, tail, validate)
     call = {"ratio": ratio, "coff": coff, "tail": tail_key, "width": kv.shape[-1] if error is None else None}
     call["error"] = error
     call["dtype"] = str(getattr(kv, "dtype", None))
