@@ -89,11 +89,11 @@ def worker(rank: int, world: int, init_file: str) -> None:
 def main() -> None:
     if "RANK" in os.environ:  # under torchrun
         on_gpu = torch.cuda.is_available()
-        dist.init_process_group("nccl" if on_gpu else "gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
         if on_gpu:
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device)  # before the process group: NCCL binds each rank to its device
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
         train(rank, world, device)
         dist.destroy_process_group()
     else:
