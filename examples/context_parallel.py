@@ -82,6 +82,7 @@ def worker(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         train(rank, world, torch.device("cpu"))
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
@@ -95,6 +96,7 @@ def main() -> None:
         dist.init_process_group("nccl" if on_gpu else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         train(rank, world, device)
+        dist.barrier()
         dist.destroy_process_group()
     else:
         with tempfile.TemporaryDirectory() as tmp:
