@@ -191,13 +191,13 @@ class _PoolCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kv, score, ape, norm_weight, args):
         # args: (plan, ratio, coff, backend, group, reduce_ape, tail), one argument (apply costs host time per
-        # argument); tail: the seven tail arguments or None. The norm weight is also an input, for its gradient.
+        # argument); tail: the seven tail arguments or None. The norm weight (tail[0]) is also an input, for its
+        # gradient.
         dp, ratio, coff, backend, group, _, tail = args
         call = (ratio, coff, backend, group, api.autograd_uses_stats(kv, ratio, coff, backend))
         d = kv.shape[1] // coff
         kind = dp.forward_placement(d, kv.element_size())
         buf, out_int, out_b = _out_buffers(dp, kind, kv.new_empty, d)
-        tail = None if tail is None else (norm_weight, *tail[1:])
         tails = _op_tail(tail, dp.interior), _op_tail(tail, dp.boundary)  # before the fork: the side waits on them
         forked = streams.fork(kv.device) if dp.side else None
         stats_int = rstd_int = None
@@ -328,11 +328,12 @@ def _call_error(layout: CPLayout, kv, score, ape, ratio, coff, tail=None, valida
     if score.dtype != kv.dtype or ape.dtype != torch.float32 or len({kv.device, score.device, ape.device}) != 1:
         return f"kv_local/score_local must share dtype and device and ape be float32 on it, got {kv.dtype}/{score.dtype}/{ape.dtype}"
     if tail is not None:
+        tail = Tail(*tail)
         try:  # position_start is per global segment, as for the single-GPU op on the whole pack
-            check_tail(Tail(*tail), head_dim=kv.shape[1] // coff, batch=layout._cu.numel() - 1, device=kv.device)
+            check_tail(tail, head_dim=kv.shape[1] // coff, batch=layout._cu.numel() - 1, device=kv.device)
             if validate:
                 rows = torch.div(layout._cu[1:] - layout._cu[:-1], ratio, rounding_mode="floor")
-                validate_positions(Tail(*tail), torch.cat([rows.new_zeros(1), rows.cumsum(0)]), ratio)
+                validate_positions(tail, torch.cat([rows.new_zeros(1), rows.cumsum(0)]), ratio)
         except ValueError as exc:
             return str(exc).removeprefix("csa_compressor: ")
     return None
@@ -446,7 +447,7 @@ def compressor_pool_cp(
         return out, dp.rows
     reduce_ape = reduce_ape_grad and not dp.single
     args = (dp, ratio, coff, backend, group, reduce_ape, tail)
-    return _PoolCP.apply(kv_local, score_local, ape, norm_weight if tail else None, args), dp.rows
+    return _PoolCP.apply(kv_local, score_local, ape, norm_weight, args), dp.rows
 
 
 def _tail_kwargs(tail, op: OpPack) -> dict:
