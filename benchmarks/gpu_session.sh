@@ -10,8 +10,9 @@
 # Run from the repository root: bash benchmarks/gpu_session.sh. Variables (defaults in brackets):
 #   STAGES       stages to run ["install tests sanitize bench"]
 #   BUDGET_S     the whole session's budget in seconds [560]
-#   TESTS_TIMEOUT  the test suite's limit [300]; TEST_PATHS what pytest collects ["tests"]; PYTEST_ARGS extra
-#                pytest arguments, e.g. "-m gpu" [""]
+#   TESTS_TIMEOUT  the test suite's limit [300]; TEST_PATHS what pytest collects ["tests"]; MARK a marker
+#                expression that selects the tests, e.g. "gpu" [""]; PYTEST_ARGS extra pytest arguments of the
+#                parallel phase, e.g. "-n 6" [""]
 #   SANITIZE_TIMEOUT  each sanitizer run's limit (three per backend) [70]; SANITIZE_BACKENDS ["cute triton"]
 #   BENCH_ARGS   extra arguments of the bench, e.g. "--tail off", "--timing-probe", "--cases 0 3" [""]
 #   RUN_COMMIT   the commit the bench records (the device copy's .git may be stale or missing) [git rev-parse]
@@ -54,17 +55,14 @@ sanitize() {  # every backend x tool in turn, one log
 }
 
 pids=()
-# The bench's smoke test reads the SM clock under a spin kernel: with sanitizers or compiles sharing the GPU the
-# clock it sees is the time slice's, so it runs alone after the parallel phase.
-SOLO=tests/test_bench.py::test_run_bench_smoke_on_gpu
-solo=""
-if has tests && [[ " ${TEST_PATHS:-tests} " == *" tests "* || " ${TEST_PATHS:-} " == *" tests/test_bench.py "* ]]; then
-    solo=$SOLO
-fi
+# Tests marked `alone` read timing (the SM clock under a spin kernel, idle gaps between kernels): with sanitizers,
+# compiles or other tests sharing the GPU they see the time slices, so they run after the parallel phase.
+parallel_mark="${MARK:+($MARK) and }not alone"
+alone_mark="${MARK:+($MARK) and }alone"
 if has tests; then
     # SIGINT first, so that pytest prints its counts when the limit is reached.
-    timeout -s INT -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider --durations=10 \
-        ${solo:+--deselect $solo} ${PYTEST_ARGS:-} >"$RESULT_DIR/pytest.log" 2>&1 &
+    timeout -s INT -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider \
+        --durations=10 -m "$parallel_mark" ${PYTEST_ARGS:-} >"$RESULT_DIR/pytest.log" 2>&1 &
     pids+=($!)
 fi
 if has sanitize; then
@@ -84,11 +82,10 @@ fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 if has tests; then
     row "test suite" "$(grep -E '(passed|failed|error)' "$RESULT_DIR/pytest.log" | tail -n 1)"
-    if [ -n "$solo" ]; then
-        timeout -s INT 120 python3 -m pytest "$solo" -q -ra -p no:cacheprovider ${PYTEST_ARGS:-} \
-            >>"$RESULT_DIR/pytest.log" 2>&1
-        row "bench smoke test, alone" "$(grep -E '(passed|failed|error)' "$RESULT_DIR/pytest.log" | tail -n 1)"
-    fi
+    timeout -s INT 180 python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider -m "$alone_mark" \
+        >"$RESULT_DIR/pytest_alone.log" 2>&1
+    row "tests marked alone, after" "$(grep -E '(passed|failed|error|deselected)' "$RESULT_DIR/pytest_alone.log" | tail -n 1)"
+    cat "$RESULT_DIR/pytest_alone.log" >>"$RESULT_DIR/pytest.log" && rm "$RESULT_DIR/pytest_alone.log"
 fi
 if has sanitize; then
     # One row per run: its exit status (9: the tool found errors; 124: the time limit) and the tool's summary.

@@ -757,6 +757,7 @@ def test_run_bench_without_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_run_bench_smoke_on_gpu(tmp_path):
     """A small real run: reference and eager, a tail case, the timing probe; every figure present and sane."""
     cases = [CASES[0], Case((8192,), 128, 4, 2, True)]
@@ -775,6 +776,7 @@ def test_run_bench_smoke_on_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_queued_kernel_time_has_no_idle_gaps():
     """The queue spin covers a host-bound call's enqueueing; unqueued, idle gaps show (relative: shared GPU)."""
     timer = bench.Timer(torch.device("cuda"))
