@@ -151,6 +151,31 @@ def test_world_of_one_with_tail_matches_plain_op(tail, ratio, coff, split):
     _assert_plain(p, out, grads, tail=ref_tail)
 
 
+@pytest.mark.parametrize("identity", [{"norm_eps": 1e-5}, {"rope_interleaved": False}])
+@pytest.mark.parametrize("split", ["whole", "reversed"])
+def test_world_of_one_identity_tail_is_the_pooling(identity, split):
+    """Tail arguments away from their defaults that neither normalise nor rotate take the tail's checked path, as
+    in ``compressor_pool``, and give the pooling, bitwise."""
+    p = make_pack((37, 3, 20, 1, 50), 8, 4, 2, seed=7)
+    layout = CPLayout.from_pieces(p.cu_seqlens, _pieces(sum(p.seqlens), split))
+    _assert_plain(p, *_single_rank(p, layout, tail=dict(identity)))
+
+
+@pytest.mark.parametrize("split", ["whole", "reversed"])
+def test_a_later_position_start_of_another_length_raises(split):
+    """The hot path rechecks what the op's own checks cannot see: position_start is per global segment, the op
+    gets positions per op segment, so a later call's offsets of another length raise as the first call's would."""
+    p = make_pack((37, 3, 20, 1, 50), 8, 4, 2, seed=8)
+    tail = cp_worker.tail_kwargs("full", p, seed=8)[1]
+    layout = CPLayout.from_pieces(p.cu_seqlens, _pieces(sum(p.seqlens), split))
+    kv, score = layout.select_local(p.kv), layout.select_local(p.score)
+    compressor_pool_cp(kv, score, p.ape, layout, ratio=4, coff=2, **tail)
+    for start in (tail["position_start"][:-1], torch.cat([tail["position_start"], tail["position_start"][:1]])):
+        with pytest.raises(ValueError, match="position_start"):
+            compressor_pool_cp(kv, score, p.ape, layout, ratio=4, coff=2, **(tail | {"position_start": start}))
+    compressor_pool_cp(kv, score, p.ape, layout, ratio=4, coff=2, **tail)  # the good offsets pass again
+
+
 @pytest.mark.parametrize(("ratio", "coff"), [(4, 2), (4, 1), (128, 1), (128, 2), (2, 1)])
 def test_plan_moves_only_the_halo(ratio, coff):
     """Random splits: bounded halo received and packed per piece boundary; every row planned exactly once."""

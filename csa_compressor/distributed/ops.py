@@ -15,7 +15,8 @@ import torch.distributed as dist
 from .. import api
 from ..autograd import compressor_pool
 from ..tail import Tail, check_tail, validate_positions
-from ..tail_args import TAIL_ARGS
+from ..tail_args import TAIL_ARGS, is_default_tail
+from ..thd import compute_cu_seqlens_comp
 from . import streams
 from .device_plan import DevicePlan, OpPack, device_plan
 from .layout import CPLayout, _error, validation_requested
@@ -332,8 +333,7 @@ def _call_error(layout: CPLayout, kv, score, ape, ratio, coff, tail=None, valida
         try:  # position_start is per global segment, as for the single-GPU op on the whole pack
             check_tail(tail, head_dim=kv.shape[1] // coff, batch=layout._cu.numel() - 1, device=kv.device)
             if validate:
-                rows = torch.div(layout._cu[1:] - layout._cu[:-1], ratio, rounding_mode="floor")
-                validate_positions(tail, torch.cat([rows.new_zeros(1), rows.cumsum(0)]), ratio)
+                validate_positions(tail, compute_cu_seqlens_comp(layout._cu, ratio), ratio)
         except ValueError as exc:
             return str(exc).removeprefix("csa_compressor: ")
     return None
@@ -345,8 +345,13 @@ def _resolve_group(group):
     return group  # None when there is no process group: a world of one rank
 
 
-def _signature(kv, score, ape) -> tuple:
-    return (kv.shape, score.shape, ape.shape, kv.dtype, score.dtype, ape.dtype, kv.device, score.device, ape.device)
+def _signature(kv, score, ape, tail) -> tuple:
+    """What a call's check depends on and the op's own checks do not see: the inputs' shapes, dtypes and devices,
+    and position_start's (the op gets the positions gathered per op segment, not the global offsets)."""
+    signature = (kv.shape, score.shape, ape.shape, kv.dtype, score.dtype, ape.dtype, kv.device, score.device,
+                 ape.device)  # fmt: skip
+    start = None if tail is None else tail[6]
+    return signature if start is None else (*signature, start.shape, start.dtype, start.device)
 
 
 def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate, tail=None) -> DevicePlan:
@@ -357,7 +362,7 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate,
     hot = layout._hot
     tail_key = None if tail is None else (getattr(tail[0], "dtype", None), tail[4], tail[5], tail[6] is None)
     if hot is not None and not validate and type(ratio) is int and hot[0] == ratio and hot[1] == coff:
-        if hot[2] is group and hot[3] == tail_key and _signature(kv, score, ape) == hot[4]:
+        if hot[2] is group and hot[3] == tail_key and _signature(kv, score, ape, tail) == hot[4]:
             return hot[5]
     device = getattr(kv, "device", None)
     key = (ratio, coff, id(group), device, tail_key)
@@ -365,7 +370,7 @@ def _device_plan(layout: CPLayout, kv, score, ape, ratio, coff, group, validate,
     if dp is None or validate:
         dp = _checked_plan(layout, dp, key, kv, score, ape, group, validate, tail)
     else:
-        signature = _signature(kv, score, ape)
+        signature = _signature(kv, score, ape, tail)
         if signature != dp.signature:
             error = _call_error(layout, kv, score, ape, ratio, coff, tail)
             if error is not None:
@@ -389,7 +394,7 @@ def _checked_plan(layout: CPLayout, dp, key: tuple, kv, score, ape, group, valid
         plan = build_plan(layout._cu, all_pieces, rank, ratio, coff)
         dp = layout._plans[key] = device_plan(plan, device, id(group), layout.local_tokens)
         layout._by_rows[id(dp.rows)] = dp
-    dp.signature = _signature(kv, score, ape)
+    dp.signature = _signature(kv, score, ape, tail)
     return dp
 
 
@@ -426,15 +431,9 @@ def compressor_pool_cp(
     in its global segment (``position_start``: one offset per segment of the global pack); the norm weight's
     gradient is this rank's partial sum, all-reduced with ape's under ``reduce_ape_grad``.
     """
-    tail = None
-    if (
-        norm_weight is not None
-        or rope_dim != 0
-        or rope_cos is not None
-        or rope_sin is not None
-        or position_start is not None
-    ):
-        tail = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+    tail = (norm_weight, norm_eps, rope_cos, rope_sin, rope_dim, rope_interleaved, position_start)
+    if is_default_tail(*tail):
+        tail = None
     if _is_compiling():
         args = (ratio, coff, group, backend, reduce_ape_grad, validate)
         return _eager(compressor_pool_cp)(kv_local, score_local, ape, layout, *args, *(tail or ()))
