@@ -314,8 +314,8 @@ def host_only(calls: int) -> list[dict]:
     records = []
     for name, seqlens, head_dim, ratio, coff in HOST_CASES:
         pack = make_pack(seqlens, head_dim, ratio, coff, seed=1)
-        for split in ONE_GPU_SPLITS:
-            layout = CPLayout.from_pieces(pack.cu_seqlens, _split_pieces(sum(seqlens), ONE_GPU_SPLITS[split]))
+        for split, count in ONE_GPU_SPLITS.items():
+            layout = CPLayout.from_pieces(pack.cu_seqlens, _split_pieces(sum(seqlens), count))
             for record in host_record(pack, layout, calls):
                 records.append({"case": name, "split": split} | record)
                 print(_host_row(records[-1]), flush=True)

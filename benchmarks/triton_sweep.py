@@ -11,7 +11,8 @@ non-bitwise elements against the fp32 reference, dAPE rel-L2 against fp64, and t
 ``--stats``: the statistics backward (long windows) with the default tile and candidates, against the backward
 without statistics. ``--tail``: the short windows' forward and backward with DeepSeek-V4's tail (fp32 norm, 64
 rotary columns), whole-row tiles (``config.whole_rows``'s shape at other warps and vector widths), numerics against
-the tail's fp32 reference and the default against the tail's contract. Prints one line per candidate and the best per case; writes ``triton_sweep.json`` to --out.
+the tail's fp32 reference and the default against the tail's contract. Prints one line per candidate and the best
+per case; writes ``triton_sweep.json`` to --out.
 
 The sweep drives the backend below its public API, through the few names of ``backends.triton.launch`` used in
 ``_Backend`` (configs, their launches, the statistics tile): the one place to follow when those move.
