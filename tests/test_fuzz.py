@@ -48,10 +48,11 @@ def _mutation(draw, kind, case):
     b = draw(st.integers(1, min(len(cu), len(comp)) - 1))
     if kind == "truncated":
         if comp[-1] <= 0:  # rows to drop: a first segment of two groups and a tail
-            grow = 2 * ratio + 1 - (cu[1] - cu[0])
-            cu[1:] = [v + max(grow, 0) for v in cu[1:]]
+            # At most 2 * ratio + 1 tokens more: after an int32 extreme cu[1] - cu[0] may be near -2**31.
+            grow = min(max(2 * ratio + 1 - (cu[1] - cu[0]), 0), 2 * ratio + 1)
+            cu[1:] = [v + grow for v in cu[1:]]
             comp[1:] = [v + 2 for v in comp[1:]]
-            case["tokens"] += max(grow, 0)
+            case["tokens"] += grow
         # Below the real rows; capped, since a malformed comp[-1] may be near 2**31 (the output has total_comp rows).
         case["total_comp"] = draw(st.integers(0, min(max(comp[-1] - 1, 0), 64)))
     elif kind == "beyond_T":
