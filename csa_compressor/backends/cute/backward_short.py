@@ -33,9 +33,9 @@ from cutlass import BFloat16, Boolean, Float32, Int32
 from .configs import BackwardShortConfig
 from .norm_rope import RowTail, div_rn, ordered_sum, select
 from .persistent import FusedTailHost, PersistentBackward
-from .ptx import add_rn, ex2, mul_rn, sub_rn
+from .ptx import add_rn, ex2, fma_rn, mul_rn, sub_rn
 from .reduce import ApeReduce
-from .softmax import LOG2E, exact_probabilities, torch_order_sum
+from .softmax import LOG2E, exact_probabilities, fast_pooled, torch_order_sum
 from .window import (
     NEG_INF,
     UNLOCATED,
@@ -463,21 +463,36 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
 
     @cute.jit
     def fused_gradients(self, gkv, gsc, regs, ph: cutlass.Constexpr, gf, kvw, valid, active, t0, first, smem, th):
-        """One group with the tail: the probabilities, the pooled row x (the forward's operations, so the same
-        fp32 values), dy = grad_out rotated back, the norm's dx, then the exact passes with dx for grad_out."""
+        """One group with the tail: the probabilities and the pooled row x in the fast form (the forward's, so the
+        same fp32 values), dy = grad_out rotated back, the norm's dx, then the slots' gradients from dx."""
         cfg, tail = self.config, self.tail
         width, sg = cfg.vector_width, cfg.slots_per_group
-        exact_probabilities(regs.scb[ph], regs.apf, regs.pq, first, width, sg, cfg.ratio, cfg.coff)
+        x = fast_pooled(regs.scb[ph], regs.apf, kvw, th.col_ok, regs.pq, width, sg)
         dx = gf
         if cutlass.const_expr(tail.has_rope):
             dx = tail.turn_back(gf, regs.gpb[ph], regs.csb[ph], regs.snb[ph], th.c)
         if cutlass.const_expr(tail.spec.has_norm):
-            pooled = [
-                torch_order_sum([mul_rn(regs.pq[i * sg + k], kvw[k][i]) for k in range(sg)]) for i in range(width)
-            ]
-            x = [select(th.col_ok, pooled[i], Float32(0.0)) for i in range(width)]
             dx = self.norm_backward(regs, ph, x, dx, active, smem[1], th)
-        self.exact_pass(gkv, gsc, regs, dx, kvw, valid, t0, th.g, th.c)
+        self.fused_pass(gkv, gsc, regs, dx, x, kvw, valid, t0, th.g, th.c)
+
+    @cute.jit
+    def fused_pass(self, gkv, gsc, regs, dx, x, kvw, valid, t0, g, c):
+        """The slots' gradients from the pooled row's gradient dx: S = sum_k dx v_k p_k = dx x, dv = dx p,
+        dlogit = p (dx v - S) with one fma; stored right away."""
+        cfg = self.config
+        width, sg = cfg.vector_width, cfg.slots_per_group
+        dap, dlo = regs.dap, regs.dlo  # plain names: a dynamic `if` may write through them
+        for i in cutlass.range_constexpr(width):
+            regs.vs[i] = dx[i] * x[i]
+        for k in cutlass.range_constexpr(sg):
+            for i in cutlass.range_constexpr(width):
+                p = regs.pq[i * sg + k]
+                regs.dvo[i] = dx[i] * p
+                regs.dlo[i] = p * fma_rn(dx[i], kvw[k][i], -regs.vs[i])
+            if valid[k]:
+                for i in cutlass.range_constexpr(width):
+                    dap[k][i] = dap[k][i] + dlo[i]
+            self.store_slot(gkv, gsc, regs.dvo, regs.dlo, t0, g * sg + k, valid[k], c)
 
     @cute.jit
     def norm_backward(self, regs, ph: cutlass.Constexpr, x, dy, active, sums, th):

@@ -1,8 +1,10 @@
 """Softmax pieces shared by the kernels: the exact form of the short windows (the fp32 reference's operation order,
-bitwise equal to it) and the online log2-domain fold of the grouped kernels.
+bitwise equal to it), the fast form of the fused tail's short windows and the online log2-domain fold of the
+grouped kernels.
 
 Exact form: x = score + ape, m = max, e = expf(x - m), the sum left to right, e / sum correctly rounded, and
-sums of products in the order of torch's CUDA reduction. Online form: per column a running (max, sum e, sum e*v)
+sums of products in the order of torch's CUDA reduction. Fast form (a tail's contract is one bf16 ulp, not bitwise):
+e = ``ex2.approx`` of one fma, one reciprocal per column, products summed by fma. Online form: per column a running (max, sum e, sum e*v)
 with exp taken as ``ex2.approx`` of ``fma(x, log2 e, -max * log2 e)``.
 """
 
@@ -14,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .ptx import add_rn, div_markstein, ex2, fma_rn, rcp_rn
+from .ptx import add_rn, div_markstein, ex2, fma_rn, mul_rn, rcp_rn
 from .window import NEG_INF, widen
 
 LOG2E = math.log2(math.e)
@@ -52,6 +54,32 @@ def exact_quotients(e, total, pq, first, width: cutlass.Constexpr, slots: cutlas
         for i in cutlass.range_constexpr(width):
             for k in cutlass.range_constexpr(slots):
                 pq[i * slots + k] = e[i][k] / total[i]
+
+
+def fast_pooled(scf, apf, kvw, col_ok, pq, width: int, slots: int) -> list:
+    """The pooled columns x = sum(e * v) / sum(e) of the thread's window slots in the fast form (0 where not
+    ``col_ok``), and where ``pq`` is given the probabilities pq[i * slots + k] = e / sum(e): a third of the exact
+    form's instructions, which bound the fused tail's short-window kernels, at a few fp32 ulps."""
+    scw = [widen(scf[k], width) for k in range(slots)]
+    pooled = []
+    for i in range(width):
+        x = [scw[k][i] + apf[k][i] for k in range(slots)]
+        m = x[0]
+        for k in range(1, slots):
+            m = cute.arch.fmax(m, x[k], nan=True)
+        ml = m * LOG2E
+        e = [ex2(fma_rn(x[k], LOG2E, -ml)) for k in range(slots)]
+        total = e[0]
+        acc = mul_rn(e[0], kvw[0][i])
+        for k in range(1, slots):
+            total = add_rn(total, e[k])
+            acc = fma_rn(e[k], kvw[k][i], acc)
+        inv = rcp_rn(total)
+        if pq is not None:
+            for k in range(slots):
+                pq[i * slots + k] = mul_rn(e[k], inv)
+        pooled.append(Float32(cutlass.select_(col_ok, mul_rn(acc, inv), Float32(0.0))))
+    return pooled
 
 
 def torch_order_sum(vals):
