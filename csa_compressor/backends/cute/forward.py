@@ -181,7 +181,7 @@ class ForwardShortWindow:
 
     def exchange_floats(self) -> int:
         cfg = self.config
-        return 0 if not self.tail.has_rope or self.tail.pairs_in_thread else cfg.rows_per_cta * cfg.columns_per_cta
+        return cfg.rows_per_cta * cfg.columns_per_cta if self.tail.exchanges_rows else 0
 
     @cute.kernel
     def fused_kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,

@@ -3,8 +3,8 @@
 
 After the combine a thread holds one column of one row: the CTA's threads are ``ForwardLongConfig.tail_rows`` rows
 of ``columns_per_cta`` threads (a power of two), and rows past ``rows_per_cta`` hold zeros. The norm and the
-rotation are ``norm_rope.RowTail``'s with one column per thread: a row's sum in one fixed order, partners through
-shared memory.
+rotation are ``norm_rope.RowTail``'s with one column per thread: a row's sum in one fixed order, interleaved partners
+by a shuffle, half-split ones through shared memory.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class WholeRowTail:
         self.row = RowTail(config.tail, config.head_dim, 1, self.columns, self.rows)
 
     def exchange_floats(self) -> int:
-        return self.rows * self.columns if self.row.has_rope else 0
+        return self.rows * self.columns if self.row.exchanges_rows else 0
 
     def smem_bytes(self) -> int:
         """Row sums across warps and the rotation's exchange rows."""

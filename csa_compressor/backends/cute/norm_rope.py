@@ -8,10 +8,11 @@ of shuffles over the row's lanes of a warp (the two partners of an exchange add 
 ends with the same sum) and, for rows of several warps, the warps' sums in warp order through shared memory: one
 fixed order, the same for every thread of the row and from run to run.
 
-Rotary pairs: interleaved pairs that start on an even column, with even vectors, lie in one thread's vector; other
-pairs exchange the partner through shared memory (the forward) or read it from grad_out again (the backward: an
-input). A row's position is ``position_start[b] + j * ratio`` (padding rows 0); a position outside
-``[0, max_position)`` rotates by nothing (cos 1, sin 0) and reads nothing from the tables.
+Rotary pairs: interleaved pairs that start on an even column, with even vectors, lie in one thread's vector, and with
+one column per thread in neighbouring lanes (a shuffle); other pairs exchange the partner through shared memory
+(the forward) or read it from grad_out again (the backward: an input). A row's position is ``position_start[b] +
+j * ratio`` (padding rows 0); a position outside ``[0, max_position)`` rotates by nothing (cos 1, sin 0) and reads
+nothing from the tables.
 
 Numerics follow the fp32 reference's operation order where it has one: ``rstd = 1 / sqrt(sum(x*x) / d + eps)``
 with correctly rounded steps (as the Triton kernels), ``y = (x * rstd) * w``, each product and sum of the rotation
@@ -55,6 +56,9 @@ class RowTail:
         self.half = spec.rope_dim // 2
         self.has_rope = spec.rope_dim > 0
         self.pairs_in_thread = spec.rope_interleaved and self.base % 2 == 0 and width % 2 == 0
+        # One column per thread, interleaved pairs from an even column: the partner is the neighbouring lane.
+        self.pairs_in_lanes = spec.rope_interleaved and self.base % 2 == 0 and width == 1 and row_threads > 1
+        self.exchanges_rows = self.has_rope and not (self.pairs_in_thread or self.pairs_in_lanes)
 
     def sum_floats(self, sums: int) -> int:
         """Shared floats of one buffer of ``sums`` row sums across warps (0 where a row is within a warp)."""
@@ -165,10 +169,17 @@ class RowTail:
     @cute.jit
     def rotate(self, y, cs, sn, c, xbuf, xbase):
         """The forward rotation of ``y`` (the thread's columns, fp32, in place): ``(a, b) -> (a cos - b sin,
-        a sin + b cos)``. Partners in other threads come through ``xbuf`` at ``xbase`` (the row's columns; every
-        thread of the CTA calls this then)."""
+        a sin + b cos)``. Partners in the neighbouring lane come by a shuffle, in other threads through ``xbuf``
+        at ``xbase`` (the row's columns; every thread of the CTA calls this then)."""
         width = self.width
-        if cutlass.const_expr(self.pairs_in_thread):
+        if cutlass.const_expr(self.pairs_in_lanes):
+            own = y[0]
+            other = cute.arch.shuffle_sync_bfly(own, offset=1)
+            first = sub_rn(mul_rn(own, cs[0]), mul_rn(other, sn[0]))
+            second = add_rn(mul_rn(other, sn[0]), mul_rn(own, cs[0]))
+            if self.in_rope(c):
+                y[0] = select(self.is_first(c), first, second)
+        elif cutlass.const_expr(self.pairs_in_thread):
             for j in cutlass.range_constexpr(width // 2):
                 a = y[2 * j]
                 b = y[2 * j + 1]
