@@ -9,7 +9,9 @@ grad_ape partials (summed by ``ApeReduce``):
   are loaded once and held across its rows;
 - one group (ratio 4 coff 2, ratio 2, ratio 8 coff 1): the fp32 reference's exact operation order,
   p = expf(x - max) / sum, dv = g*p, S = sum(g*v*p) in torch's reduction order, dlogit = p*(g*v - S), every
-  multiply and add pinned to ``.rn``: bitwise the reference;
+  multiply and add pinned to ``.rn``: bitwise the reference; with the fused tail (whole rows per CTA, whose
+  contract is one bf16 ulp) the fast form of ``softmax.fast_pooled``, S = dx * x from the pooled row it needs
+  anyway, and dlogit = p * fma(dx, v, -S);
 - several groups (windows whose slots are no power of two): per group (max, sum e), then the group's share of S,
   through shared memory; one thread per (row, column) combines the groups in a fixed order; exp via ex2.approx;
 - grad_ape: per-thread fp32 accumulators over the thread's rows, summed over the row lanes in a fixed order.
@@ -463,8 +465,8 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
 
     @cute.jit
     def fused_gradients(self, gkv, gsc, regs, ph: cutlass.Constexpr, gf, kvw, valid, active, t0, first, smem, th):
-        """One group with the tail: the probabilities and the pooled row x in the fast form (the forward's, so the
-        same fp32 values), dy = grad_out rotated back, the norm's dx, then the slots' gradients from dx."""
+        """One group with the tail: the probabilities and the pooled row x in the fast form (within a few fp32 ulps
+        of the forward's exact x), dy = grad_out rotated back, the norm's dx, then the slots' gradients from dx."""
         cfg, tail = self.config, self.tail
         width, sg = cfg.vector_width, cfg.slots_per_group
         x = fast_pooled(regs.scb[ph], regs.apf, kvw, th.col_ok, regs.pq, width, sg)

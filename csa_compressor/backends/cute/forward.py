@@ -30,7 +30,7 @@ from .configs import ForwardLongConfig, ForwardShortConfig, launch_bound
 from .long_tail import WholeRowTail
 from .norm_rope import RowTail, ordered_sum, select
 from .ptx import ex2, mul_rn
-from .softmax import exact_probabilities, fast_pooled, online_fold, torch_order_sum
+from .softmax import exact_probabilities, online_fold, torch_order_sum
 from .window import (
     Segments,
     WindowSlots,
@@ -125,8 +125,7 @@ class ForwardShortWindow:
     @cute.jit
     def pooled(self, kv, score, ape, g, c, col_ok, active, t0, first):
         """Loads, softmax and weighted sum of the thread's columns (fp32 registers), in the reference's order:
-        p = expf(x - max) / sum, out = sum(p * v) in torch's reduction order (four strided accumulators); with a
-        tail, in the fast form (``softmax.fast_probabilities``)."""
+        p = expf(x - max) / sum, out = sum(p * v) in torch's reduction order (four strided accumulators)."""
         cfg = self.config
         width, slots = cfg.vector_width, cfg.window
         kvb = [bf16_registers(slots, width) for _ in range(2)]
@@ -136,19 +135,12 @@ class ForwardShortWindow:
         self.slots.issue(kv, score, kvb[0], scb[0], 0, g, c, active, t0, first)
         self.slots.load_ape(ape, apf, 0, g, c, col_ok)
         kvf, scf = kvb[0], scb[0]
-        if cutlass.const_expr(cfg.tail is not None):
-            # The tail's contract is one bf16 ulp: the fast form, as its backward recomputes it.
-            kvw = [widen(kvf[k], width) for k in range(slots)]
-            pooled = fast_pooled(scf, apf, kvw, col_ok, None, width, slots)
-            for i in cutlass.range_constexpr(width):
-                res[i] = pooled[i]
-        else:
-            pq = registers(width * slots)
-            exact_probabilities(scf, apf, pq, first, width, slots, cfg.ratio, cfg.coff)
-            kvw = [widen(kvf[k], width) for k in range(slots)]
-            for i in cutlass.range_constexpr(width):
-                pv = [mul_rn(pq[i * slots + k], kvw[k][i]) for k in range(slots)]
-                res[i] = torch_order_sum(pv)
+        pq = registers(width * slots)
+        exact_probabilities(scf, apf, pq, first, width, slots, cfg.ratio, cfg.coff)
+        kvw = [widen(kvf[k], width) for k in range(slots)]
+        for i in cutlass.range_constexpr(width):
+            pv = [mul_rn(pq[i * slots + k], kvw[k][i]) for k in range(slots)]
+            res[i] = torch_order_sum(pv)
         return res
 
     # ------------------------------------------------------------ the fused tail (RMSNorm, RoPE)

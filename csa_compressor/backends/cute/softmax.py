@@ -1,11 +1,11 @@
 """Softmax pieces shared by the kernels: the exact form of the short windows (the fp32 reference's operation order,
-bitwise equal to it), the fast form of the fused tail's short windows and the online log2-domain fold of the
+bitwise equal to it), the fast form of the fused tail's short-window backward and the online log2-domain fold of the
 grouped kernels.
 
 Exact form: x = score + ape, m = max, e = expf(x - m), the sum left to right, e / sum correctly rounded, and
-sums of products in the order of torch's CUDA reduction. Fast form (a tail's contract is one bf16 ulp, not bitwise):
-e = ``ex2.approx`` of one fma, one reciprocal per column, products summed by fma. Online form: per column a running (max, sum e, sum e*v)
-with exp taken as ``ex2.approx`` of ``fma(x, log2 e, -max * log2 e)``.
+sums of products in the order of torch's CUDA reduction. Fast form (a tail's contract is one bf16 ulp, not
+bitwise): e = ``ex2.approx`` of one fma, one reciprocal per column, products summed by fma. Online form: per
+column a running (max, sum e, sum e*v) with exp taken as ``ex2.approx`` of ``fma(x, log2 e, -max * log2 e)``.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def exact_quotients(e, total, pq, first, width: cutlass.Constexpr, slots: cutlas
 
 
 def fast_pooled(scf, apf, kvw, col_ok, pq, width: int, slots: int) -> list:
-    """The pooled columns x = sum(e * v) / sum(e) of the thread's window slots in the fast form (0 where not
-    ``col_ok``), and where ``pq`` is given the probabilities pq[i * slots + k] = e / sum(e): a third of the exact
-    form's instructions, which bound the fused tail's short-window kernels, at a few fp32 ulps."""
+    """The fused tail's backward: the probabilities pq[i * slots + k] = e / sum(e) of the thread's window slots
+    and the pooled columns x = sum(e * v) / sum(e) (0 where not ``col_ok``) in the fast form, a third of the exact
+    form's instructions (which bound that kernel) at a few fp32 ulps."""
     scw = [widen(scf[k], width) for k in range(slots)]
     pooled = []
     for i in range(width):
@@ -75,9 +75,8 @@ def fast_pooled(scf, apf, kvw, col_ok, pq, width: int, slots: int) -> list:
             total = add_rn(total, e[k])
             acc = fma_rn(e[k], kvw[k][i], acc)
         inv = rcp_rn(total)
-        if pq is not None:
-            for k in range(slots):
-                pq[i * slots + k] = mul_rn(e[k], inv)
+        for k in range(slots):
+            pq[i * slots + k] = mul_rn(e[k], inv)
         pooled.append(Float32(cutlass.select_(col_ok, mul_rn(acc, inv), Float32(0.0))))
     return pooled
 

@@ -140,7 +140,7 @@ def stats_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: Device
 FUSED_ROW_THREADS_CAP = 1024
 FUSED_FORWARD_THREADS = 128
 # Registers per thread of a fused forward whose CTA is one row: the most that the kernel takes without spilling.
-ONE_ROW_FORWARD_REGISTERS = 96
+ONE_ROW_FORWARD_REGISTERS = 72
 # The long-window forward with the tail: threads per CTA at most (whole rows; one CTA per SM at the kernels'
 # register budget), and rows per CTA whose sums cross warps at most (one named barrier each).
 WHOLE_ROW_THREADS = 512
