@@ -97,6 +97,8 @@ def test_fused_kernels_compile(arch, name, direction):
     if tail.has_norm:
         assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "rcp.rn.f32" in ptx
         assert ("shfl.sync.bfly" in ptx) == (cfg.column_threads > 1)
+    # The forward keeps the exact softmax (its quotients by Markstein's sequence), the backward the fast form.
+    assert ("%mq" in ptx) == (direction == "forward")
 
 
 # (name, ratio, coff, head_dim, spec): the long-window forward with the tail, whole rows per CTA.
