@@ -286,7 +286,7 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
         gf = widen(regs.gbb[ph], cfg.vector_width)  # grad_out in fp32
         kvw = [widen(regs.kvb[ph][k], cfg.vector_width) for k in range(cfg.slots_per_group)]
         if cutlass.const_expr(cfg.slot_groups == 1 and cfg.tail is not None):
-            self.fused_gradients(gkv, gsc, regs, ph, gf, kvw, valid, active, t0, first, smem, th)
+            self.fused_gradients(gkv, gsc, regs, ph, gf, kvw, valid, active, t0, smem, th)
         elif cutlass.const_expr(cfg.slot_groups == 1):
             self.exact_gradients(gkv, gsc, regs, regs.scb[ph], gf, kvw, valid, t0, first, g, c)
         else:
@@ -464,7 +464,7 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
     # ------------------------------------------------------------ the fused tail (RMSNorm, RoPE)
 
     @cute.jit
-    def fused_gradients(self, gkv, gsc, regs, ph: cutlass.Constexpr, gf, kvw, valid, active, t0, first, smem, th):
+    def fused_gradients(self, gkv, gsc, regs, ph: cutlass.Constexpr, gf, kvw, valid, active, t0, smem, th):
         """One group with the tail: the probabilities and the pooled row x in the fast form (within a few fp32 ulps
         of the forward's exact x), dy = grad_out rotated back, the norm's dx, then the slots' gradients from dx."""
         cfg, tail = self.config, self.tail
