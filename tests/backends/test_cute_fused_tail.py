@@ -129,7 +129,11 @@ def test_long_forward_with_tail_compiles(arch, name):
     assert "ld.local" not in ptx and "st.local" not in ptx and used["frame"] == 0, used
     assert [_kinds(p) for _n, p in ENTRY.findall(ptx)] == ["ppppppp" + "iii" + "ppppp" + "fi"]
     assert f".minnctapersm {configs.launch_bound(cfg.threads)}" in ptx
-    assert ("shfl.sync.bfly" in ptx) == (tail.has_norm and cfg.columns_per_cta > 1)
+    # Interleaved rotary partners sit in the neighbouring lane (a shuffle); half-split ones go through shared memory.
+    row = kernel.tail.row
+    assert row.pairs_in_lanes == (tail.rope_dim > 0 and tail.rope_interleaved and (head_dim - tail.rope_dim) % 2 == 0)
+    assert (kernel.tail.exchange_floats() > 0) == (tail.rope_dim > 0 and not row.pairs_in_lanes)
+    assert ("shfl.sync.bfly" in ptx) == ((tail.has_norm or row.pairs_in_lanes) and cfg.columns_per_cta > 1)
     named = cfg.tail_rows > 1 and cfg.columns_per_cta > 32 and tail.has_norm
     assert bool(re.search(r"bar(rier)?\.sync(\.aligned)?\s+\S+,\s*\d+;", ptx)) == named  # id, thread count
     if tail.has_norm:
