@@ -175,9 +175,7 @@ class RowTail:
         width = self.width
         if cutlass.const_expr(self.pairs_in_lanes):
             own = y[0]
-            other = cute.arch.shuffle_sync_bfly(own, offset=1)
-            first = sub_rn(mul_rn(own, cs[0]), mul_rn(other, sn[0]))
-            second = add_rn(mul_rn(other, sn[0]), mul_rn(own, cs[0]))
+            first, second = self.rotated(own, cute.arch.shuffle_sync_bfly(own, offset=1), cs[0], sn[0])
             if self.in_rope(c):
                 y[0] = select(self.is_first(c), first, second)
         elif cutlass.const_expr(self.pairs_in_thread):
@@ -194,12 +192,15 @@ class RowTail:
             cute.arch.sync_threads()
             for i in cutlass.range_constexpr(width):
                 col = c + i
-                other = xbuf[xbase + self.partner(col)]
-                own = y[i]
-                first = sub_rn(mul_rn(own, cs[i]), mul_rn(other, sn[i]))
-                second = add_rn(mul_rn(other, sn[i]), mul_rn(own, cs[i]))
+                first, second = self.rotated(y[i], xbuf[xbase + self.partner(col)], cs[i], sn[i])
                 if self.in_rope(col):
                     y[i] = select(self.is_first(col), first, second)
+
+    @staticmethod
+    def rotated(own, other, cos, sin) -> tuple:
+        """A column's value after its pair's rotation, given its partner's: (as the pair's first, ``a cos - b sin``;
+        as its second, ``b sin + a cos``)."""
+        return sub_rn(mul_rn(own, cos), mul_rn(other, sin)), add_rn(mul_rn(other, sin), mul_rn(own, cos))
 
     @cute.jit
     def load_partners(self, gout, row_off, c, ok, gp):

@@ -58,8 +58,8 @@ def exact_quotients(e, total, pq, first, width: cutlass.Constexpr, slots: cutlas
 
 def fast_pooled(scf, apf, kvw, col_ok, pq, width: int, slots: int) -> list:
     """The fused tail's backward: the probabilities pq[i * slots + k] = e / sum(e) of the thread's window slots
-    and the pooled columns x = sum(e * v) / sum(e) (0 where not ``col_ok``) in the fast form, a third of the exact
-    form's instructions (which bound that kernel) at a few fp32 ulps."""
+    and the pooled columns x = sum(e * v) / sum(e) (0 where not ``col_ok``) in the fast form: a third of the exact
+    form's instructions, at a few fp32 ulps."""
     scw = [widen(scf[k], width) for k in range(slots)]
     pooled = []
     for i in range(width):
