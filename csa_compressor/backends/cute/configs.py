@@ -163,7 +163,7 @@ class ForwardLongConfig(_Tile):
     @property
     def tail_rows(self) -> int:
         """With the tail, a CTA's threads as rows of ``columns_per_cta`` threads, one column each (the rows past
-        ``rows_per_cta`` hold no row and add zeros)."""
+        ``rows_per_cta`` hold no row: ``long_tail.WholeRowTail``)."""
         return self.threads // self.columns_per_cta
 
 

@@ -2,9 +2,10 @@
 (``tail_configs.long_forward_with_tail``).
 
 After the combine a thread holds one column of one row: the CTA's threads are ``ForwardLongConfig.tail_rows`` rows
-of ``columns_per_cta`` threads (a power of two), and rows past ``rows_per_cta`` hold zeros. The norm and the
-rotation are ``norm_rope.RowTail``'s with one column per thread: a row's sum in one fixed order, interleaved partners
-by a shuffle, half-split ones through shared memory.
+of ``columns_per_cta`` threads (a power of two); rows past ``rows_per_cta`` hold none (their warps skip the tail where
+no CTA barrier waits for them, else they add zeros). The norm and the rotation are ``norm_rope.RowTail``'s with one
+column per thread: a row's sum in one fixed order, interleaved partners by a shuffle, half-split ones through shared
+memory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class WholeRowTail:
         self.columns = config.columns_per_cta
         self.rows = config.tail_rows
         self.row = RowTail(config.tail, config.head_dim, 1, self.columns, self.rows)
+        # Rows past rows_per_cta hold no row: their warps skip the tail where no CTA barrier needs them (a row's
+        # sums wait on its own named barrier; the half-split exchange waits on the whole CTA).
+        self.skips_empty_rows = self.rows > config.rows_per_cta and not self.row.exchanges_rows
 
     def exchange_floats(self) -> int:
         return self.rows * self.columns if self.row.exchanges_rows else 0
@@ -63,17 +67,29 @@ class WholeRowTail:
     def load_operands(self, seg, col, norm_weight, rope_cos, rope_sin, position_start, max_position, N: Int32):
         """The column's norm weight (fp32), and its cos and sin at the row's position (1 and 0 outside the block)."""
         weight, cos, sin = registers(1), registers(1), registers(1)
-        if cutlass.const_expr(self.spec.has_norm):
-            self.row.load_weight(norm_weight, weight, col.column, col.column < self.config.head_dim)
-        if cutlass.const_expr(self.row.has_rope):
-            pos = self.row.row_position(seg, col.row, real_rows(seg, N), self.config.ratio, position_start)
-            self.row.load_angles(rope_cos, rope_sin, pos, max_position, col.column, cos, sin)
+        if self.holds_row(col):
+            if cutlass.const_expr(self.spec.has_norm):
+                self.row.load_weight(norm_weight, weight, col.column, col.column < self.config.head_dim)
+            if cutlass.const_expr(self.row.has_rope):
+                pos = self.row.row_position(seg, col.row, real_rows(seg, N), self.config.ratio, position_start)
+                self.row.load_angles(rope_cos, rope_sin, pos, max_position, col.column, cos, sin)
         return weight, cos, sin
+
+    def holds_row(self, col):
+        """Whether this thread's warp takes part in the tail (always, unless ``skips_empty_rows``)."""
+        if self.skips_empty_rows:
+            return col.lane < self.config.rows_per_cta
+        return True
 
     @cute.jit
     def finish(self, x, col, operands, shared, out, rstd, eps, N: Int32, tidx):
         """``x`` (the pooled column, 0 where not ``col.ok``) normalised and rotated, stored as bf16; the row's
         rstd (1 without a norm) where ``rstd`` is given. Every thread of the CTA calls this."""
+        if self.holds_row(col):
+            self.finish_row(x, col, operands, shared, out, rstd, eps, N, tidx)
+
+    @cute.jit
+    def finish_row(self, x, col, operands, shared, out, rstd, eps, N: Int32, tidx):
         weight, cos, sin = operands
         y = registers(1)
         y[0] = x
