@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call on one H200 (kind nvidia-h200), inside the 10 minutes of a call:
 #   1. install check: the imports, the versions and the backends this GPU can run;
-#   2. in parallel (correctness only, nothing timed): the test suite, compute-sanitizer memcheck and racecheck of
-#      tests/sanitize_cases.py for cute and triton, and the bench's compile pass (it fills the torch.compile and
-#      kernel caches on disk, so that the timed bench loads instead of compiling);
+#   2. in parallel (correctness only, nothing timed): the test suite, compute-sanitizer memcheck, racecheck and
+#      synccheck (the fused tail's cases) of tests/sanitize_cases.py for cute and triton, and the bench's compile
+#      pass (it fills the torch.compile and kernel caches on disk, so that the timed bench loads instead of
+#      compiling);
 #   3. the bench, alone on the GPU, with what is left of the budget (it starts no new measurement after that and
 #      lists the ones left as skipped);
 #   4. a short table.
@@ -43,13 +44,14 @@ fi
 
 sanitize() {  # every backend x tool in turn, one log
     for backend in ${SANITIZE_BACKENDS:-cute triton}; do
-        # memcheck also on the malformed-offset cases: no access outside the operands whatever the offsets hold.
-        for run in "memcheck" "memcheck --malformed" "racecheck"; do
+        # memcheck also on the malformed-offset cases: no access outside the operands whatever the offsets hold;
+        # synccheck on the fused tail's cases, whose rows wait on named barriers of their own warps.
+        for run in "memcheck" "memcheck --malformed" "racecheck" "synccheck --tail-only"; do
             set -- $run
-            echo "==== $1${2:+-malformed} $backend"
+            echo "==== $1${2:+${2#-}} $backend"
             timeout "${SANITIZE_TIMEOUT:-70}" compute-sanitizer --tool "$1" --report-api-errors no \
                 --error-exitcode 9 python3 tests/sanitize_cases.py --backend "$backend" ${2:-} 2>&1
-            echo "==== $1${2:+-malformed} $backend rc=$?"
+            echo "==== $1${2:+${2#-}} $backend rc=$?"
         done
     done
 }

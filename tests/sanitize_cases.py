@@ -1,6 +1,6 @@
-"""Small forward+backward cases for compute-sanitizer (memcheck, racecheck) on one backend.
+"""Small forward+backward cases for compute-sanitizer (memcheck, racecheck, synccheck) on one backend.
 
-    compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute [--malformed]
+    compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute [--malformed | --tail-only]
 
 Well-formed cases (every cute kernel class; ``TAIL_CASES`` the fused and composed tail kernels) are also checked
 against the references; ``--malformed``: test_triton_safety's malformed offsets between NaN canary rows. Exit
@@ -30,15 +30,17 @@ CASES = [
     (2, 2, 24, (9, 1, 4), 2, 1),
 ]
 
-# (ratio, coff, head_dim, seqlens, comp_padding, rope_dim): the fused routes (the short kernels; the statistics
-# backward with the tail, the last case's row ranges spanning two blocks of row terms on 132 SMs), the composed one,
-# an odd head_dim.
+# (ratio, coff, head_dim, seqlens, comp_padding, rope_dim, interleaved): the fused routes (the short kernels; the
+# whole-row long forward, whose empty rows skip the tail with interleaved pairs and wait at the half-split exchange;
+# the statistics backward with the tail, the last case's row ranges spanning two blocks of row terms on 132 SMs), the
+# composed one, an odd head_dim.
 TAIL_CASES = [
-    (4, 2, 128, (37, 3, 0, 64), 2, 64),
-    (128, 1, 128, (300, 17, 256), 1, 64),
-    (128, 2, 512, (260, 128), 0, 64),
-    (4, 2, 72, (19, 4), 1, 2),
-    (16, 2, 8, (100000, 40000), 2, 8),
+    (4, 2, 128, (37, 3, 0, 64), 2, 64, True),
+    (128, 1, 128, (300, 17, 256), 1, 64, True),
+    (128, 1, 128, (300, 17, 256), 1, 64, False),
+    (128, 2, 512, (260, 128), 0, 64, True),
+    (4, 2, 72, (19, 4), 1, 2, True),
+    (16, 2, 8, (100000, 40000), 2, 8, True),
 ]
 
 _ALL = "all"
@@ -87,16 +89,17 @@ def run_malformed(backend: str) -> int:
 
 def run_tail_cases(backend: str) -> bool:
     ok = True
-    for ratio, coff, head_dim, seqlens, comp_pad, rope_dim in TAIL_CASES:
+    for ratio, coff, head_dim, seqlens, comp_pad, rope_dim, interleaved in TAIL_CASES:
         p = make_pack(seqlens, head_dim, ratio, coff, comp_padding=comp_pad, device="cuda")
-        tail = tail_ops.random_tail(p, rope_dim=rope_dim, positions=True, seed=ratio)
+        tail = tail_ops.random_tail(p, rope_dim=rope_dim, interleaved=interleaved, positions=True, seed=ratio)
         kw = dict(ratio=ratio, coff=coff, backend=backend, **tail.arguments())
         out = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]
         g = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
         grads = (g["grad_kv"], g["grad_score"], g["grad_ape"], g["grad_norm_weight"])
         good = tail_ops.contract_report(p, tail, out, grads)["ok"]
         ok &= good
-        print(f"{backend} tail r{ratio} c{coff} d{head_dim} {seqlens}: {'ok' if good else 'NUMERICS FAIL'}")
+        pairs = "interleaved" if interleaved else "half-split"
+        print(f"{backend} tail r{ratio} c{coff} d{head_dim} {seqlens} {pairs}: {'ok' if good else 'NUMERICS FAIL'}")
     return ok
 
 
@@ -105,9 +108,14 @@ def main() -> int:
     parser.add_argument("--backend", required=True)
     parser.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
     parser.add_argument("--malformed", action="store_true", help="the malformed-offset cases instead")
+    parser.add_argument("--tail-only", action="store_true", help="the fused-tail cases (TAIL_CASES) alone")
     opts = parser.parse_args()
     if opts.malformed:
         return run_malformed(opts.backend)
+    if opts.tail_only:
+        ok = run_tail_cases(opts.backend)
+        torch.cuda.synchronize()
+        return 0 if ok else 1
     ok = True
     for ratio, coff, head_dim, seqlens, tok_pad, comp_pad in CASES[: opts.cases]:
         p = make_pack(seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, device="cuda")
