@@ -33,8 +33,12 @@ class WholeRowTail:
         self.rows = config.tail_rows
         self.row = RowTail(config.tail, config.head_dim, 1, self.columns, self.rows)
         # Rows past rows_per_cta hold no row: their warps skip the tail where no CTA barrier needs them (a row's
-        # sums wait on its own named barrier; the half-split exchange waits on the whole CTA).
-        self.skips_empty_rows = self.rows > config.rows_per_cta and not self.row.exchanges_rows
+        # sums wait on its own named barrier; the half-split exchange waits on the whole CTA) and the real rows
+        # fill whole warps (a warp's shuffles need all its lanes).
+        real_threads = config.rows_per_cta * self.columns
+        self.skips_empty_rows = (
+            self.rows > config.rows_per_cta and not self.row.exchanges_rows and real_threads % 32 == 0
+        )
 
     def exchange_floats(self) -> int:
         return self.rows * self.columns if self.row.exchanges_rows else 0
