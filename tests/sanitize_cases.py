@@ -112,12 +112,8 @@ def main() -> int:
     opts = parser.parse_args()
     if opts.malformed:
         return run_malformed(opts.backend)
-    if opts.tail_only:
-        ok = run_tail_cases(opts.backend)
-        torch.cuda.synchronize()
-        return 0 if ok else 1
     ok = True
-    for ratio, coff, head_dim, seqlens, tok_pad, comp_pad in CASES[: opts.cases]:
+    for ratio, coff, head_dim, seqlens, tok_pad, comp_pad in CASES[: 0 if opts.tail_only else opts.cases]:
         p = make_pack(seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, device="cuda")
         kw = dict(ratio=ratio, coff=coff, backend=opts.backend)
         out = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]

@@ -469,7 +469,8 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
         of the forward's exact x), dy = grad_out rotated back, the norm's dx, then the slots' gradients from dx."""
         cfg, tail = self.config, self.tail
         width, sg = cfg.vector_width, cfg.slots_per_group
-        x = fast_pooled(regs.scb[ph], regs.apf, kvw, th.col_ok, regs.pq, width, sg)
+        pooled = fast_pooled(regs.scb[ph], regs.apf, kvw, regs.pq, width, sg)
+        x = [select(th.col_ok, v, Float32(0.0)) for v in pooled]
         dx = gf
         if cutlass.const_expr(tail.has_rope):
             dx = tail.turn_back(gf, regs.gpb[ph], regs.csb[ph], regs.snb[ph], th.c)

@@ -56,10 +56,10 @@ def exact_quotients(e, total, pq, first, width: cutlass.Constexpr, slots: cutlas
                 pq[i * slots + k] = e[i][k] / total[i]
 
 
-def fast_pooled(scf, apf, kvw, col_ok, pq, width: int, slots: int) -> list:
+def fast_pooled(scf, apf, kvw, pq, width: int, slots: int) -> list:
     """The fused tail's backward: the probabilities pq[i * slots + k] = e / sum(e) of the thread's window slots
-    and the pooled columns x = sum(e * v) / sum(e) (0 where not ``col_ok``) in the fast form: a third of the exact
-    form's instructions, at a few fp32 ulps."""
+    and the pooled columns x = sum(e * v) / sum(e) in the fast form: a third of the exact form's instructions, at a
+    few fp32 ulps."""
     scw = [widen(scf[k], width) for k in range(slots)]
     pooled = []
     for i in range(width):
@@ -77,7 +77,7 @@ def fast_pooled(scf, apf, kvw, col_ok, pq, width: int, slots: int) -> list:
         inv = rcp_rn(total)
         for k in range(slots):
             pq[i * slots + k] = mul_rn(e[k], inv)
-        pooled.append(Float32(cutlass.select_(col_ok, mul_rn(acc, inv), Float32(0.0))))
+        pooled.append(mul_rn(acc, inv))
     return pooled
 
 
