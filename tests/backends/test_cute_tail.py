@@ -579,9 +579,10 @@ def _recorders(routes):
 
 
 def _normalised(calls, known: set) -> list:
-    """The calls with each pointer the call allocated itself (workspaces) named by its first appearance."""
+    """The calls with each pointer the call allocated itself (workspaces) named by its first appearance. A pointer is
+    an int of at least 2**24: the calls' scalars are far smaller, and host heaps may lie below 2**32."""
     names: dict = {}
-    return [tuple(names.setdefault(a, f"ws{len(names)}") if isinstance(a, int) and a > 1 << 32 and a not in known
+    return [tuple(names.setdefault(a, f"ws{len(names)}") if isinstance(a, int) and a >= 1 << 24 and a not in known
                   else a for a in call) for call in calls]  # fmt: skip
 
 
