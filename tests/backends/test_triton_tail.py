@@ -309,3 +309,19 @@ def test_full_size_contract_on_gpu(case, interleaved):
         routes = [Route(stats=True, rstd=True), Route()]
     for route in routes:
         T.check_backend(*_adapters(route), pack, tail)
+
+
+# Rows past 128 columns: the multi-warp whole-row programs (the fast form), odd widths masked, ragged packs with
+# short segments and padding rows.
+WIDE_CASES = [((300, 9, 1030, 3), 130, 4, 2), ((77, 512), 256, 4, 2), ((5, 260), 300, 2, 1), ((40, 130), 520, 8, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WIDE_CASES, ids=lambda c: f"d{c[1]}-r{c[2]}c{c[3]}")
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
+def test_wide_programs_meet_the_contract_on_gpu(case, interleaved):
+    seqlens, head_dim, ratio, coff = case
+    assert config.whole_rows(config.choose_config("forward", ratio, coff, head_dim, False), head_dim).num_warps > 1
+    pack = make_pack(seqlens, head_dim, ratio, coff, token_padding=2, comp_padding=3, seed=23, device=DEVICE)
+    tail = T.random_tail(pack, rope_dim=64, interleaved=interleaved, positions=True, seed=9)
+    T.check_backend(*_adapters(Route(rstd=True)), pack, tail)
