@@ -311,8 +311,8 @@ def test_full_size_contract_on_gpu(case, interleaved):
         T.check_backend(*_adapters(route), pack, tail)
 
 
-# Rows past 128 columns: the multi-warp whole-row programs (the fast form), odd widths masked, ragged packs with
-# short segments and padding rows.
+# Rows past 128 columns: the multi-warp whole-row programs, odd widths masked, ragged packs with short segments and
+# padding rows.
 WIDE_CASES = [((300, 9, 1030, 3), 130, 4, 2), ((77, 512), 256, 4, 2), ((5, 260), 300, 2, 1), ((40, 130), 520, 8, 1)]
 
 
