@@ -414,18 +414,6 @@ def test_gather_rows_needs_the_returned_rows():
         compressor_pool_cp(p.kv[:11], p.score[:11], p.ape, layout, ratio=4, coff=2)
 
 
-def test_docs_examples_run():
-    """docs/distributed.md's Python blocks, as a docs test runs them (the two-rank one forks its ranks)."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 4
-    for block in blocks:
-        exec(compile(block, "docs/distributed.md", "exec"), {})
-
-
-# ---------------------------------------------------------------- GPU
-
-
 @pytest.mark.gpu
 def test_nccl_two_gpus_match_single_gpu():
     """One process per GPU with NCCL, cute and triton, every split (tests/cp_worker.py, ``_nccl_suite``)."""

@@ -1,14 +1,14 @@
 """The README and docs/ as a user reads them: every ```python block runs (on the CPU here), the API reference
 names exactly the public names, relative links resolve, and the two copies of the performance table agree."""
 
-import contextlib
 import importlib
-import io
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import csa_compressor
 
@@ -24,19 +24,17 @@ def _python_pages():
 
 
 @pytest.mark.parametrize("page", _python_pages(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_python_blocks_run(page, tmp_path, monkeypatch):
-    """A page's blocks run in order in one namespace, as a reader pastes them into one session."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("CSA_COMPRESSOR_BACKEND", raising=False)
-    namespace = {"__name__": "__docs__"}
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    try:
-        for number, match in enumerate(BLOCK.finditer(page.read_text()), 1):
-            code = compile(match.group(1), f"{page.name}, python block {number}", "exec")
-            with contextlib.redirect_stdout(io.StringIO()):
-                exec(code, namespace)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
+def test_python_blocks_run(page, tmp_path):
+    """A page's blocks run in order as one script, as a reader pastes them into one session: in a fresh interpreter,
+    since a block may fork ranks (autograd's threads from earlier tests forbid it) or torch.compile a function of
+    its own (whose module Dynamo imports)."""
+    blocks = [m.group(1) for m in BLOCK.finditer(page.read_text())]
+    script = tmp_path / "blocks.py"
+    script.write_text("".join(f"# {page.name}, python block {n}\n{code}\n" for n, code in enumerate(blocks, 1)))
+    env = {k: v for k, v in os.environ.items() if k != "CSA_COMPRESSOR_BACKEND"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, f"{page.name}:\n{run.stderr[-4000:]}"
 
 
 def _documented(pattern: str, text: str) -> set[str]:

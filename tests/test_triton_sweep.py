@@ -15,6 +15,7 @@ from csa_compressor import tail as T
 from csa_compressor.testing import bf16_ulp_distance, make_pack
 
 pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not None, reason="needs triton")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Triton runs CPU tensors only interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 _SPEC = importlib.util.spec_from_file_location("triton_sweep", ROOT / "benchmarks" / "triton_sweep.py")
@@ -43,13 +44,13 @@ def test_tail_tiles_compute_the_contract(direction):
     them, against the tail's fp32 reference and contract."""
     backend = sweep._Backend()
     ratio, coff, head_dim = 4, 2, 64
-    pack = make_pack((13, 9, 4), head_dim, ratio, coff, seed=1)
+    pack = make_pack((13, 9, 4), head_dim, ratio, coff, seed=1, device=DEVICE)
     tail = T.random_tail(pack, rope_dim=32, positions=True, seed=2)
     kw = dict(ratio=ratio, coff=coff)
-    rstd = torch.empty(pack.total_comp)
+    rstd = torch.empty(pack.total_comp, device=DEVICE)
     tiles = sweep.tail_candidates(backend, direction, ratio, coff, head_dim)
     for cfg in (tiles[0], tiles[len(tiles) // 2], tiles[-1]):
-        out = torch.full((pack.total_comp, head_dim), float("nan"), dtype=torch.bfloat16)
+        out = torch.full((pack.total_comp, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         forward_tile = cfg if direction == "forward" else backend.tail_default("forward", ratio, coff, head_dim)
         backend.tail_forward(pack, out, forward_tile, tail, rstd)
         if direction == "forward":
@@ -58,6 +59,6 @@ def test_tail_tiles_compute_the_contract(direction):
             assert T.contract_report(pack, tail, out=out)["ok"], cfg
             continue
         grads = [torch.full_like(t, float("nan")) for t in (pack.kv, pack.score, pack.ape)]
-        grads.append(torch.full((head_dim,), float("nan")))
+        grads.append(torch.full((head_dim,), float("nan"), device=DEVICE))
         backend.tail_backward(pack, grads, cfg, tail, rstd)
         assert T.contract_report(pack, tail, grads=tuple(grads))["ok"], cfg

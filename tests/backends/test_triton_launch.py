@@ -196,7 +196,8 @@ def test_norm_partials_follow_the_dape_partials(monkeypatch):
     ratio, coff, d = 3, 1, 5  # dAPE partials of an odd number of floats
     pack, tail = _tail_problem(ratio, coff, d, seed=4)
     want = _tail_backward(launch.backward, pack, tail, ratio, coff)
-    plan = launch._BACKWARD[ratio, coff, d, pack.kv.dtype, DEVICE, False, tail.config, False]
+    # The plans are keyed by the tensors' device (cuda:0 on a GPU, not DEVICE's bare "cuda").
+    plan = launch._BACKWARD[ratio, coff, d, pack.kv.dtype, pack.kv.device, False, tail.config, False]
     allocations = []
 
     def workspace(shape, device):
@@ -345,3 +346,26 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@pytest.mark.parametrize(
+    ("triton_version", "numpy_version", "refused"),
+    [("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.0", False), ("3.10.1", "2.5.0", False)],
+)
+def test_interpreters_that_cannot_run_the_kernels_are_refused(monkeypatch, triton_version, numpy_version, refused):
+    """Triton 3.6's interpreter takes a runtime loop bound with int() of a one-element array, an error from NumPy
+    2.4 on: the CPU is then unsupported, with the versions and the way out in the reason."""
+    import numpy
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launch.interpreter_unsupported_reason.cache_clear()
+    try:
+        reason = launch.device_unsupported_reason(torch.device("cpu"))
+    finally:
+        launch.interpreter_unsupported_reason.cache_clear()
+    assert (reason is not None) == refused, reason
+    if refused:
+        assert triton_version in reason and numpy_version in reason and "triton >= 3.7" in reason

@@ -67,11 +67,31 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+@functools.cache
+def interpreter_unsupported_reason() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels, or None: before 3.7 it takes a loop bound with ``int()``
+    of a one-element array, an error from NumPy 2.4 on."""
+    import numpy
+    import triton
+
+    if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
+        return (
+            f"triton {triton.__version__}'s interpreter cannot run loops of a runtime bound under NumPy "
+            f"{numpy.__version__} (fixed in triton 3.7): use triton >= 3.7 or numpy < 2.4 for the CPU"
+        )
+    return None
+
+
 def device_unsupported_reason(device: torch.device) -> str | None:
     device = torch.device(device)
     if device.type == "cpu":
         if _interpret():
-            return None
+            return interpreter_unsupported_reason()
         return "triton runs on the CPU only under its interpreter (set TRITON_INTERPRET=1 before importing triton)"
     if device.type != "cuda":
         return f"triton backend supports CUDA devices (and the CPU interpreter), not {device.type!r}"
