@@ -138,7 +138,8 @@ def test_short_windows_with_rstd(name):
 @pytest.mark.parametrize("name", ["r4c2d72-rope64-bf16w-pos", "r2c1d66-rope64-half-pos"])
 def test_tables_read_before_or_after_the_pooling(name):
     """One-warp programs read the rows' rotation tables before the pooling's math, wider ones after the norm
-    (``TABLES_FIRST``): the same arithmetic, so the same bits of out and rstd, within the contract either way."""
+    (``TABLES_FIRST``); wider ones also take the fast form (ex2, fma). Both within the contract; under the
+    interpreter (no fast form there) the same bits of out and rstd."""
     pack, tail = case_pack_and_tail(name, seed=12, device=DEVICE)
     one = config.choose_config("forward", pack.ratio, pack.coff, pack.head_dim, interpret=True)
     wide = dataclasses.replace(one, num_warps=4)
@@ -147,8 +148,10 @@ def test_tables_read_before_or_after_the_pooling(name):
     (out1, _s, rstd1), (out4, _s, rstd4) = (
         _forward(inputs, tail, pack.ratio, pack.coff, pack.total_comp, Route(rstd=True), cfg) for cfg in (one, wide)
     )
-    assert torch.equal(bits(out1), bits(out4)) and torch.equal(bits(rstd1), bits(rstd4))
-    T.check_backend(*_adapters(Route(rstd=True), wide), pack, tail)
+    if DEVICE == "cpu":
+        assert torch.equal(bits(out1), bits(out4)) and torch.equal(bits(rstd1), bits(rstd4))
+    for cfg in (one, wide):
+        T.check_backend(*_adapters(Route(rstd=True), cfg), pack, tail)
 
 
 @pytest.mark.parametrize(("name", "route"), LONG_CASE_ROUTES)

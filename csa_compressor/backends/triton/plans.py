@@ -174,13 +174,16 @@ class ForwardPlan(_Plan):
             consts.update(LANES=lanes, CS_IN=cs_in, NCH_HALF=nch_half, WRITE_STATS=with_stats, DEPTH=depth)
             self.kernel = BoundKernel(kernel, consts, self.index)
         else:
+            # A tail's contract is one bf16 ulp, not the pooling's bitwise order: its multi-warp programs take ex2
+            # and fused multiply-adds, faster there; its one-warp programs keep the exact form, faster there.
+            fast = tail is not None and cfg.num_warps > 1
             if tail is not None:
                 consts.update(TABLES_FIRST=cfg.num_warps == 1)  # the kernel's docstring says why
             consts.update(
-                SP=pow2(ratio), BLOCK_R=cfg.block_r, PRECISE_EXP=cfg.precise_exp and not interpret,
-                TORCH_ORDER=torch_order(cfg, ratio, coff),
+                SP=pow2(ratio), BLOCK_R=cfg.block_r, PRECISE_EXP=cfg.precise_exp and not interpret and not fast,
+                TORCH_ORDER=torch_order(cfg, ratio, coff) and not fast,
                 # The reference rounds every product before adding: no fused multiply-adds.
-                enable_fp_fusion=False,
+                enable_fp_fusion=fast,
             )  # fmt: skip
             self.kernel = BoundKernel(kernel, consts, self.index)
         self.k = coff * pow2(ratio)
