@@ -370,6 +370,32 @@ def test_torch_tail_is_rmsnorm_then_rope(tail_pack, interleaved):
     assert (y[:, 8:].double() - want).abs().max() <= 2**-7 * want.abs().max()  # one bf16 rounding
 
 
+def test_fused_tail_backward_is_autograds_call(tail_pack, monkeypatch):
+    """With a tail the kernel backends' timed backward is autograd's call: the forward's rstd handed over (the
+    wrappers take none), gradients within the tail's contract."""
+    from csa_compressor import api, dispatch
+    from csa_compressor import tail as T
+
+    case, pack, tail = tail_pack
+    reason = dispatch.unavailable_reason("triton") or dispatch.backend_module("triton").device_unsupported_reason(
+        pack.kv.device
+    )
+    if reason:
+        pytest.skip(reason)
+    given = []
+    backward = api._pool_backward_tail
+
+    def spy(*args, **kw):
+        given.append(kw.get("rstd"))
+        return backward(*args, **kw)
+
+    monkeypatch.setattr(api, "_pool_backward_tail", spy)
+    fns, _ = bench_calls.callables("triton", pack, case, tail)
+    grads = fns["bwd"]()
+    assert len(given) == 1 and given[0] is not None and given[0].shape == (pack.total_comp,)
+    assert T.contract_report(pack, tail.tail, grads=tuple(grads))["ok"]
+
+
 def test_fused_tail_is_skipped_until_the_wrappers_take_it(tail_pack, monkeypatch):
     case, pack, tail = tail_pack
     from csa_compressor import api

@@ -1,6 +1,7 @@
 """What the bench times: zero-argument callables for each case, backend and direction.
 
-Kernel backends are timed per wrapper call ("fwd", "bwd"); the baselines (the eager region, its torch.compile,
+Kernel backends are timed per wrapper call ("fwd", "bwd"; with a tail the backward is autograd's call, the forward's
+rstd handed over); the baselines (the eager region, its torch.compile,
 and for tail cases our pooling followed by PyTorch's tail) as "fwd" and "fwd+bwd" (forward, then autograd
 backward). A tail case's output goes through RMSNorm over ``head_dim`` and RoPE on the last ``rope_dim`` columns;
 our kernel backends then run the fused tail, which needs wrappers that take the tail arguments.
@@ -81,7 +82,8 @@ def torch_tail(out, tail_case: TailCase):
 
 def _kernel_callables(backend: str, pack, case: Case, tail: TailCase | None):
     """fwd and bwd wrapper calls; long windows (where autograd saves the softmax statistics) hand the forward's
-    statistics to the backward, as autograd does."""
+    statistics to the backward, as autograd does. With a tail the backward is autograd's call, which also hands
+    over the forward's rstd (the wrappers take none)."""
     from .. import api
 
     if tail is not None:
@@ -102,7 +104,24 @@ def _kernel_callables(backend: str, pack, case: Case, tail: TailCase | None):
     def bwd():
         return api.csa_compressor_backward_wrapper(*inputs, pack.grad_out, softmax_stats=saved, **kw)
 
+    if tail is not None:
+        bwd = _autograd_tail_backward(api, inputs, pack, case, backend, tail, stats)
     return {"fwd": fwd, "bwd": bwd}
+
+
+def _autograd_tail_backward(api, inputs, pack, case: Case, backend: str, tail: TailCase, stats: bool):
+    """The tail's backward as autograd calls it: the forward's statistics (where it saves them) and rstd given."""
+    tail_args = tuple(tail.kwargs()[name] for name in TAIL_ARGS)
+    _out, rstd, saved = api._pool_forward_tail(
+        inputs, case.ratio, case.coff, pack.total_comp, backend, tail_args, return_stats=stats, return_rstd=True
+    )
+
+    def bwd():
+        return api._pool_backward_tail(
+            inputs, pack.grad_out, case.ratio, case.coff, backend, tail_args, stats=saved, rstd=rstd
+        )
+
+    return bwd
 
 
 # --------------------------------------------------------------------------------------------------------------------

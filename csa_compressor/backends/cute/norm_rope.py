@@ -30,6 +30,14 @@ from .ptx import add_rn, div_rn, mul_rn, rcp_rn, sqrt_rn, sub_rn
 from .window import find_segment, vec_view
 
 
+def row_mean(total, head_dim: int) -> Float32:
+    """``total / head_dim`` correctly rounded; a product by the exact reciprocal where head_dim is a power of two (the
+    same bits, a fraction of the division's instructions on the rows' serial chain)."""
+    if head_dim & (head_dim - 1) == 0:
+        return mul_rn(total, Float32(1.0 / head_dim))
+    return div_rn(total, Float32(head_dim))
+
+
 def select(cond, a, b) -> Float32:
     """``a`` where ``cond`` else ``b`` (fp32, no branch)."""
     return Float32(cutlass.select_(cond, Float32(a), Float32(b)))
@@ -92,6 +100,15 @@ class RowTail:
     def rstd(self, sum_squares, eps) -> Float32:
         """``1 / sqrt(mean(x*x) + eps)``, every step correctly rounded."""
         return rcp_rn(sqrt_rn(add_rn(div_rn(sum_squares, Float32(self.head_dim)), eps)))
+
+    @cute.jit
+    def saved_or_rstd(self, saved, sum_squares, recompute, eps) -> Float32:
+        """``saved`` (the forward's rstd), or where ``recompute`` (uniform: no rstd was given) ``rstd``: a branch,
+        so that a call with the forward's rstd skips the chain of three rounded steps."""
+        r = saved
+        if recompute:
+            r = self.rstd(sum_squares, eps)
+        return r
 
     @cute.jit
     def row_position(self, seg, r, nreal, ratio: cutlass.Constexpr, position_start):

@@ -27,7 +27,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from .configs import BackwardStatsConfig
-from .norm_rope import RowTail, div_rn, select
+from .norm_rope import RowTail, row_mean
 from .ptx import add_rn, mul_rn, sub_rn
 from .window import registers, vec_view, widen_plain
 
@@ -105,10 +105,10 @@ class StatsTail:
             for k in cutlass.range_constexpr(self.term_steps):
                 parts = self.term_parts(t, pos, (k * 32 + lane) * width, operands[k], parts)
             total_sq, total_dot = self.row.row_sums(parts, terms, 0, 0, tidx)
-            rs = select(t.has_rstd, saved, self.row.rstd(total_sq, t.eps))
+            rs = self.row.saved_or_rstd(saved, total_sq, t.recompute_rstd, t.eps)
             if lane == 0:
                 terms[2 * (r - blk)] = rs
-                terms[2 * (r - blk) + 1] = div_rn(total_dot, Float32(d))
+                terms[2 * (r - blk) + 1] = row_mean(total_dot, d)
 
     @cute.jit
     def term_operands(self, io, t, r, c):

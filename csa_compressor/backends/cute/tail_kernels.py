@@ -28,6 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
+from .norm_rope import row_mean
 from .ptx import add_rn, div_rn, mul_rn, sqrt_rn, sub_rn
 from .reduce import ApeReduce
 from .tail_configs import TailForwardConfig, TailGradientConfig
@@ -78,7 +79,7 @@ class _TailRows:
             for i in cutlass.range_constexpr(cfg.vector_width):
                 part = add_rn(part, mul_rn(xs[k][i], xs[k][i]))
         total = self.row_sum(part, red, tc, rl)
-        mean = div_rn(total, Float32(cfg.head_dim))
+        mean = row_mean(total, cfg.head_dim)
         return div_rn(Float32(1.0), sqrt_rn(add_rn(mean, eps)))
 
     @cute.jit
@@ -392,7 +393,7 @@ class TailGradient(_TailRows):
         for k in cutlass.range_constexpr(steps):
             for i in cutlass.range_constexpr(width):
                 part = add_rn(part, mul_rn(xs[k][i], mul_rn(ws[k][i], dy[k][i])))
-        mean = div_rn(self.row_sum(part, red, tc, rl), Float32(cfg.head_dim))
+        mean = row_mean(self.row_sum(part, red, tc, rl), cfg.head_dim)
         cube = mul_rn(mul_rn(rs, rs), rs)
         for k in cutlass.range_constexpr(steps):
             for i in cutlass.range_constexpr(width):
