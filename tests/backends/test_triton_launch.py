@@ -5,6 +5,7 @@ against a stand-in, the fallback; ``python -m tests.backends.test_triton_launch`
 from __future__ import annotations
 
 import os
+import sys
 import timeit
 
 import pytest
@@ -369,3 +370,14 @@ def test_interpreters_that_cannot_run_the_kernels_are_refused(monkeypatch, trito
     assert (reason is not None) == refused, reason
     if refused:
         assert triton_version in reason and numpy_version in reason and "triton >= 3.7" in reason
+
+
+def test_an_interpreter_without_numpy_is_refused(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numpy", None)  # `import numpy` raises ImportError
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launch.interpreter_unsupported_reason.cache_clear()
+    try:
+        reason = launch.device_unsupported_reason(torch.device("cpu"))
+    finally:
+        launch.interpreter_unsupported_reason.cache_clear()
+    assert reason is not None and "numpy" in reason

@@ -76,9 +76,12 @@ def _release(version: str) -> tuple[int, int]:
 def interpreter_unsupported_reason() -> str | None:
     """Why this Triton's interpreter cannot run the kernels, or None: before 3.7 it takes a loop bound with ``int()``
     of a one-element array, an error from NumPy 2.4 on."""
-    import numpy
     import triton
 
+    try:
+        import numpy
+    except ImportError:
+        return "triton's interpreter needs numpy, which is not installed"
     if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
         return (
             f"triton {triton.__version__}'s interpreter cannot run loops of a runtime bound under NumPy "
