@@ -1,9 +1,8 @@
 """What the bench times: zero-argument callables for each case, backend and direction.
 
-Kernel backends are timed per wrapper call ("fwd", "bwd"; with a tail the backward is autograd's call, the forward's
-rstd handed over); the baselines (the eager region, its torch.compile,
-and for tail cases our pooling followed by PyTorch's tail) as "fwd" and "fwd+bwd" (forward, then autograd
-backward). A tail case's output goes through RMSNorm over ``head_dim`` and RoPE on the last ``rope_dim`` columns;
+Kernel backends are timed per wrapper call ("fwd", "bwd"; with a tail the backward is autograd's call, the
+forward's rstd handed over); the baselines (the eager region, its torch.compile, and for tail cases our pooling
+followed by PyTorch's tail) as "fwd" and "fwd+bwd" (forward, then autograd backward). A tail case's output goes through RMSNorm over ``head_dim`` and RoPE on the last ``rope_dim`` columns;
 our kernel backends then run the fused tail, which needs wrappers that take the tail arguments.
 """
 
@@ -94,18 +93,19 @@ def _kernel_callables(backend: str, pack, case: Case, tail: TailCase | None):
     kw |= tail.kwargs() if tail is not None else {}
     inputs = (pack.kv, pack.score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp)
     stats = api.autograd_uses_stats(pack.kv, case.ratio, case.coff, backend)
-    saved = (
-        api.csa_compressor_forward_wrapper(*inputs, return_softmax_stats=True, **kw)["softmax_stats"] if stats else None
-    )
 
     def fwd():
         return api.csa_compressor_forward_wrapper(*inputs, return_softmax_stats=stats, **kw)
 
+    if tail is not None:
+        return {"fwd": fwd, "bwd": _autograd_tail_backward(api, inputs, pack, case, backend, tail, stats)}
+    saved = (
+        api.csa_compressor_forward_wrapper(*inputs, return_softmax_stats=True, **kw)["softmax_stats"] if stats else None
+    )
+
     def bwd():
         return api.csa_compressor_backward_wrapper(*inputs, pack.grad_out, softmax_stats=saved, **kw)
 
-    if tail is not None:
-        bwd = _autograd_tail_backward(api, inputs, pack, case, backend, tail, stats)
     return {"fwd": fwd, "bwd": bwd}
 
 

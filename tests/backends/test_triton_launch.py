@@ -345,8 +345,14 @@ def main() -> None:
         )
 
 
-if __name__ == "__main__":
-    main()
+def _cpu_reason_interpreted(monkeypatch) -> str | None:
+    """The triton backend's reason to refuse the CPU under TRITON_INTERPRET=1, the cached check recomputed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launch.interpreter_unsupported_reason.cache_clear()
+    try:
+        return launch.device_unsupported_reason(torch.device("cpu"))
+    finally:
+        launch.interpreter_unsupported_reason.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -361,12 +367,7 @@ def test_interpreters_that_cannot_run_the_kernels_are_refused(monkeypatch, trito
 
     monkeypatch.setattr(triton, "__version__", triton_version)
     monkeypatch.setattr(numpy, "__version__", numpy_version)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    launch.interpreter_unsupported_reason.cache_clear()
-    try:
-        reason = launch.device_unsupported_reason(torch.device("cpu"))
-    finally:
-        launch.interpreter_unsupported_reason.cache_clear()
+    reason = _cpu_reason_interpreted(monkeypatch)
     assert (reason is not None) == refused, reason
     if refused:
         assert triton_version in reason and numpy_version in reason and "triton >= 3.7" in reason
@@ -374,10 +375,9 @@ def test_interpreters_that_cannot_run_the_kernels_are_refused(monkeypatch, trito
 
 def test_an_interpreter_without_numpy_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "numpy", None)  # `import numpy` raises ImportError
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    launch.interpreter_unsupported_reason.cache_clear()
-    try:
-        reason = launch.device_unsupported_reason(torch.device("cpu"))
-    finally:
-        launch.interpreter_unsupported_reason.cache_clear()
+    reason = _cpu_reason_interpreted(monkeypatch)
     assert reason is not None and "numpy" in reason
+
+
+if __name__ == "__main__":
+    main()

@@ -124,7 +124,7 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
                      rstd: cute.Pointer, eps: Float32, max_position: Int32):  # fmt: skip
         tail_io = SimpleNamespace(norm_weight=norm_weight, rope_cos=rope_cos, rope_sin=rope_sin,
                                   position_start=position_start, rstd=rstd, eps=eps, max_position=max_position,
-                                  has_rstd=rstd.toint() != 0, recompute_rstd=rstd.toint() == 0)  # fmt: skip
+                                  has_rstd=rstd.toint() != 0)  # fmt: skip
         self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, B, N, T, rows_per_cta, tail_io)
 
     @cute.jit
@@ -506,7 +506,7 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
         parts = [ordered_sum([mul_rn(x[i], x[i]) for i in range(width)]),
                  ordered_sum([mul_rn(x[i], wdy[i]) for i in range(width)])]  # fmt: skip
         total_sq, total_dot = tail.row_sums(parts, sums, ph * tail.sum_floats(2), th.rl, th.tidx)
-        r = tail.saved_or_rstd(regs.rsb[ph][0], total_sq, th.tail.recompute_rstd, th.tail.eps)
+        r = tail.saved_or_rstd(regs.rsb[ph][0], total_sq, th.tail.has_rstd, th.tail.eps)
         mean = row_mean(total_dot, self.config.head_dim)
         r3 = mul_rn(mul_rn(r, r), r)
         gw = regs.gw  # a plain name: the dynamic `if` writes through it

@@ -107,7 +107,7 @@ class BackwardWithStats(FusedTailHost):
                      position_start: cute.Pointer, rstd: cute.Pointer, eps: Float32, max_position: Int32):  # fmt: skip
         tail_io = SimpleNamespace(norm_weight=norm_weight, rope_cos=rope_cos, rope_sin=rope_sin,
                                   position_start=position_start, rstd=rstd, eps=eps, max_position=max_position,
-                                  has_rstd=rstd.toint() != 0, recompute_rstd=rstd.toint() == 0)  # fmt: skip
+                                  has_rstd=rstd.toint() != 0)  # fmt: skip
         self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B, N, T, rows_per_cta, tail_io)
 
     @cute.jit

@@ -102,11 +102,13 @@ class RowTail:
         return rcp_rn(sqrt_rn(add_rn(div_rn(sum_squares, Float32(self.head_dim)), eps)))
 
     @cute.jit
-    def saved_or_rstd(self, saved, sum_squares, recompute, eps) -> Float32:
-        """``saved`` (the forward's rstd), or where ``recompute`` (uniform: no rstd was given) ``rstd``: a branch,
+    def saved_or_rstd(self, saved, sum_squares, has_saved, eps) -> Float32:
+        """``saved`` (the forward's rstd) where ``has_saved`` (uniform: an rstd was given), else ``rstd``: a branch,
         so that a call with the forward's rstd skips the chain of three rounded steps."""
-        r = saved
-        if recompute:
+        r = Float32(0.0)
+        if has_saved:
+            r = saved
+        else:
             r = self.rstd(sum_squares, eps)
         return r
 

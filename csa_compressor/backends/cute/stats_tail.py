@@ -105,7 +105,7 @@ class StatsTail:
             for k in cutlass.range_constexpr(self.term_steps):
                 parts = self.term_parts(t, pos, (k * 32 + lane) * width, operands[k], parts)
             total_sq, total_dot = self.row.row_sums(parts, terms, 0, 0, tidx)
-            rs = self.row.saved_or_rstd(saved, total_sq, t.recompute_rstd, t.eps)
+            rs = self.row.saved_or_rstd(saved, total_sq, t.has_rstd, t.eps)
             if lane == 0:
                 terms[2 * (r - blk)] = rs
                 terms[2 * (r - blk) + 1] = row_mean(total_dot, d)
