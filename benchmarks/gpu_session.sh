@@ -45,6 +45,10 @@ fi
 
 sanitize() {  # every backend x tool in turn, one log
     for backend in ${SANITIZE_BACKENDS:-cute triton}; do
+        # The cases once without a tool first: their compiles land in the disk caches, so that each tool's limit
+        # covers its checks (on a fresh machine, compiling under memcheck and racecheck ran past it).
+        echo "==== warm-up $backend"
+        timeout "${SANITIZE_TIMEOUT:-70}" python3 tests/sanitize_cases.py --backend "$backend" 2>&1 | tail -n 3
         # memcheck also on the malformed-offset cases: no access outside the operands whatever the offsets hold;
         # synccheck on the fused tail's cases, whose rows wait on named barriers of their own warps.
         for run in "memcheck" "memcheck --malformed" "racecheck" "synccheck --tail-only"; do
