@@ -8,6 +8,13 @@ softmax-statistics pair autograd uses), checks them against the contract on the 
 and the wall per call. It uses only the public API, so it times the configurations the backend picks; sweeping
 other configurations goes through the backend's per-architecture config factories. Prints a table and writes
 ``cute_sweep.json`` to --out.
+
+    python benchmarks/cute_sweep.py --tail-parts [--cases 1x8192-d128,3x8192-d512]
+
+times instead which part of the fused tail costs the ratio-4 kernels their time: each case's forward and backward
+built with the pooling alone, the norm alone, the rotation alone (rope_dim 64, interleaved), both, and both with
+per-segment positions; cold and warm kernel time, the backward as autograd calls it (the forward's rstd handed
+over). One line per (case, variant): ``fwd cold / warm  bwd cold / warm`` in microseconds.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from csa_compressor import api, available_backends
+from csa_compressor import tail as T
 from csa_compressor.bench import CASES, CUDNN_FRONTEND_H200, Timer, floor_us
+from csa_compressor.tail_args import TAIL_ARGS
 from csa_compressor.testing import contract_report, make_pack
 
 
@@ -67,16 +76,83 @@ def kernel_rows(item: dict, timer: Timer, rate: float, reps: int) -> list[dict]:
     return rows
 
 
+# --tail-parts: the ratio-4 cases, each with the tail's parts alone and together.
+TAIL_PART_RATIO, TAIL_PART_COFF = 4, 2
+TAIL_PART_CASES = {
+    "1x8192-d128": ((8192,), 128),
+    "3x8192-d128": ((8192,) * 3, 128),
+    "1x8192-d512": ((8192,), 512),
+    "3x8192-d512": ((8192,) * 3, 512),
+}
+TAIL_PART_VARIANTS = {
+    "norm": dict(norm=True, rope_dim=0),
+    "rope": dict(norm=False, rope_dim=64),
+    "both": dict(norm=True, rope_dim=64),
+    "both+pos": dict(norm=True, rope_dim=64, positions=True),
+}
+
+
+def cold_and_warm(timer: Timer, fn) -> list[float]:
+    timer.warm_up(fn)
+    return [timer.kernel(fn, calls, cold).us for calls, cold in ((10, True), (20, False))]
+
+
+def line(name: str, variant: str, fwd: list[float], bwd: list[float]) -> str:
+    return f"{name} {variant}: fwd {fwd[0]:.2f} / {fwd[1]:.2f}  bwd {bwd[0]:.2f} / {bwd[1]:.2f}"
+
+
+def time_tail_parts(timer: Timer, name: str, backend: str, device: str = "cuda") -> None:
+    seqlens, head_dim = TAIL_PART_CASES[name]
+    pack = make_pack(seqlens, head_dim, TAIL_PART_RATIO, TAIL_PART_COFF, device=device, seed=1)
+    inputs = (pack.kv, pack.score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp)
+    kw = dict(ratio=TAIL_PART_RATIO, coff=TAIL_PART_COFF, total_comp=pack.total_comp, backend=backend)
+    fwd = cold_and_warm(timer, lambda: api.csa_compressor_forward_wrapper(*inputs, **kw))
+    bwd = cold_and_warm(timer, lambda: api.csa_compressor_backward_wrapper(*inputs, pack.grad_out, **kw))
+    print(line(name, "pooling", fwd, bwd), flush=True)
+    for variant, options in TAIL_PART_VARIANTS.items():
+        arguments = T.random_tail(pack, interleaved=True, seed=1, **options).arguments()
+        fwd, bwd = time_tail(timer, pack, inputs, backend, tuple(arguments[a] for a in TAIL_ARGS))
+        print(line(name, variant, fwd, bwd), flush=True)
+
+
+def time_tail(timer: Timer, pack, inputs: tuple, backend: str, tail_args: tuple) -> tuple[list, list]:
+    """The fused forward (rstd saved) and the backward given that rstd."""
+
+    def forward():
+        return api._pool_forward_tail(
+            inputs, TAIL_PART_RATIO, TAIL_PART_COFF, pack.total_comp, backend, tail_args, return_rstd=True
+        )
+
+    rstd = forward()[1]
+
+    def backward():
+        return api._pool_backward_tail(
+            inputs, pack.grad_out, TAIL_PART_RATIO, TAIL_PART_COFF, backend, tail_args, rstd=rstd
+        )
+
+    return cold_and_warm(timer, forward), cold_and_warm(timer, backward)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: the bench's matrix)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tail-parts", action="store_true", help="time the fused tail's parts instead (see above)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or "cute" not in available_backends("cuda"):
         print("cute_sweep: needs a GPU the cute backend runs on", file=sys.stderr)
         return 2
     names = [n for n in args.cases.split(",") if n]
+    if args.tail_parts:
+        unknown = sorted(set(names) - set(TAIL_PART_CASES))
+        if unknown:
+            print(f"cute_sweep --tail-parts: cases {unknown} are not among {list(TAIL_PART_CASES)}", file=sys.stderr)
+            return 2
+        timer = Timer(torch.device("cuda", torch.cuda.current_device()))
+        for name in names or TAIL_PART_CASES:
+            time_tail_parts(timer, name, "cute")
+        return 0
     cases = [c for c in CASES if not names or c.name in names]
     timer = Timer(torch.device("cuda", torch.cuda.current_device()))
     rate = timer.copy_rate()

@@ -1,5 +1,5 @@
-"""benchmarks/tail_parts.py on the CPU: every variant's tail reaches the API and is timed, forward and backward (the
-reference backend and a stub timer stand in for a GPU's)."""
+"""benchmarks/cute_sweep.py's --tail-parts on the CPU: every variant's tail reaches the API and is timed, forward and
+backward (the reference backend and a stub timer stand in for a GPU's)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("tail_parts", ROOT / "benchmarks" / "tail_parts.py")
+    spec = importlib.util.spec_from_file_location("cute_sweep", ROOT / "benchmarks" / "cute_sweep.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -38,16 +36,19 @@ class StubTimer:
 def test_every_variant_is_timed_forward_and_backward(capsys):
     tool = _tool()
     timer = StubTimer()
-    tool.time_case(timer, "1x8192-d128", "reference", device="cpu")
+    tool.time_tail_parts(timer, "1x8192-d128", "reference", device="cpu")
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in lines] == [f"1x8192-d128 {v}" for v in ("pooling", *tool.VARIANTS)]
+    assert [line.split(":")[0] for line in lines] == [f"1x8192-d128 {v}" for v in ("pooling", *tool.TAIL_PART_VARIANTS)]
     assert all(line.endswith("fwd 1.00 / 1.00  bwd 1.00 / 1.00") for line in lines)
     assert timer.calls == 4 * len(lines)  # cold and warm, forward and backward
 
 
-def test_it_needs_a_gpu(monkeypatch):
+def test_it_needs_a_gpu_and_known_cases(monkeypatch, capsys):
     tool = _tool()
     monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr("sys.argv", ["tail_parts.py"])
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        tool.main()
+    monkeypatch.setattr("sys.argv", ["cute_sweep.py", "--tail-parts"])
+    assert tool.main() == 2 and "needs a GPU" in capsys.readouterr().err
+    monkeypatch.setattr(tool.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tool, "available_backends", lambda device: ("cute",))
+    monkeypatch.setattr("sys.argv", ["cute_sweep.py", "--tail-parts", "--cases", "1x8192-d128,1x65536-d512"])
+    assert tool.main() == 2 and "['1x65536-d512'] are not among" in capsys.readouterr().err
