@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from csa_compressor import api, available_backends
 from csa_compressor import tail as T
-from csa_compressor.bench import CASES, CUDNN_FRONTEND_H200, Timer, floor_us
-from csa_compressor.tail_args import TAIL_ARGS
+from csa_compressor.bench import CASES, CUDNN_FRONTEND_H200, TAIL_ARGS, TailCase, Timer, floor_us
+from csa_compressor.bench.calls import _autograd_tail_backward, _kernel_callables
+from csa_compressor.bench.cases import Case
 from csa_compressor.testing import contract_report, make_pack
 
 
@@ -102,35 +103,24 @@ def line(name: str, variant: str, fwd: list[float], bwd: list[float]) -> str:
 
 
 def time_tail_parts(timer: Timer, name: str, backend: str, device: str = "cuda") -> None:
+    """One case's lines: the bench's pooling calls, then each variant's autograd forward (rstd saved) and the
+    bench's tail backward (autograd's call, that rstd given)."""
     seqlens, head_dim = TAIL_PART_CASES[name]
-    pack = make_pack(seqlens, head_dim, TAIL_PART_RATIO, TAIL_PART_COFF, device=device, seed=1)
+    case = Case(seqlens, head_dim, TAIL_PART_RATIO, TAIL_PART_COFF)
+    pack = make_pack(seqlens, head_dim, case.ratio, case.coff, device=device, seed=1)
+    pooling = _kernel_callables(backend, pack, case, None)
+    print(line(name, "pooling", cold_and_warm(timer, pooling["fwd"]), cold_and_warm(timer, pooling["bwd"])), flush=True)
     inputs = (pack.kv, pack.score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp)
-    kw = dict(ratio=TAIL_PART_RATIO, coff=TAIL_PART_COFF, total_comp=pack.total_comp, backend=backend)
-    fwd = cold_and_warm(timer, lambda: api.csa_compressor_forward_wrapper(*inputs, **kw))
-    bwd = cold_and_warm(timer, lambda: api.csa_compressor_backward_wrapper(*inputs, pack.grad_out, **kw))
-    print(line(name, "pooling", fwd, bwd), flush=True)
     for variant, options in TAIL_PART_VARIANTS.items():
-        arguments = T.random_tail(pack, interleaved=True, seed=1, **options).arguments()
-        fwd, bwd = time_tail(timer, pack, inputs, backend, tuple(arguments[a] for a in TAIL_ARGS))
-        print(line(name, variant, fwd, bwd), flush=True)
+        tail = TailCase(T.random_tail(pack, interleaved=True, seed=1, **options), positions=None)
+        tail_args = tuple(tail.kwargs()[a] for a in TAIL_ARGS)
 
+        def forward(tail_args=tail_args):
+            return api._pool_forward_tail(inputs, case.ratio, case.coff, pack.total_comp, backend, tail_args,
+                                          return_rstd=True)  # fmt: skip
 
-def time_tail(timer: Timer, pack, inputs: tuple, backend: str, tail_args: tuple) -> tuple[list, list]:
-    """The fused forward (rstd saved) and the backward given that rstd."""
-
-    def forward():
-        return api._pool_forward_tail(
-            inputs, TAIL_PART_RATIO, TAIL_PART_COFF, pack.total_comp, backend, tail_args, return_rstd=True
-        )
-
-    rstd = forward()[1]
-
-    def backward():
-        return api._pool_backward_tail(
-            inputs, pack.grad_out, TAIL_PART_RATIO, TAIL_PART_COFF, backend, tail_args, rstd=rstd
-        )
-
-    return cold_and_warm(timer, forward), cold_and_warm(timer, backward)
+        backward = _autograd_tail_backward(api, inputs, pack, case, backend, tail, stats=False)
+        print(line(name, variant, cold_and_warm(timer, forward), cold_and_warm(timer, backward)), flush=True)
 
 
 def main() -> int:
