@@ -175,6 +175,14 @@ def test_statistics_backward_with_the_tail_reduces_the_weight_in_its_slabs():
         BackwardWithStats(dataclasses.replace(whole, tail=SPEC_FULL))
 
 
+def test_a_gpu_case_has_lanes_past_head_dim_in_its_warp_terms():
+    """The GPU contract's r32c2d100 case gives the fused statistics backward rows within a warp whose last lanes
+    hold no column, so that those lanes' part in the row's shuffles is checked there."""
+    ratio, coff, head_dim = OWN_CASES["r32c2d100-rope64-pos-lanes"][:3]
+    config = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPEC_FULL)
+    assert config.terms_in_warp and not config.columns_exact
+
+
 def test_a_gpu_case_spans_several_blocks_of_terms():
     """The GPU contract's r16c2d65 case gives the fused statistics backward (rows of two warps: terms in blocks)
     row ranges longer than its block of row terms on an H100 / H200 (132 SMs), so that the terms are recomputed
@@ -767,6 +775,8 @@ OWN_CASES = {
     # a warp), and terms in blocks of rows, several per range (rows of two warps).
     "r16c2d64-rope64-pos-long": (16, 2, 64, (200000, 40000, 3000), 2, 5, dict(rope_dim=64, positions=True)),
     "r16c2d65-rope64-pos-blocks": (16, 2, 65, (100000, 20000, 3000), 2, 5, dict(rope_dim=64, positions=True)),
+    # Terms in a warp whose lanes past head_dim hold no column (they join the row's shuffles with zeros).
+    "r32c2d100-rope64-pos-lanes": (32, 2, 100, (700, 129, 3), 1, 3, dict(rope_dim=64, positions=True)),
     "r128c2d128-rope64-half-bf16w": (128, 2, 128, (9000, 300), 0, 37,
                                      dict(rope_dim=64, interleaved=False, norm_dtype=BF16)),
     "r128c2d128-rope64-only": (128, 2, 128, (9000, 300), 0, 37, dict(norm=False, rope_dim=64)),

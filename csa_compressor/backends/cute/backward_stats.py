@@ -244,7 +244,11 @@ class BackwardWithStats(FusedTailHost):
             self.tail.load_operands(io, th.tail, seg, b, r, c, col_ok, regs.tail.operands)
         # A row that fails the bounds guard (read as a padding row) stores and adds nothing.
         active = col_ok & real
-        if active:
+        if cutlass.const_expr(self.tail is not None and self.tail.in_warp):
+            # Every lane of the row's warp takes part in its terms' shuffles: columns past head_dim compute on zeros,
+            # and a row that fails the guard computes, but neither stores nor adds anything.
+            self.gradients(io.gkv, io.gsc, regs, t0, first, active, th, 0)
+        elif active:
             self.gradients(io.gkv, io.gsc, regs, t0, first, col_ok, th, r - blk if blk is not None else 0)
         # Exact zeros owned by a segment's last produced row (this thread's slots and columns).
         last, seg_end = segment_owner(seg, b, r, th.N, th.T)
@@ -267,7 +271,10 @@ class BackwardWithStats(FusedTailHost):
             gw = widen_plain(gb, width)
         else:
             terms = th.shared.terms
-            gw = self.tail.dx(gb, vo, regs.tail, th.tail, terms, term, th.norm_owner, c, th.col_ok)
+            owner = th.norm_owner
+            if cutlass.const_expr(self.tail.in_warp):
+                owner = owner & active  # here gradients runs for every row step
+            gw = self.tail.dx(gb, vo, regs.tail, th.tail, terms, term, owner, c, th.col_ok)
         for k in cutlass.range_constexpr(cfg.slots_per_group):
             s = gg * cfg.slots_per_group + k
             half = s // cfg.ratio
