@@ -148,15 +148,24 @@ def test_placeholders_carry_the_tail_block():
 
 def test_statistics_backward_with_the_tail_reduces_the_weight_in_its_slabs():
     """The fused statistics backward (slab form): each CTA's slab ends with the norm weight's partials, summed by its
-    reduction as the fused short backward's are; the tile of half-slot groups keeps the threads and tiles."""
+    reduction as the fused short backward's are. Both tiles keep the pooling's threads: rows within a warp take one
+    column chunk at half its slots per group (the terms by shuffles in each row step), wider rows the pooling's
+    tiles (the terms in blocks of rows)."""
     for ratio, coff, head_dim in ((128, 1, 128), (128, 2, 128), (16, 2, 65), (32, 1, 64)):
         plain = configs.stats_backward_for_sm90(ratio, coff, head_dim, H200)
         fused = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPEC_FULL)
         assert not plain.whole_tile and fused.tail == SPEC_FULL
-        assert (fused.threads, fused.tiles, fused.whole_tile) == (plain.threads, plain.tiles, False)
+        assert fused.terms_in_warp == (head_dim != 65)
+        assert (fused.threads, fused.whole_tile) == (plain.threads, False)
         assert fused.slab_entries == fused.ape_size + head_dim
         assert fused.reduce == configs.ApeReduceConfig(fused.ape_size, 1, head_dim)
-        assert fused.term_rows % fused.row_lanes == 0 and fused.term_rows >= configs.STATS_TAIL_TERM_ROWS
+        if fused.terms_in_warp:
+            half_slots = max(1, plain.slots_per_group // 2)
+            assert (fused.column_chunks, fused.row_lanes, fused.slots_per_group) == (1, 1, half_slots)
+            assert fused.column_threads <= 32
+        else:
+            assert fused.tiles == plain.tiles
+            assert fused.term_rows % fused.row_lanes == 0 and fused.term_rows >= configs.STATS_TAIL_TERM_ROWS
         rope_only = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPECS["rope-only-half-pos"])
         assert rope_only.slab_entries == rope_only.ape_size and rope_only.reduce.norm_entries == 0
     # Whole tiles: every CTA would read all rows for their terms; the composed route serves them.
@@ -166,11 +175,21 @@ def test_statistics_backward_with_the_tail_reduces_the_weight_in_its_slabs():
         BackwardWithStats(dataclasses.replace(whole, tail=SPEC_FULL))
 
 
-def test_a_gpu_case_spans_several_blocks_of_terms():
-    """The GPU contract's r16c2d64 case gives the fused statistics backward row ranges longer than its block of row
-    terms on an H100 / H200 (132 SMs), so that the terms are recomputed mid-range there."""
-    ratio, coff, head_dim, seqlens = OWN_CASES["r16c2d64-rope64-pos-blocks"][:4]
+def test_a_gpu_case_has_lanes_past_head_dim_in_its_warp_terms():
+    """The GPU contract's r32c2d100 case gives the fused statistics backward rows within a warp whose last lanes
+    hold no column, so that those lanes' part in the row's shuffles is checked there."""
+    ratio, coff, head_dim = OWN_CASES["r32c2d100-rope64-pos-lanes"][:3]
     config = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPEC_FULL)
+    assert config.terms_in_warp and not config.columns_exact
+
+
+def test_a_gpu_case_spans_several_blocks_of_terms():
+    """The GPU contract's r16c2d65 case gives the fused statistics backward (rows of two warps: terms in blocks)
+    row ranges longer than its block of row terms on an H100 / H200 (132 SMs), so that the terms are recomputed
+    mid-range there."""
+    ratio, coff, head_dim, seqlens = OWN_CASES["r16c2d65-rope64-pos-blocks"][:4]
+    config = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPEC_FULL)
+    assert not config.terms_in_warp
     grid = SimpleNamespace(row_lanes=config.row_lanes, tiles=config.tiles, capacity=launch.grid_capacity(config, H200))
     rows_per_cta, _ = launch.backward_grid(grid, sum(s // ratio for s in seqlens), config.slab_entries)
     assert config.term_rows < rows_per_cta < 2 * config.term_rows
@@ -752,8 +771,12 @@ OWN_CASES = {
     "r128c1d128-rope64-padding-ctas": (128, 1, 128, (300, 1, 129), 2, 40, dict(rope_dim=64)),
     "r128c2d65-norm-padding-ctas": (128, 2, 65, (600, 3, 256), 1, 30, dict()),
     "r128c1d128-rope64-pos-many": (128, 1, 128, (20000, 13000, 5400), 3, 3, dict(rope_dim=64, positions=True)),
-    # The statistics backward with the tail over row ranges of several blocks of terms (MULTI_BLOCK_CASE).
-    "r16c2d64-rope64-pos-blocks": (16, 2, 64, (200000, 40000, 3000), 2, 5, dict(rope_dim=64, positions=True)),
+    # The statistics backward with the tail over long row ranges: terms by shuffles in each row step (a row within
+    # a warp), and terms in blocks of rows, several per range (rows of two warps).
+    "r16c2d64-rope64-pos-long": (16, 2, 64, (200000, 40000, 3000), 2, 5, dict(rope_dim=64, positions=True)),
+    "r16c2d65-rope64-pos-blocks": (16, 2, 65, (100000, 20000, 3000), 2, 5, dict(rope_dim=64, positions=True)),
+    # Terms in a warp whose lanes past head_dim hold no column (they join the row's shuffles with zeros).
+    "r32c2d100-rope64-pos-lanes": (32, 2, 100, (700, 129, 3), 1, 3, dict(rope_dim=64, positions=True)),
     "r128c2d128-rope64-half-bf16w": (128, 2, 128, (9000, 300), 0, 37,
                                      dict(rope_dim=64, interleaved=False, norm_dtype=BF16)),
     "r128c2d128-rope64-only": (128, 2, 128, (9000, 300), 0, 37, dict(norm=False, rope_dim=64)),

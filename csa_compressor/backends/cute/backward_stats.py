@@ -153,7 +153,7 @@ class BackwardWithStats(FusedTailHost):
             th.shared = self.tail.allocate(cutlass.memory.SmemAllocator())
             th.norm_owner = (bz == 0) & (gl == 0)  # one thread per (row, column) adds the weight's gradient
         regs.ahead = self.first_loads(io, seg, regs, row_first, row_lim, th)
-        if cutlass.const_expr(cfg.has_norm):
+        if cutlass.const_expr(cfg.has_norm and not cfg.terms_in_warp):
             self.blocked_rows(io, seg, regs, th, row_begin, row_lim, nreal)
         else:
             for r in cutlass.range(row_first, row_lim, lanes):
@@ -193,10 +193,12 @@ class BackwardWithStats(FusedTailHost):
             t.fill(0.0)
         if row_first < row_lim:
             # A row that fails the bounds guard reads as a padding row (t0 = 0, in bounds) and stores nothing.
-            _b0, t00, first0, _real0 = locate_row(seg, row_first, th.T, cfg.ratio)
+            b0, t00, first0, _real0 = locate_row(seg, row_first, th.T, cfg.ratio)
             self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t00, first0)
             if col_ok:
                 self.load_row_inputs(io.gout, io.stats, row_first, c, ahead)
+            if cutlass.const_expr(self.tail is not None and self.tail.in_warp):
+                self.tail.load_operands(io, th.tail, seg, b0, row_first, c, col_ok, regs.tail.ahead)
         return ahead
 
     @cute.jit
@@ -228,17 +230,25 @@ class BackwardWithStats(FusedTailHost):
             dst.store(src.load())
         b, t0, first, real = locate_row(seg, r, th.T, cfg.ratio)
         # The next row step's window slice, statistics and grad_out go out before this step's math.
+        bn = Int32(0)
         if r + lanes < row_lim:
-            _bn, t0n, first_n, _real_n = locate_row(seg, r + lanes, th.T, cfg.ratio)
+            bn, t0n, first_n, _real_n = locate_row(seg, r + lanes, th.T, cfg.ratio)
             self.slots.issue(io.kv, io.score, nxt_kv, nxt_sc, 0, gg, c, col_ok, t0n, first_n)
             if col_ok:
                 self.load_row_inputs(io.gout, io.stats, r + lanes, c, ahead)
-        if cutlass.const_expr(self.tail is not None):
+        if cutlass.const_expr(self.tail is not None and self.tail.in_warp):
+            # No block of terms read the row's operands before: they are held a row step ahead.
+            self.tail.next_operands(io, th.tail, seg, bn, r + lanes, c, col_ok, r + lanes < row_lim, regs.tail)
+        elif cutlass.const_expr(self.tail is not None):
             # The row's operands: read by this CTA's terms already (cached), so not held a step ahead.
             self.tail.load_operands(io, th.tail, seg, b, r, c, col_ok, regs.tail.operands)
         # A row that fails the bounds guard (read as a padding row) stores and adds nothing.
         active = col_ok & real
-        if active:
+        if cutlass.const_expr(self.tail is not None and self.tail.in_warp):
+            # Every lane of the row's warp takes part in its terms' shuffles: columns past head_dim compute on zeros,
+            # and a row that fails the guard computes, but neither stores nor adds anything.
+            self.gradients(io.gkv, io.gsc, regs, t0, first, active, th, 0)
+        elif active:
             self.gradients(io.gkv, io.gsc, regs, t0, first, col_ok, th, r - blk if blk is not None else 0)
         # Exact zeros owned by a segment's last produced row (this thread's slots and columns).
         last, seg_end = segment_owner(seg, b, r, th.N, th.T)
@@ -261,7 +271,10 @@ class BackwardWithStats(FusedTailHost):
             gw = widen_plain(gb, width)
         else:
             terms = th.shared.terms
-            gw = self.tail.dx(gb, vo, regs.tail, th.tail, terms, term, th.norm_owner, c, th.col_ok)
+            owner = th.norm_owner
+            if cutlass.const_expr(self.tail.in_warp):
+                owner = owner & active  # here gradients runs for every row step
+            gw = self.tail.dx(gb, vo, regs.tail, th.tail, terms, term, owner, c, th.col_ok)
         for k in cutlass.range_constexpr(cfg.slots_per_group):
             s = gg * cfg.slots_per_group + k
             half = s // cfg.ratio

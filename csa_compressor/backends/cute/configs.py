@@ -353,6 +353,12 @@ class BackwardStatsConfig(_Tile):
         return self.tail is not None and self.tail.has_norm
 
     @property
+    def terms_in_warp(self) -> bool:
+        """Whether a row's columns lie in one warp's aligned lanes (one column chunk of at most 32 threads), so that
+        each row step forms the norm's terms by shuffles instead of a block of rows' terms in shared memory."""
+        return self.has_norm and self.column_chunks == 1 and self.column_threads <= 32
+
+    @property
     def term_rows(self) -> int:
         """Rows whose norm terms a CTA of the fused tail computes at once: a multiple of the row lanes."""
         return -(-STATS_TAIL_TERM_ROWS // self.row_lanes) * self.row_lanes
@@ -365,7 +371,8 @@ class BackwardStatsConfig(_Tile):
         lanes = self.row_lanes > 1
         total = 128 + (self.row_lanes * tile if lanes else 0)
         if self.has_norm:
-            total += 2 * self.term_rows * 4 + (self.row_lanes * self.columns_per_cta * 4 if lanes else 0) + 32
+            terms = 0 if self.terms_in_warp else 2 * self.term_rows * 4
+            total += terms + (self.row_lanes * self.columns_per_cta * 4 if lanes else 0) + 32
         return total
 
     carveout = 100

@@ -3,12 +3,15 @@ with a ``tail`` turns grad_out into the pooling's upstream gradient itself, wher
 ``TailGradient`` first.
 
 The norm's backward needs two sums over each whole row, ``sum(x*x)`` (for rstd, where the forward saved none) and
-``sum(x * w * dy)``, while a CTA of the statistics backward owns a chunk of columns. So every CTA first computes
-both terms for a block of its rows (``term_rows``; one warp per row, its lanes across the row's columns, then a
-butterfly of shuffles: one fixed order) into shared memory. Each thread then forms its own columns'
-``dx = r (w dy) - (x r^3) mean(x w dy)``: dy is grad_out rotated back (the partner from the same vector, or read
-again from grad_out) and x the statistics' third plane, loaded a row step ahead; the row's cos and sin and the
-partners are loaded in the step (this CTA's terms read them already). The threads of slot group 0 in the first
+``sum(x * w * dy)``. Where a row's columns lie in one warp's lanes (one column chunk of at most 32 threads:
+``terms_in_warp``, head_dim up to 128 at 4-column vectors), each row step forms them from its own operands by a
+butterfly of shuffles, and the row's cos, sin and saved rstd are loaded a row step ahead with its window. Wider rows
+span column chunks or warps, so every CTA first computes both terms for a block of its rows (``term_rows``; one
+warp per row, its lanes across the row's columns, then a butterfly of shuffles: the same order as in a warp's row
+step) into shared memory; the row's cos, sin and partners are then loaded in the step (this CTA's terms read them
+already). Each thread forms its own columns' ``dx = r (w dy) - (x r^3) mean(x w dy)``: dy is grad_out rotated
+back (the partner from the same vector, or read again from grad_out) and x the statistics' third plane, loaded a
+row step ahead. The threads of slot group 0 in the first
 slot chunk add ``dy x r`` of the real rows into the norm weight's gradient, per CTA into the slab after its
 grad_ape partials.
 
@@ -41,8 +44,11 @@ class StatsTail:
             raise ValueError(f"the statistics backward takes the tail in its slab form only, got {config}")
         self.config = config
         self.spec = config.tail
-        # Columns of a step are the thread's vector; the terms' rows are one warp each (shuffles only).
-        self.row = RowTail(config.tail, config.head_dim, config.vector_width, 32, 1)
+        self.in_warp = config.terms_in_warp
+        # Columns of a step are the thread's vector; the terms' rows are one warp each (shuffles only), or in
+        # ``in_warp`` the row's column threads in each row step.
+        row_threads = config.column_threads if self.in_warp else 32
+        self.row = RowTail(config.tail, config.head_dim, config.vector_width, row_threads, 1)
         self.term_steps = -(-config.head_dim // (32 * config.vector_width))
 
     @cute.jit
@@ -50,17 +56,25 @@ class StatsTail:
         """(terms: rstd and mean per row of a block, lanes: the row lanes' weight gradients)."""
         cfg = self.config
         lanes = cfg.row_lanes * cfg.columns_per_cta if cfg.has_norm and cfg.row_lanes > 1 else 0
-        terms = smem.allocate_tensor(Float32, cute.make_layout(2 * cfg.term_rows if cfg.has_norm else 1),
-                                     byte_alignment=16)  # fmt: skip
+        floats = 2 * cfg.term_rows if cfg.has_norm and not self.in_warp else 1
+        terms = smem.allocate_tensor(Float32, cute.make_layout(floats), byte_alignment=16)
         return SimpleNamespace(terms=terms, lanes=smem.allocate_tensor(Float32, cute.make_layout(max(1, lanes)),
                                                                        byte_alignment=16))  # fmt: skip
 
     def registers(self):
-        """The norm weight's gradient's accumulators and the row step's operands (cos, sin, partners)."""
+        """The norm weight's gradient's accumulators and the row step's operands (cos, sin, partners; in
+        ``in_warp`` the saved rstd too, and a second set loaded a row step ahead)."""
         width = self.config.vector_width
         acc = registers(width)
         acc.fill(0.0)
-        return SimpleNamespace(acc=acc, operands=tuple(registers(width) for _ in range(3)))
+        regs = SimpleNamespace(acc=acc, operands=self.operand_registers())
+        if self.in_warp:
+            regs.ahead = self.operand_registers()
+        return regs
+
+    def operand_registers(self) -> tuple:
+        width = self.config.vector_width
+        return (*(registers(width) for _ in range(3)), registers(1))
 
     # ------------------------------------------------------------ row operands
 
@@ -76,12 +90,25 @@ class StatsTail:
     def load_operands(self, io, t, seg, b, r, c, ok, dst):
         """Row ``r``'s cos and sin at its position and, where pairs cross vectors, grad_out's partners into
         ``dst``."""
-        cs, sn, gp = dst
+        cs, sn, gp, rs = dst
         if cutlass.const_expr(self.row.has_rope):
             pos = self.position(seg, b, r, t.position_start)
             self.row.load_angles(t.rope_cos, t.rope_sin, pos, t.max_position, c, cs, sn)
             if cutlass.const_expr(not self.row.pairs_in_thread):
                 self.row.load_partners(io.gout, r * self.config.head_dim, c, ok, gp)
+        if cutlass.const_expr(self.in_warp and self.spec.has_norm):
+            rs[0] = Float32(1.0)
+            if t.has_rstd:
+                rs[0] = cute.make_tensor(t.rstd, cute.make_layout(r + 1))[r]
+
+    @cute.jit
+    def next_operands(self, io, t, seg, b, r, c, col_ok, has_next, regs):
+        """``in_warp``: the current row step's operands from the set loaded ahead, then row ``r``'s (the next
+        step's, where there is one) issued into it."""
+        for dst, src in zip(regs.operands, regs.ahead, strict=True):
+            dst.store(src.load())
+        if has_next:
+            self.load_operands(io, t, seg, b, r, c, col_ok, regs.ahead)
 
     # ------------------------------------------------------------ the rows' terms
 
@@ -156,20 +183,36 @@ class StatsTail:
         width = cfg.vector_width
         dy = widen_plain(grad_out, width)
         if cutlass.const_expr(self.row.has_rope):
-            cs, sn, gp = tail_regs.operands
+            cs, sn, gp, _rs = tail_regs.operands
             dy = self.row.turn_back(dy, gp, cs, sn, c)
         if cutlass.const_expr(not self.spec.has_norm):
             return dy
-        r = terms[2 * term]
-        mean = terms[2 * term + 1]
-        r3 = mul_rn(mul_rn(r, r), r)
         weight = registers(width)  # read per step (cached): a register less held across the row loop
         self.row.load_weight(t.norm_weight, weight, c, col_ok)
+        r, mean = Float32(0.0), Float32(0.0)
+        if cutlass.const_expr(self.in_warp):
+            r, mean = self.terms_in_warp(x, dy, weight, tail_regs.operands[3][0], t)
+        else:
+            r = terms[2 * term]
+            mean = terms[2 * term + 1]
+        r3 = mul_rn(mul_rn(r, r), r)
         acc = tail_regs.acc  # a plain name: the dynamic `if` writes through it
         if accumulate:
             for i in cutlass.range_constexpr(width):
                 acc[i] = add_rn(acc[i], mul_rn(mul_rn(dy[i], x[i]), r))
         return [sub_rn(mul_rn(r, mul_rn(weight[i], dy[i])), mul_rn(mul_rn(x[i], r3), mean)) for i in range(width)]
+
+    @cute.jit
+    def terms_in_warp(self, x, dy, weight, saved, t) -> tuple:
+        """(rstd, mean(x w dy)) of the row step's row from its column threads' columns: the same sums, in the same
+        order, as ``row_terms`` (each thread's columns in order, then the butterfly over the row's lanes)."""
+        sq, dot = Float32(0.0), Float32(0.0)
+        for i in cutlass.range_constexpr(self.config.vector_width):
+            sq = add_rn(sq, mul_rn(x[i], x[i]))
+            dot = add_rn(dot, mul_rn(x[i], mul_rn(weight[i], dy[i])))
+        tidx, _, _ = cute.arch.thread_idx()
+        total_sq, total_dot = self.row.row_sums([sq, dot], None, 0, 0, tidx)
+        return self.row.saved_or_rstd(saved, total_sq, t.has_rstd, t.eps), row_mean(total_dot, self.config.head_dim)
 
     @cute.jit
     def write_norm(self, ws, shared, acc, owner, rl, tc, c, col_ok, bx):

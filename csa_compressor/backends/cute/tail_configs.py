@@ -232,7 +232,14 @@ def stats_backward_with_tail(ratio: int, coff: int, head_dim: int, device: Devic
     config = stats_backward_for_sm90(ratio, coff, head_dim, device)
     if config.whole_tile:
         return None
-    if config.slots_per_group > 1 and config.row_lanes > 1:
+    row_threads = _row_threads(head_dim, config.vector_width)
+    in_warp = replace(config, column_threads=row_threads, slot_groups=config.threads // row_threads,
+                      slots_per_group=max(1, config.slots_per_group // 2), row_lanes=1)  # fmt: skip
+    if row_threads <= 32 and in_warp.window % in_warp.slots_per_cta == 0:
+        # A row's columns in one warp: each row step forms the norm's terms by shuffles (terms_in_warp), with the
+        # threads and registers per thread of the half-slot form below.
+        config = in_warp
+    elif config.slots_per_group > 1 and config.row_lanes > 1:
         config = replace(config, slots_per_group=config.slots_per_group // 2, slot_groups=config.slot_groups * 2,
                          row_lanes=config.row_lanes // 2)  # fmt: skip
     config = replace(config, tail=tail)
