@@ -66,17 +66,17 @@ def _tree(values: list, combine) -> Float32:
 
 def fast_column(x: list, v: list) -> tuple:
     """One column of a window in the fast form: (e, 1 / sum(e), sum(e * v)) of its logits ``x`` and values ``v``,
-    e = 2^(x log2 e - max log2 e) by ``ex2.approx`` of one fma, fma sums, one reciprocal. The max runs as a tree
-    (the same value in any order, fewer dependent steps before the exponentials); the sums stay chains, which keep
-    the fused backward within its registers."""
+    e = 2^(x log2 e - max log2 e) by ``ex2.approx`` of one fma, one reciprocal. The max and the sum of e run as
+    trees, the sum of e * v as two interleaved fma chains: few dependent steps per column, since the rows' serial
+    chains are what the fused kernels wait on, and the fast form's contract allows the reassociation (a few fp32
+    ulps)."""
     ml = _tree(list(x), lambda a, b: cute.arch.fmax(a, b, nan=True)) * LOG2E
     e = [ex2(fma_rn(xk, LOG2E, -ml)) for xk in x]
-    total = e[0]
-    acc = mul_rn(e[0], v[0])
-    for k in range(1, len(x)):
-        total = add_rn(total, e[k])
-        acc = fma_rn(e[k], v[k], acc)
-    return e, rcp_rn(total), acc
+    total = _tree(e, add_rn)
+    chains = [mul_rn(e[k], v[k]) for k in range(min(2, len(x)))]
+    for k in range(2, len(x)):
+        chains[k % 2] = fma_rn(e[k], v[k], chains[k % 2])
+    return e, rcp_rn(total), _tree(chains, add_rn)
 
 
 def fast_pooled(scf, apf, kvw, pq, width: int, slots: int) -> list:
