@@ -85,14 +85,14 @@ class _Registers:
         self.vm, self.vs, self.vl, self.dvo, self.dlo = (registers(width) for _ in range(5))
 
     def allocate_tail(self, cfg: BackwardShortConfig) -> None:
-        """The fused tail's registers: the norm weight and its gradient's accumulators, and per buffer set the
-        row's cos, sin, grad_out partners and saved rstd."""
+        """The fused tail's registers: the norm weight and its gradient's accumulators, and one set of the row's
+        cos, sin, grad_out partners and saved rstd (the next row's loaded once the current row has read them)."""
         width = cfg.vector_width
         self.wf = registers(width)
         self.gw = registers(width)
         self.gw.fill(0.0)
-        self.csb, self.snb, self.gpb = (register_slots(2, width) for _ in range(3))
-        self.rsb = register_slots(2, 1)
+        self.cs, self.sn, self.gp = (registers(width) for _ in range(3))
+        self.rs = registers(1)
 
 
 class BackwardShortWindow(FusedTailHost, PersistentBackward):
@@ -199,13 +199,16 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
         n_iter = rows_per_cta // R
         r0 = row_begin + rl
         t0, first, last, seg_end = self.load_row(io, seg, regs, 0, r0, col_ok & (r0 < row_lim), th)
+        if cutlass.const_expr(self.config.tail is not None):
+            self.load_row_tail(io, seg, regs, r0, inside(t0, th.bound), th, True, True)
         for jp in cutlass.range((n_iter + 1) // 2):
             for ph in cutlass.range_constexpr(2):
                 rn = row_begin + (2 * jp + ph + 1) * R + rl
                 n_t0, n_first, n_last, n_seg_end = self.load_row(io, seg, regs, 1 - ph, rn, col_ok & (rn < row_lim),
                                                                  th)  # fmt: skip
                 row = (t0, first, last, seg_end)
-                self.compute_row(io.gkv, io.gsc, regs, ph, smem, row, th)
+                nxt = SimpleNamespace(io=io, seg=seg, r=rn, active=inside(n_t0, th.bound))
+                self.compute_row(io.gkv, io.gsc, regs, ph, smem, row, th, nxt)
                 t0 = n_t0
                 first = n_first
                 last = n_last
@@ -232,22 +235,20 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
         gb.fill(0.0)
         if active:
             gb.store(vec_view(io.gout, r * self.config.head_dim + th.c, self.config.vector_width).load())
-        if cutlass.const_expr(self.config.tail is not None):
-            self.load_row_tail(io, seg, regs, buf, r, active, th)
         return t0, first, last, seg_end
 
     @cute.jit
-    def load_row_tail(self, io, seg, regs, buf: cutlass.Constexpr, r, active, th):
-        """The fused tail's loads of row r into buffer set ``buf``: cos and sin at the row's position, grad_out of
-        the partners in other threads, the saved rstd (when given)."""
+    def load_row_tail(self, io, seg, regs, r, active, th, angles: cutlass.Constexpr, rstd: cutlass.Constexpr):
+        """The fused tail's loads of row r: with ``angles`` cos and sin at the row's position and grad_out of the
+        partners in other threads, with ``rstd`` the saved rstd (when given)."""
         cfg, tail, t = self.config, self.tail, th.tail
-        if cutlass.const_expr(tail.has_rope):
+        if cutlass.const_expr(tail.has_rope and angles):
             pos = tail.row_position(seg, r, th.nreal, cfg.ratio, t.position_start)
-            tail.load_angles(t.rope_cos, t.rope_sin, pos, t.max_position, th.c, regs.csb[buf], regs.snb[buf])
+            tail.load_angles(t.rope_cos, t.rope_sin, pos, t.max_position, th.c, regs.cs, regs.sn)
             if cutlass.const_expr(not tail.pairs_in_thread):
-                tail.load_partners(io.gout, r * cfg.head_dim, th.c, active, regs.gpb[buf])
-        if cutlass.const_expr(tail.spec.has_norm):
-            rs = regs.rsb[buf]
+                tail.load_partners(io.gout, r * cfg.head_dim, th.c, active, regs.gp)
+        if cutlass.const_expr(tail.spec.has_norm and rstd):
+            rs = regs.rs
             rs[0] = Float32(1.0)
             if active & t.has_rstd:
                 rs[0] = cute.make_tensor(t.rstd, cute.make_layout(th.N))[r]
@@ -270,8 +271,9 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
                 scf[k].store(vec_view(score, off, cfg.vector_width).load())
 
     @cute.jit
-    def compute_row(self, gkv, gsc, regs, ph: cutlass.Constexpr, smem, row, th):
-        """Gradients of one row from the thread's registers; stores; exact zeros of a segment's last group."""
+    def compute_row(self, gkv, gsc, regs, ph: cutlass.Constexpr, smem, row, th, nxt):
+        """Gradients of one row from the thread's registers; stores; exact zeros of a segment's last group. With the
+        tail, the next row's (``nxt``) tail operands are loaded as the row's are read."""
         cfg = self.config
         t0, first, last, seg_end = row
         active = inside(t0, th.bound)
@@ -286,7 +288,7 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
         gf = widen(regs.gbb[ph], cfg.vector_width)  # grad_out in fp32
         kvw = [widen(regs.kvb[ph][k], cfg.vector_width) for k in range(cfg.slots_per_group)]
         if cutlass.const_expr(cfg.slot_groups == 1 and cfg.tail is not None):
-            self.fused_gradients(gkv, gsc, regs, ph, gf, kvw, valid, active, t0, smem, th)
+            self.fused_gradients(gkv, gsc, regs, ph, gf, kvw, valid, active, t0, smem, th, nxt)
         elif cutlass.const_expr(cfg.slot_groups == 1):
             self.exact_gradients(gkv, gsc, regs, regs.scb[ph], gf, kvw, valid, t0, first, g, c)
         else:
@@ -464,18 +466,22 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
     # ------------------------------------------------------------ the fused tail (RMSNorm, RoPE)
 
     @cute.jit
-    def fused_gradients(self, gkv, gsc, regs, ph: cutlass.Constexpr, gf, kvw, valid, active, t0, smem, th):
+    def fused_gradients(self, gkv, gsc, regs, ph: cutlass.Constexpr, gf, kvw, valid, active, t0, smem, th, nxt):
         """One group with the tail: the probabilities and the pooled row x in the fast form (within a few fp32 ulps
-        of the forward's exact x), dy = grad_out rotated back, the norm's dx, then the slots' gradients from dx."""
+        of the forward's exact x), dy = grad_out rotated back, the norm's dx, then the slots' gradients from dx. The
+        tail operands' one register set takes the next row's as soon as this row has read it: registers a second
+        set would hold, and the loads still land a row's work later."""
         cfg, tail = self.config, self.tail
         width, sg = cfg.vector_width, cfg.slots_per_group
         pooled = fast_pooled(regs.scb[ph], regs.apf, kvw, regs.pq, width, sg)
         x = [select(th.col_ok, v, Float32(0.0)) for v in pooled]
         dx = gf
         if cutlass.const_expr(tail.has_rope):
-            dx = tail.turn_back(gf, regs.gpb[ph], regs.csb[ph], regs.snb[ph], th.c)
+            dx = tail.turn_back(gf, regs.gp, regs.cs, regs.sn, th.c)
+            self.load_row_tail(nxt.io, nxt.seg, regs, nxt.r, nxt.active, th, True, False)
         if cutlass.const_expr(tail.spec.has_norm):
             dx = self.norm_backward(regs, ph, x, dx, active, smem[1], th)
+            self.load_row_tail(nxt.io, nxt.seg, regs, nxt.r, nxt.active, th, False, True)
         self.fused_pass(gkv, gsc, regs, dx, x, kvw, valid, t0, th.g, th.c)
 
     @cute.jit
@@ -506,7 +512,7 @@ class BackwardShortWindow(FusedTailHost, PersistentBackward):
         parts = [ordered_sum([mul_rn(x[i], x[i]) for i in range(width)]),
                  ordered_sum([mul_rn(x[i], wdy[i]) for i in range(width)])]  # fmt: skip
         total_sq, total_dot = tail.row_sums(parts, sums, ph * tail.sum_floats(2), th.rl, th.tidx)
-        r = tail.saved_or_rstd(regs.rsb[ph][0], total_sq, th.tail.has_rstd, th.tail.eps)
+        r = tail.saved_or_rstd(regs.rs[0], total_sq, th.tail.has_rstd, th.tail.eps)
         mean = row_mean(total_dot, self.config.head_dim)
         r3 = mul_rn(mul_rn(r, r), r)
         gw = regs.gw  # a plain name: the dynamic `if` writes through it

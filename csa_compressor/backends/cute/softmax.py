@@ -56,25 +56,37 @@ def exact_quotients(e, total, pq, first, width: cutlass.Constexpr, slots: cutlas
                 pq[i * slots + k] = e[i][k] / total[i]
 
 
+def _tree(values: list, combine) -> Float32:
+    """``combine`` over ``values`` as a balanced tree: log2(n) dependent steps where a left-to-right chain takes n-1."""
+    while len(values) > 1:
+        values = [combine(values[j], values[j + 1]) if j + 1 < len(values) else values[j]
+                  for j in range(0, len(values), 2)]  # fmt: skip
+    return values[0]
+
+
+def fast_column(x: list, v: list) -> tuple:
+    """One column of a window in the fast form: (e, 1 / sum(e), sum(e * v)) of its logits ``x`` and values ``v``,
+    e = 2^(x log2 e - max log2 e) by ``ex2.approx`` of one fma, one reciprocal. The max and the sum of e run as
+    trees, the sum of e * v as two interleaved fma chains: few dependent steps per column, since the rows' serial
+    chains are what the fused kernels wait on, and the fast form's contract allows the reassociation (a few fp32
+    ulps)."""
+    ml = _tree(list(x), lambda a, b: cute.arch.fmax(a, b, nan=True)) * LOG2E
+    e = [ex2(fma_rn(xk, LOG2E, -ml)) for xk in x]
+    total = _tree(e, add_rn)
+    chains = [mul_rn(e[k], v[k]) for k in range(min(2, len(x)))]
+    for k in range(2, len(x)):
+        chains[k % 2] = fma_rn(e[k], v[k], chains[k % 2])
+    return e, rcp_rn(total), _tree(chains, add_rn)
+
+
 def fast_pooled(scf, apf, kvw, pq, width: int, slots: int) -> list:
     """The fused tail's backward: the probabilities pq[i * slots + k] = e / sum(e) of the thread's window slots
-    and the pooled columns x = sum(e * v) / sum(e) in the fast form: a third of the exact form's instructions, at a
-    few fp32 ulps."""
+    and the pooled columns x = sum(e * v) / sum(e) in the fast form (``fast_column``): a third of the exact form's
+    instructions, at a few fp32 ulps."""
     scw = [widen(scf[k], width) for k in range(slots)]
     pooled = []
     for i in range(width):
-        x = [scw[k][i] + apf[k][i] for k in range(slots)]
-        m = x[0]
-        for k in range(1, slots):
-            m = cute.arch.fmax(m, x[k], nan=True)
-        ml = m * LOG2E
-        e = [ex2(fma_rn(x[k], LOG2E, -ml)) for k in range(slots)]
-        total = e[0]
-        acc = mul_rn(e[0], kvw[0][i])
-        for k in range(1, slots):
-            total = add_rn(total, e[k])
-            acc = fma_rn(e[k], kvw[k][i], acc)
-        inv = rcp_rn(total)
+        e, inv, acc = fast_column([scw[k][i] + apf[k][i] for k in range(slots)], [kvw[k][i] for k in range(slots)])
         for k in range(slots):
             pq[i * slots + k] = mul_rn(e[k], inv)
         pooled.append(mul_rn(acc, inv))
