@@ -1,7 +1,10 @@
 """Device-code digests of every default cute kernel, built offline (no GPU needed), and their comparison with a
 baseline: the proof that a change to the backend's structure left the kernels' code alone.
 
-    python benchmarks/cubins.py --arch sm_90a [--compare benchmarks/results/cubins_baseline_sm_90a.json] [--out FILE]
+    python benchmarks/cubins.py --arch sm_90a [--compare BASELINE.json] [--out FILE]
+
+The baseline is this script's ``--out`` at the revision to compare against (``revision_ab.py cubins`` does both
+sides from two revisions).
 
 Per kernel two digests and its resources: ``ptx`` (the PTX with the kernel entry names replaced by their order and
 the header comments dropped) and ``code`` (the cubin's .text, .nv.info, .nv.constant0 and .nv.shared sections, names
