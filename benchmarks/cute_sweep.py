@@ -137,7 +137,8 @@ def main() -> int:
     if args.tail_parts:
         unknown = sorted(set(names) - set(TAIL_PART_CASES))
         if unknown:
-            print(f"cute_sweep --tail-parts: cases {unknown} are not among {list(TAIL_PART_CASES)}", file=sys.stderr)
+            known = list(TAIL_PART_CASES)
+            print(f"cute_sweep --tail-parts: cases {unknown} are not among {known}", file=sys.stderr)
             return 2
         timer = Timer(torch.device("cuda", torch.cuda.current_device()))
         for name in names or TAIL_PART_CASES:

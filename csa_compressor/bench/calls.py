@@ -2,8 +2,9 @@
 
 Kernel backends are timed per wrapper call ("fwd", "bwd"; with a tail the backward is autograd's call, the
 forward's rstd handed over); the baselines (the eager region, its torch.compile, and for tail cases our pooling
-followed by PyTorch's tail) as "fwd" and "fwd+bwd" (forward, then autograd backward). A tail case's output goes through RMSNorm over ``head_dim`` and RoPE on the last ``rope_dim`` columns;
-our kernel backends then run the fused tail, which needs wrappers that take the tail arguments.
+followed by PyTorch's tail) as "fwd" and "fwd+bwd" (forward, then autograd backward). A tail case's output goes
+through RMSNorm over ``head_dim`` and RoPE on the last ``rope_dim`` columns; our kernel backends then run the fused
+tail, which needs wrappers that take the tail arguments.
 """
 
 from __future__ import annotations

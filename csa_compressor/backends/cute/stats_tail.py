@@ -167,8 +167,13 @@ class StatsTail:
             cs, sn = registers(width), registers(width)
             self.row.load_angles(t.rope_cos, t.rope_sin, pos, t.max_position, c, cs, sn)
             dy = self.row.turn_back(dy, partners, cs, sn, c)
+        return self.column_terms(parts, x, weight, dy)
+
+    @cute.jit
+    def column_terms(self, parts, x, weight, dy) -> list:
+        """``parts`` (the sums of x*x and x*(w*dy)) with the thread's ``vector_width`` columns added in order."""
         sq, dot = parts
-        for i in cutlass.range_constexpr(width):
+        for i in cutlass.range_constexpr(self.config.vector_width):
             sq = add_rn(sq, mul_rn(x[i], x[i]))
             dot = add_rn(dot, mul_rn(x[i], mul_rn(weight[i], dy[i])))
         return [sq, dot]
@@ -191,7 +196,7 @@ class StatsTail:
         self.row.load_weight(t.norm_weight, weight, c, col_ok)
         r, mean = Float32(0.0), Float32(0.0)
         if cutlass.const_expr(self.in_warp):
-            r, mean = self.terms_in_warp(x, dy, weight, tail_regs.operands[3][0], t)
+            r, mean = self.row_step_terms(x, dy, weight, tail_regs.operands[3][0], t)
         else:
             r = terms[2 * term]
             mean = terms[2 * term + 1]
@@ -203,15 +208,13 @@ class StatsTail:
         return [sub_rn(mul_rn(r, mul_rn(weight[i], dy[i])), mul_rn(mul_rn(x[i], r3), mean)) for i in range(width)]
 
     @cute.jit
-    def terms_in_warp(self, x, dy, weight, saved, t) -> tuple:
-        """(rstd, mean(x w dy)) of the row step's row from its column threads' columns: the same sums, in the same
-        order, as ``row_terms`` (each thread's columns in order, then the butterfly over the row's lanes)."""
-        sq, dot = Float32(0.0), Float32(0.0)
-        for i in cutlass.range_constexpr(self.config.vector_width):
-            sq = add_rn(sq, mul_rn(x[i], x[i]))
-            dot = add_rn(dot, mul_rn(x[i], mul_rn(weight[i], dy[i])))
+    def row_step_terms(self, x, dy, weight, saved, t) -> tuple:
+        """``in_warp``: (rstd, mean(x w dy)) of the row step's row from its column threads' columns: the same sums,
+        in the same order, as ``row_terms`` (each thread's columns in order, then the butterfly over the row's
+        lanes)."""
+        parts = self.column_terms([Float32(0.0), Float32(0.0)], x, weight, dy)
         tidx, _, _ = cute.arch.thread_idx()
-        total_sq, total_dot = self.row.row_sums([sq, dot], None, 0, 0, tidx)
+        total_sq, total_dot = self.row.row_sums(parts, None, 0, 0, tidx)
         return self.row.saved_or_rstd(saved, total_sq, t.has_rstd, t.eps), row_mean(total_dot, self.config.head_dim)
 
     @cute.jit
