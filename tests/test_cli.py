@@ -98,7 +98,7 @@ def _usage_error(results, name: str, *words: str) -> str:
     ("name", "words"),
     [
         ("check_unknown_backend", ("unknown backend 'bogus'", "cute, triton, reference")),
-        ("check_cute_on_cpu", ("backend 'cute' cannot run on cpu", "CUDA")),
+        ("check_cute_on_cpu", ("backend 'cute' cannot run on cpu",)),
         ("check_unknown_device", ("unknown device 'tpu'",)),
         ("check_stray_argument", ("unrecognized arguments: extra",)),
         ("bench_unknown_backend", ("unknown backend 'bogus'",)),
@@ -112,6 +112,14 @@ def _usage_error(results, name: str, *words: str) -> str:
 )
 def test_user_errors_are_one_line_and_status_2(results, name, words):
     _usage_error(results, name, *words)
+
+
+def test_cute_on_cpu_says_why(results):
+    """The reason is the one that applies here: CuTe-DSL missing, else the device."""
+    from csa_compressor import dispatch
+
+    missing = dispatch.unavailable_reason("cute")
+    _usage_error(results, "check_cute_on_cpu", "not importable" if missing else "CUDA")
 
 
 @NO_CUDA

@@ -16,9 +16,11 @@ pytestmark = pytest.mark.gpu
 
 
 def _launch_module():
+    """The launch module; the test skips without a GPU, nvidia-cutlass-dsl or a GPU cute supports. Call it before
+    importing other cute modules, which need nvidia-cutlass-dsl."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from csa_compressor.backends.cute import launch
+    launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
 
     reason = launch.unavailable_reason() or launch.device_unsupported_reason(torch.device("cuda"))
     if reason:
@@ -346,11 +348,11 @@ def _stats_forms(config):
 def test_stats_backward_whole_tile_form(case):
     """Whole-tile form (forced) vs slab form: grad_kv/grad_score bitwise, grad_ape within fp32 summation error; NaN
     canaries, the contract, bitwise run to run."""
+    launch = _launch_module()
     from csa_compressor.backends.cute.backward_stats import BackwardWithStats
     from csa_compressor.backends.cute.device import device_spec
     from csa_compressor.backends.cute.select import config_for
 
-    launch = _launch_module()
     seqlens, d, ratio, coff, tp, cp = case
     pack = make_pack(seqlens, d, ratio, coff, token_padding=tp, comp_padding=cp, device="cuda", seed=47)
     kv, score, ape, cu, cuc = pack.inputs
@@ -481,12 +483,12 @@ def _assert_truncated_bitwise(tpack, out, grads):
 def test_undersized_total_comp_matches_truncated_autograd(case):
     """Rows past total_comp are not produced; gradients equal autograd of the truncated reference (bitwise at <= 8
     slots); the statistics forward and both statistics-backward forms too."""
+    launch = _launch_module()
     from csa_compressor.backends.cute.backward_stats import BackwardWithStats
     from csa_compressor.backends.cute.device import device_spec
     from csa_compressor.backends.cute.select import config_for
     from tests.backends import test_triton_safety as safety
 
-    launch = _launch_module()
     seqlens, d, ratio, coff = case
     pack = make_pack(seqlens, d, ratio, coff, token_padding=3, device="cuda", seed=ratio + coff)
     spec = device_spec(pack.kv.device.index)
