@@ -10,7 +10,7 @@
 #   4. a short table.
 # Run from the repository root: bash benchmarks/gpu_session.sh. Variables (defaults in brackets):
 #   STAGES       stages to run ["install tests sanitize bench"]
-#   BUDGET_S     the whole session's budget in seconds [560]
+#   BUDGET_S     the whole session's budget in seconds [560]: every stage's limit is cut to what is left of it
 #   TESTS_TIMEOUT  the test suite's limit [300]; TEST_PATHS what pytest collects ["tests"]; MARK a marker
 #                expression that selects the tests, e.g. "gpu" [""]; PYTEST_ARGS extra pytest arguments of the
 #                parallel phase ["-n 8" where pytest-xdist is installed: one process does not finish the suite
@@ -29,6 +29,13 @@ BUDGET_S=${BUDGET_S:-560}
 LOG="$RESULT_DIR/session.log"
 . benchmarks/device_env.sh
 elapsed() { echo $(($(date +%s) - START)); }
+# A stage's limit: its own, cut to what is left of BUDGET_S (less a margin for the table), so that the session ends
+# inside the device call's limit whatever the stages' limits add up to.
+limit() {
+    local left=$((BUDGET_S - $(elapsed) - 15))
+    local t=$(($1 < left ? $1 : left))
+    echo $((t > 1 ? t : 1))  # timeout 0 would mean none
+}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 rows=()
 row() { rows+=("| $1 | $2 | $(elapsed) |"); }
@@ -48,13 +55,17 @@ sanitize() {  # every backend x tool in turn, one log
         # The cases once without a tool first: their compiles land in the disk caches, so that each tool's limit
         # covers its checks (on a fresh machine, compiling under memcheck and racecheck ran past it).
         echo "==== warm-up $backend"
-        timeout "${SANITIZE_TIMEOUT:-70}" python3 tests/sanitize_cases.py --backend "$backend" 2>&1 | tail -n 3
+        timeout "$(limit "${SANITIZE_TIMEOUT:-70}")" python3 tests/sanitize_cases.py --backend "$backend" 2>&1 | tail -n 3
         # memcheck also on the malformed-offset cases: no access outside the operands whatever the offsets hold;
         # synccheck on the fused tail's cases, whose rows wait on named barriers of their own warps.
         for run in "memcheck" "memcheck --malformed" "racecheck" "synccheck --tail-only"; do
             set -- $run
             echo "==== $1${2:+${2#-}} $backend"
-            timeout "${SANITIZE_TIMEOUT:-70}" compute-sanitizer --tool "$1" --report-api-errors no \
+            if [ "$(limit "${SANITIZE_TIMEOUT:-70}")" -lt 10 ]; then
+                echo "==== $1${2:+${2#-}} $backend rc=skipped:budget-spent"
+                continue
+            fi
+            timeout "$(limit "${SANITIZE_TIMEOUT:-70}")" compute-sanitizer --tool "$1" --report-api-errors no \
                 --error-exitcode 9 python3 tests/sanitize_cases.py --backend "$backend" ${2:-} 2>&1
             echo "==== $1${2:+${2#-}} $backend rc=$?"
         done
@@ -69,7 +80,7 @@ alone_mark="${MARK:+($MARK) and }alone"
 if has tests; then
     if [ -z "${PYTEST_ARGS+set}" ] && python3 -c "import xdist" 2>/dev/null; then PYTEST_ARGS="-n 8"; fi
     # SIGINT first, so that pytest prints its counts when the limit is reached.
-    timeout -s INT -k 15 "${TESTS_TIMEOUT:-300}" python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider \
+    timeout -s INT -k 15 "$(limit "${TESTS_TIMEOUT:-300}")" python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider \
         --durations=10 -m "$parallel_mark" ${PYTEST_ARGS:-} >"$RESULT_DIR/pytest.log" 2>&1 &
     pids+=($!)
 fi
@@ -92,7 +103,7 @@ if has tests; then
     # An interrupted run prints counts of the tests it reached: say so in the row.
     cut_short=$(grep -q KeyboardInterrupt "$RESULT_DIR/pytest.log" && echo "INTERRUPTED at the limit: ")
     row "test suite" "$cut_short$(grep -E '(passed|failed|error)' "$RESULT_DIR/pytest.log" | tail -n 1)"
-    timeout -s INT 180 python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider -m "$alone_mark" \
+    timeout -s INT "$(limit 180)" python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider -m "$alone_mark" \
         >"$RESULT_DIR/pytest_alone.log" 2>&1
     row "tests marked alone, after" "$(grep -E '(passed|failed|error|deselected)' "$RESULT_DIR/pytest_alone.log" | tail -n 1)"
     cat "$RESULT_DIR/pytest_alone.log" >>"$RESULT_DIR/pytest.log" && rm "$RESULT_DIR/pytest_alone.log"
