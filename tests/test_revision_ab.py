@@ -127,3 +127,12 @@ def test_command_line_errors_are_one_line(tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "sides.json" in proc.stderr
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs the repository's git checkout")
+@pytest.mark.parametrize("patch", sorted((ROOT / "benchmarks" / "experiments").glob("*.patch")), ids=lambda p: p.stem)
+def test_waiting_experiments_apply_to_this_tree(patch):
+    """Each patch waiting for its A/B (benchmarks/experiments/) still applies to this tree: rebase or delete it."""
+    result = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert patch.stem in (ROOT / "benchmarks" / "experiments" / "README.md").read_text()
