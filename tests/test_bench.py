@@ -537,6 +537,23 @@ def test_markdown_fused_tail_tables():
     assert versus["fwd fused"] == "—" and versus["fwd (b) torch.compile"] == "200.0"
 
 
+def test_markdown_of_several_runs_is_the_first_with_the_tails_ranges():
+    """A record of two runs: every table shows the first run's times, the fused tail's ratios their range too."""
+    first = _records()
+    second = [dict(r, date="2026-12-01T09:30:00+00:00") for r in _records()]
+    for rec in second:
+        if rec["backend"] == "cute" and rec["kernel_us_cold"] is not None:
+            rec["kernel_us_cold"] *= 1.1 if rec["tail"] else 1.0  # the fused calls 10 % slower there
+    md = format_markdown([*first, *second], META)
+    assert "This record holds 2 runs" in md and "This record holds" not in format_markdown(first, META)
+    (summary,) = _rows(md, "Summary")
+    assert summary["fwd ours (cute)"] == "30.0"
+    (cost,) = _rows(md, "Fused RMSNorm + RoPE tail: cost over")
+    assert cost["fwd fused"] == "31.5"
+    assert cost["fused / pooling (target <= 1.05x)"] == "1.05x (1.05-1.16x over 2 runs)"
+    assert cost["fused / pooling (target <= 1.10x)"] == "1.05x (1.05-1.16x over 2 runs)"
+
+
 def test_markdown_probe_skips_and_failed_walls():
     recs = _records()
     cute = next(r for r in recs if r["backend"] == "cute" and r["direction"] == "fwd")

@@ -327,8 +327,21 @@ def _combined_table(lines, idx, cases, backends) -> None:
     _table(lines, "Forward + backward (kernel backends: sum of the two calls)", head, body)
 
 
-def _tail_tables(lines, idx, cases, backends) -> None:
-    """The fused tail against the pooling alone (its targets) and against the unfused chains (a) and (b)."""
+def _ratio_range(run_indexes, case: str, pooling: str, backend: str, direction: str) -> str:
+    """`` (lo-hi over n runs)`` of fused / pooling alone where several runs of the record have both, else ""."""
+    ratios = []
+    for ix in run_indexes:
+        fused, alone = _cold(ix, case, backend, direction), _cold(ix, pooling, backend, direction)
+        if fused and alone and alone > 0:
+            ratios.append(fused / alone)
+    if len(ratios) < 2:
+        return ""
+    return f" ({min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} runs)"
+
+
+def _tail_tables(lines, idx, cases, backends, run_indexes=()) -> None:
+    """The fused tail against the pooling alone (its targets; with several ``run_indexes``, the ratio's range over
+    the runs too) and against the unfused chains (a) and (b)."""
     tails = [c for c in cases if c.endswith("-tail")]
     kernels = [b for b in backends if b in KERNEL_BACKENDS and b != "reference"]
     cost, versus = [], []
@@ -340,7 +353,8 @@ def _tail_tables(lines, idx, cases, backends) -> None:
         row = [case, backend]
         for direction in ("fwd", "bwd"):
             fused, alone = _cold(idx, case, backend, direction), _cold(idx, pooling, backend, direction)
-            row += [_fmt_us(fused), _fmt_us(alone), _fmt_ratio(fused, alone)]
+            spread = _ratio_range(run_indexes, case, pooling, backend, direction)
+            row += [_fmt_us(fused), _fmt_us(alone), _fmt_ratio(fused, alone) + spread]
         cost.append(row)
         row = [case, backend]
         for direction in ("fwd", "fwd+bwd"):
@@ -396,20 +410,34 @@ def _problems(lines: list[str], records: Sequence[dict]) -> None:
         lines.append("")
 
 
+def runs_of(records: Sequence[dict]) -> list[list[dict]]:
+    """The records of each run (told apart by their date), in the order the runs first appear."""
+    runs: dict = {}
+    for rec in records:
+        runs.setdefault(rec.get("date"), []).append(rec)
+    return list(runs.values())
+
+
 def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
     """Markdown report: a summary, forward, backward and forward+backward tables, the fused tail's tables, the
-    timing probe when it ran, and the failed and skipped measurements. ``meta`` heads the report."""
+    timing probe when it ran, and the failed and skipped measurements. ``meta`` heads the report. Of a record of
+    several runs the tables are the first run's (``meta_of``'s), with the fused tail's ratios' range over all."""
     meta = meta or {}
-    idx = _index(records)
-    cases = case_order(records)
-    backends = ordered((r["backend"] for r in records), backend_order())
+    runs = runs_of(records)
+    first = runs[0] if runs else []
+    idx = _index(first)
+    cases = case_order(first)
+    backends = ordered((r["backend"] for r in first), backend_order())
     kernel_backends = [b for b in backends if b in KERNEL_BACKENDS]
     lines: list[str] = _header(meta) if meta else []
-    _summary(lines, idx, cases, ours_backend(records))
-    _direction_table(lines, idx, cases, backends, records, "fwd", "Forward")
-    _direction_table(lines, idx, cases, kernel_backends, records, "bwd", "Backward (the backward call alone)")
+    if len(runs) > 1:
+        lines += [f"This record holds {len(runs)} runs: the tables are the first's; the fused tail's ratios to the "
+                  "pooling alone also give their range over the runs.", ""]  # fmt: skip
+    _summary(lines, idx, cases, ours_backend(first))
+    _direction_table(lines, idx, cases, backends, first, "fwd", "Forward")
+    _direction_table(lines, idx, cases, kernel_backends, first, "bwd", "Backward (the backward call alone)")
     _combined_table(lines, idx, cases, backends)
-    _tail_tables(lines, idx, cases, backends)
-    _probe_table(lines, records, cases, backends)
+    _tail_tables(lines, idx, cases, backends, [_index(run) for run in runs])
+    _probe_table(lines, first, cases, backends)
     _problems(lines, records)
     return "\n".join(lines)
