@@ -61,11 +61,12 @@ sanitize() {  # every backend x tool in turn, one log
         for run in "memcheck" "memcheck --malformed" "racecheck" "synccheck --tail-only"; do
             set -- $run
             echo "==== $1${2:+${2#-}} $backend"
-            if [ "$(limit "${SANITIZE_TIMEOUT:-70}")" -lt 10 ]; then
+            run_limit=$(limit "${SANITIZE_TIMEOUT:-70}")
+            if [ "$run_limit" -lt 10 ]; then
                 echo "==== $1${2:+${2#-}} $backend rc=skipped:budget-spent"
                 continue
             fi
-            timeout "$(limit "${SANITIZE_TIMEOUT:-70}")" compute-sanitizer --tool "$1" --report-api-errors no \
+            timeout "$run_limit" compute-sanitizer --tool "$1" --report-api-errors no \
                 --error-exitcode 9 python3 tests/sanitize_cases.py --backend "$backend" ${2:-} 2>&1
             echo "==== $1${2:+${2#-}} $backend rc=$?"
         done

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .cases import TORCH_TAIL
-from .report import _index, case_order, combined, cudnn_frontend
+from .report import _index, case_order, combined, cudnn_frontend, runs_of
 
 __all__ = ["draw_chart"]
 
@@ -88,7 +88,8 @@ def _draw_panel(ax, title: str, cases: list[str], series: dict[str, list[float]]
 def draw_chart(records: Sequence[dict], path: Path) -> str | None:
     """PNG of cold kernel time / DRAM floor (log scale, 1 = at the floor) per case: our backends, cudnn-frontend's
     quoted figures and torch.compile, by direction, and the fused tail against the unfused chains when measured.
-    Returns a message when it cannot draw."""
+    Returns a message when it cannot draw. Of a record of several runs, the first run's (the report's tables')."""
+    records = runs_of(records)[0]
     try:
         import matplotlib
 

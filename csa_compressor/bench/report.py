@@ -339,9 +339,10 @@ def _ratio_range(run_indexes, case: str, pooling: str, backend: str, direction: 
     return f" ({min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} runs)"
 
 
-def _tail_tables(lines, idx, cases, backends, run_indexes=()) -> None:
+def _tail_tables(lines, run_indexes, cases, backends) -> None:
     """The fused tail against the pooling alone (its targets; with several ``run_indexes``, the ratio's range over
-    the runs too) and against the unfused chains (a) and (b)."""
+    the runs too) and against the unfused chains (a) and (b), from the first run's index."""
+    idx = run_indexes[0]
     tails = [c for c in cases if c.endswith("-tail")]
     kernels = [b for b in backends if b in KERNEL_BACKENDS and b != "reference"]
     cost, versus = [], []
@@ -411,11 +412,12 @@ def _problems(lines: list[str], records: Sequence[dict]) -> None:
 
 
 def runs_of(records: Sequence[dict]) -> list[list[dict]]:
-    """The records of each run (told apart by their date), in the order the runs first appear."""
+    """The records of each run (told apart by their date), in the order the runs first appear; one empty run for
+    no records."""
     runs: dict = {}
     for rec in records:
         runs.setdefault(rec.get("date"), []).append(rec)
-    return list(runs.values())
+    return list(runs.values()) or [[]]
 
 
 def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
@@ -424,8 +426,9 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
     several runs the tables are the first run's (``meta_of``'s), with the fused tail's ratios' range over all."""
     meta = meta or {}
     runs = runs_of(records)
-    first = runs[0] if runs else []
-    idx = _index(first)
+    first = runs[0]
+    run_indexes = [_index(run) for run in runs]
+    idx = run_indexes[0]
     cases = case_order(first)
     backends = ordered((r["backend"] for r in first), backend_order())
     kernel_backends = [b for b in backends if b in KERNEL_BACKENDS]
@@ -437,7 +440,7 @@ def format_markdown(records: Sequence[dict], meta: dict | None = None) -> str:
     _direction_table(lines, idx, cases, backends, first, "fwd", "Forward")
     _direction_table(lines, idx, cases, kernel_backends, first, "bwd", "Backward (the backward call alone)")
     _combined_table(lines, idx, cases, backends)
-    _tail_tables(lines, idx, cases, backends, [_index(run) for run in runs])
+    _tail_tables(lines, run_indexes, cases, backends)
     _probe_table(lines, first, cases, backends)
     _problems(lines, records)
     return "\n".join(lines)

@@ -12,6 +12,8 @@ import torch
 from csa_compressor import reference
 from csa_compressor.testing import assert_contract, make_pack, rel_l2
 
+from .common import cute_launch
+
 pytestmark = pytest.mark.gpu
 
 
@@ -20,9 +22,8 @@ def _launch_module():
     importing other cute modules, which need nvidia-cutlass-dsl."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")
-
-    reason = launch.unavailable_reason() or launch.device_unsupported_reason(torch.device("cuda"))
+    launch = cute_launch()
+    reason = launch.device_unsupported_reason(torch.device("cuda"))
     if reason:
         pytest.skip(reason)
     return launch
