@@ -13,11 +13,18 @@ from .common import ENTRY, cute_launch
 
 cute_launch = cute_launch()
 
+import cuda.bindings.driver as cuda  # noqa: E402
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32  # noqa: E402
+from cutlass.cute.runtime import make_ptr  # noqa: E402
+from cutlass.cute.typing import AddressSpace  # noqa: E402
+
 from csa_compressor.backends.cute import configs  # noqa: E402
 from csa_compressor.backends.cute.backward_long import BackwardLongWindow  # noqa: E402
 from csa_compressor.backends.cute.backward_short import BackwardShortWindow  # noqa: E402
 from csa_compressor.backends.cute.backward_stats import BackwardWithStats  # noqa: E402
-from csa_compressor.backends.cute.build import compile_kernel  # noqa: E402
+from csa_compressor.backends.cute.build import check_shared_memory, compile_kernel  # noqa: E402
 from csa_compressor.backends.cute.device import DeviceSpec, offline_spec  # noqa: E402
 from csa_compressor.backends.cute.forward import ForwardLongWindow, ForwardShortWindow  # noqa: E402
 from csa_compressor.backends.cute.select import config_for, kernel_for  # noqa: E402
@@ -188,3 +195,38 @@ def test_backward_grid_fills_one_wave():
         assert num_ctas * cfg.ape_size * 4 <= max(cute_launch.WS_CAP_BYTES, cfg.ape_size * 4)
         if cfg.whole_tile:
             assert num_ctas == 1
+
+
+class _SharedBuffer:
+    """A kernel laying out ``floats`` fp32 of shared memory, launched with ``smem`` bytes."""
+
+    def __init__(self, floats: int, smem: int):
+        self.floats, self.smem = floats, smem
+
+    @cute.jit
+    def __call__(self, out: cute.Pointer, stream: cuda.CUstream):
+        self.kernel(out).launch(grid=[1, 1, 1], block=[32, 1, 1], smem=self.smem, stream=stream)
+
+    @cute.kernel
+    def kernel(self, out: cute.Pointer):
+        tidx, _, _ = cute.arch.thread_idx()
+        buffer = cutlass.memory.SmemAllocator().allocate_tensor(
+            Float32, cute.make_layout(self.floats), byte_alignment=16
+        )
+        buffer[tidx] = Float32(tidx)
+        cute.arch.sync_threads()
+        cute.make_tensor(out, cute.make_layout(32))[tidx] = buffer[31 - tidx]
+
+
+@pytest.mark.parametrize("smem, short", [(4096, False), (8192, False), (4095, True), (64, True)])
+def test_a_launch_short_of_the_kernels_shared_memory_is_refused(smem, short):
+    """``build.check_shared_memory`` refuses the build whose launch gives less than its kernel's 4096 bytes."""
+    out = make_ptr(Float32, 0, AddressSpace.gmem, assumed_align=16)
+    compiled = cute.compile(
+        _SharedBuffer(1024, smem), out, cuda.CUstream(0), options="--gpu-arch=sm_90a --enable-tvm-ffi"
+    )
+    if short:
+        with pytest.raises(RuntimeError, match="less shared memory than the kernel lays out"):
+            check_shared_memory(compiled, "_SharedBuffer")
+    else:
+        check_shared_memory(compiled, "_SharedBuffer")

@@ -26,6 +26,8 @@ configuration with ``grad_float32`` takes grad_out as fp32.
 
 from __future__ import annotations
 
+import re
+
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
@@ -76,4 +78,21 @@ def compile_kernel(kernel, arch: str, dump_dir: str | None = None):
     options = f"--gpu-arch={arch} --enable-tvm-ffi"
     if dump_dir is not None:
         options += f" --keep-ptx --keep-cubin --dump-dir={dump_dir}"
-    return cute.compile(kernel, *placeholder_arguments(kernel), options=options)
+    compiled = cute.compile(kernel, *placeholder_arguments(kernel), options=options)
+    check_shared_memory(compiled, type(kernel).__name__)
+    return compiled
+
+
+# The DSL checks a launch's shared memory against what its kernel lays out only when the launch runs, by a print
+# under that comparison; where the launch gives enough the compiler folds the comparison and drops the print.
+_SHARED_MEMORY_PRINT = re.compile(r"llvm\.mlir\.global internal constant @(\w+)\(\"\\0AError: shared memory usage in")
+
+
+def check_shared_memory(compiled, name: str) -> None:
+    """Refuse a build whose launch gives less shared memory than its kernel uses (it would write past it): the
+    DSL's run-time print is still in the host code."""
+    host = str(compiled.ir_module)
+    for symbol in _SHARED_MEMORY_PRINT.findall(host):
+        if re.search(rf"llvm\.mlir\.addressof @{symbol}\b", host):
+            raise RuntimeError(f"{name}: the launch gives less shared memory than the kernel lays out (a config's "
+                               "smem_bytes below the kernel's buffers)")  # fmt: skip
