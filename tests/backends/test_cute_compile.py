@@ -218,15 +218,24 @@ class _SharedBuffer:
         cute.make_tensor(out, cute.make_layout(32))[tidx] = buffer[31 - tidx]
 
 
-@pytest.mark.parametrize("smem, short", [(4096, False), (8192, False), (4095, True), (64, True)])
-def test_a_launch_short_of_the_kernels_shared_memory_is_refused(smem, short):
-    """``build.check_shared_memory`` refuses the build whose launch gives less than its kernel's 4096 bytes."""
+@pytest.mark.parametrize(
+    "smem, fault",
+    [
+        (4096, None),
+        (8192, None),
+        (4095, "less shared memory than the kernel lays out"),
+        (64, "less shared memory than the kernel lays out"),
+        (300 * 1024, "more shared memory than the architecture has"),
+    ],
+)
+def test_a_launch_with_wrong_shared_memory_is_refused(smem, fault):
+    """``build.check_shared_memory`` refuses the build whose launch gives less than its kernel's 4096 bytes, or more
+    than an sm_90 CTA may have."""
     out = make_ptr(Float32, 0, AddressSpace.gmem, assumed_align=16)
-    compiled = cute.compile(
-        _SharedBuffer(1024, smem), out, cuda.CUstream(0), options="--gpu-arch=sm_90a --enable-tvm-ffi"
-    )
-    if short:
-        with pytest.raises(RuntimeError, match="less shared memory than the kernel lays out"):
-            check_shared_memory(compiled, "_SharedBuffer")
-    else:
+    options = "--gpu-arch=sm_90a --enable-tvm-ffi"
+    compiled = cute.compile(_SharedBuffer(1024, smem), out, cuda.CUstream(0), options=options)
+    if fault is None:
         check_shared_memory(compiled, "_SharedBuffer")
+    else:
+        with pytest.raises(RuntimeError, match=fault):
+            check_shared_memory(compiled, "_SharedBuffer")

@@ -83,17 +83,21 @@ def compile_kernel(kernel, arch: str, dump_dir: str | None = None):
     return compiled
 
 
-# The DSL checks a launch's shared memory against what its kernel lays out only when the launch runs, by a print
-# under that comparison; where the launch gives enough the compiler folds the comparison and drops the print.
-_SHARED_MEMORY_PRINT = re.compile(r"llvm\.mlir\.global internal constant @(\w+)\(\"\\0AError: shared memory usage in")
+# The DSL checks a launch's shared memory against what its kernel lays out and against the architecture's most only
+# when the launch runs, each by a print under that comparison; where the launch is right the compiler folds the
+# comparison and drops the print. The prints' texts, and what a print left in the host code means:
+_SHARED_MEMORY_PRINTS = {
+    "shared memory usage in": "the launch gives less shared memory than the kernel lays out",
+    "kernel '[^']*' launch shared memory exceeds": "the launch asks for more shared memory than the architecture has",
+}
 
 
 def check_shared_memory(compiled, name: str) -> None:
-    """Refuse a build whose launch gives less shared memory than its kernel uses (it would write past it): the
-    DSL's run-time print is still in the host code."""
+    """Refuse a build whose launch gives less shared memory than its kernel uses (it would write past it) or more
+    than the architecture allows (the launch would fail): the DSL's run-time print is still in the host code."""
     module = getattr(compiled, "ir_module", None)  # the DSL versions pyproject allows have it (tests hold to it)
     host = "" if module is None else str(module)
-    for symbol in _SHARED_MEMORY_PRINT.findall(host):
-        if re.search(rf"llvm\.mlir\.addressof @{symbol}\b", host):
-            raise RuntimeError(f"{name}: the launch gives less shared memory than the kernel lays out (a config's "
-                               "smem_bytes below the kernel's buffers)")  # fmt: skip
+    for text, fault in _SHARED_MEMORY_PRINTS.items():
+        for symbol in re.findall(rf'llvm\.mlir\.global internal constant @(\w+)\("\\0AError: {text}', host):
+            if re.search(rf"llvm\.mlir\.addressof @{symbol}\b", host):
+                raise RuntimeError(f"{name}: {fault} (its config's smem_bytes)")
