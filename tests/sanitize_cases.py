@@ -87,16 +87,45 @@ def run_malformed(backend: str) -> int:
     return 1 if bad else 0
 
 
-def run_tail_cases(backend: str) -> bool:
+def _moved(tensors, device):
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+def run_pooling_cases(backend: str, device: str, count: int) -> bool:
+    ok = True
+    for ratio, coff, head_dim, seqlens, tok_pad, comp_pad in CASES[:count]:
+        # The pack and the references stay on the CPU: under compute-sanitizer the oracle's eager kernels would be
+        # instrumented too, and only the backend's kernels are under test.
+        p = make_pack(seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad)
+        inputs, grad_out = _moved(p.inputs, device), p.grad_out.to(device)
+        kw = dict(ratio=ratio, coff=coff, backend=backend)
+        out = csa_compressor_forward_wrapper(*inputs, total_comp=p.total_comp, **kw)["out"]
+        grads = csa_compressor_backward_wrapper(*inputs, grad_out, **kw)
+        good = contract_report(p, out.cpu(), tuple(_moved(grads, "cpu")))["ok"]
+        if uses_softmax_stats(ratio, coff):
+            # The softmax-statistics pair as autograd runs it.
+            out, stats = csa_compressor_forward_wrapper(
+                *inputs, total_comp=p.total_comp, return_softmax_stats=True, **kw
+            )
+            grads = csa_compressor_backward_wrapper(*inputs, grad_out, softmax_stats=stats, **kw)
+            good &= contract_report(p, out.cpu(), tuple(_moved(grads, "cpu")))["ok"]
+        ok &= good
+        print(f"{backend} r{ratio} c{coff} d{head_dim} {seqlens}: {'ok' if good else 'NUMERICS FAIL'}", flush=True)
+    return ok
+
+
+def run_tail_cases(backend: str, device: str) -> bool:
     ok = True
     for ratio, coff, head_dim, seqlens, comp_pad, rope_dim, interleaved in TAIL_CASES:
-        p = make_pack(seqlens, head_dim, ratio, coff, comp_padding=comp_pad, device="cuda")
+        p = make_pack(seqlens, head_dim, ratio, coff, comp_padding=comp_pad)  # on the CPU, as above
         tail = tail_ops.random_tail(p, rope_dim=rope_dim, interleaved=interleaved, positions=True, seed=ratio)
-        kw = dict(ratio=ratio, coff=coff, backend=backend, **tail.arguments())
-        out = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]
-        g = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
-        grads = (g["grad_kv"], g["grad_score"], g["grad_ape"], g["grad_norm_weight"])
-        good = tail_ops.contract_report(p, tail, out, grads)["ok"]
+        inputs, grad_out = _moved(p.inputs, device), p.grad_out.to(device)
+        tail_kw = {name: _moved([value], device)[0] for name, value in tail.arguments().items()}
+        kw = dict(ratio=ratio, coff=coff, backend=backend, **tail_kw)
+        out = csa_compressor_forward_wrapper(*inputs, total_comp=p.total_comp, **kw)["out"]
+        g = csa_compressor_backward_wrapper(*inputs, grad_out, **kw)
+        grads = _moved((g["grad_kv"], g["grad_score"], g["grad_ape"], g["grad_norm_weight"]), "cpu")
+        good = tail_ops.contract_report(p, tail, out.cpu(), tuple(grads))["ok"]
         ok &= good
         pairs = "interleaved" if interleaved else "half-split"
         print(f"{backend} tail r{ratio} c{coff} d{head_dim} {seqlens} {pairs}: {'ok' if good else 'NUMERICS FAIL'}")
@@ -106,30 +135,15 @@ def run_tail_cases(backend: str) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", required=True)
+    parser.add_argument("--device", default="cuda", help="where the backend runs (cpu: the script's own test)")
     parser.add_argument("--cases", type=int, default=len(CASES), help="run the first N cases")
     parser.add_argument("--malformed", action="store_true", help="the malformed-offset cases instead")
     parser.add_argument("--tail-only", action="store_true", help="the fused-tail cases (TAIL_CASES) alone")
     opts = parser.parse_args()
     if opts.malformed:
         return run_malformed(opts.backend)
-    ok = True
-    for ratio, coff, head_dim, seqlens, tok_pad, comp_pad in CASES[: 0 if opts.tail_only else opts.cases]:
-        p = make_pack(seqlens, head_dim, ratio, coff, token_padding=tok_pad, comp_padding=comp_pad, device="cuda")
-        kw = dict(ratio=ratio, coff=coff, backend=opts.backend)
-        out = csa_compressor_forward_wrapper(*p.inputs, total_comp=p.total_comp, **kw)["out"]
-        grads = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, **kw)
-        good = contract_report(p, out, tuple(grads))["ok"]
-        if uses_softmax_stats(ratio, coff):
-            # The softmax-statistics pair as autograd runs it.
-            out, stats = csa_compressor_forward_wrapper(
-                *p.inputs, total_comp=p.total_comp, return_softmax_stats=True, **kw
-            )
-            grads = csa_compressor_backward_wrapper(*p.inputs, p.grad_out, softmax_stats=stats, **kw)
-            good &= contract_report(p, out, tuple(grads))["ok"]
-        ok &= good
-        print(f"{opts.backend} r{ratio} c{coff} d{head_dim} {seqlens}: {'ok' if good else 'NUMERICS FAIL'}")
-    ok &= run_tail_cases(opts.backend)
-    torch.cuda.synchronize()
+    ok = run_pooling_cases(opts.backend, opts.device, 0 if opts.tail_only else opts.cases)
+    ok &= run_tail_cases(opts.backend, opts.device)
     return 0 if ok else 1
 
 
