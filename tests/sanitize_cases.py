@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute [--malformed | --tail-only]
 
 Well-formed cases (every cute kernel class; ``TAIL_CASES`` the fused and composed tail kernels) are also checked
-against the references; ``--malformed``: test_triton_safety's malformed offsets between NaN canary rows. Exit
+against the references, which run on the CPU so that only the backend's kernels run under the tool; ``--malformed``: test_triton_safety's malformed offsets between NaN canary rows. Exit
 status 1 on a numerics failure or a finding.
 """
 
