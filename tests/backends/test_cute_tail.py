@@ -195,6 +195,28 @@ def test_a_gpu_case_spans_several_blocks_of_terms():
     assert config.term_rows < rows_per_cta < 2 * config.term_rows
 
 
+# (ratio, coff, head_dim): rows of a few threads, several row lanes to a warp (the rows' terms in blocks).
+ROW_LANE_SHAPES = [(16, 2, 8), (16, 1, 8), (8, 2, 16), (3, 1, 32), (16, 2, 4)]
+
+
+def test_rows_by_shuffles_never_share_a_warp_with_another_row_lane():
+    """The fused statistics backward forms a row's norm terms by shuffles in each row step only where each warp
+    holds one row lane: row lanes run different row counts, and the lanes of one with no row left would never join
+    the shuffles of one with a row (the kernel hung on an H100 at r16c2d8). Narrower rows take the terms in blocks."""
+    for ratio in (3, 5, 8, 16, 32, 100, 128):
+        for coff in (1, 2):
+            for head_dim in (1, 2, 4, 8, 16, 32, 64, 65, 100, 128, 130):
+                config = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPECS["norm-only"])
+                if config is None or not config.terms_in_warp:
+                    continue
+                lane_threads = config.column_threads * config.slot_groups
+                assert config.row_lanes == 1 or lane_threads % 32 == 0, (ratio, coff, head_dim, config)
+    for ratio, coff, head_dim in ROW_LANE_SHAPES:
+        config = tail_configs.stats_backward_with_tail(ratio, coff, head_dim, H200, SPECS["norm-only"])
+        assert config.row_lanes > 1 and config.column_threads * config.slot_groups < 32
+        assert not config.terms_in_warp and config.term_rows % config.row_lanes == 0
+
+
 # ---------------------------------------------------------------- offline compile (sm_90a and sm_100a)
 
 SPECS = {
@@ -230,7 +252,8 @@ POOL_BUILDS = [
 ROUTE_BUILDS = [("slab r128c1d128", 128, 1, 128), ("whole tile r128c1d512", 128, 1, 512)]
 # (name, ratio, coff, head_dim, spec): the statistics backward with the tail fused.
 FUSED_BUILDS = [("fused stats backward r128c1d128", 128, 1, 128, "norm-rope64-pos"),
-                ("fused stats backward r16c2d130 half", 16, 2, 130, "rope-only-half-pos")]  # fmt: skip
+                ("fused stats backward r16c2d130 half", 16, 2, 130, "rope-only-half-pos"),
+                ("fused stats backward r16c2d8 row lanes", 16, 2, 8, "norm-only")]  # fmt: skip
 
 
 def _entries(ptx: str) -> list[str]:
@@ -973,6 +996,34 @@ def test_rstd_and_identity_tail():
     launch.forward(*inputs, plain, 4, 2, None)
     launch.forward(*inputs, identity, 4, 2, None, None, T.Tail(norm_eps=0.5))
     assert torch.equal(plain.view(torch.int16), identity.view(torch.int16))
+
+
+# A child process: a kernel that hangs fails the test at its time limit instead of stopping the suite.
+_ROW_LANES_CHILD = """
+import sys
+from tests import sanitize_cases
+shapes = [tuple(int(v) for v in s.split(",")) for s in sys.argv[1:]]
+sanitize_cases.TAIL_CASES[:] = [(r, c, d, (3000, 1000, 7), 2, min(8, d), True) for r, c, d in shapes]
+sys.exit(0 if sanitize_cases.run_tail_cases("cute", "cuda") else 1)
+"""
+
+
+@pytest.mark.gpu
+def test_rows_in_row_lanes_sharing_a_warp_finish_within_the_contract():
+    """The statistics backward with a norm where several row lanes share a warp (ROW_LANE_SHAPES): every call
+    returns, and within the contract (it hung before these rows took their terms in blocks)."""
+    import os
+    import subprocess
+    import sys
+
+    _gpu_launch()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    shapes = [",".join(map(str, shape)) for shape in ROW_LANE_SHAPES]
+    res = subprocess.run([sys.executable, "-c", _ROW_LANES_CHILD, *shapes], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count(": ok") == len(ROW_LANE_SHAPES), res.stdout
 
 
 @pytest.mark.gpu

@@ -355,8 +355,10 @@ class BackwardStatsConfig(_Tile):
     @property
     def terms_in_warp(self) -> bool:
         """Whether a row's columns lie in one warp's aligned lanes (one column chunk of at most 32 threads), so that
-        each row step forms the norm's terms by shuffles instead of a block of rows' terms in shared memory."""
-        return self.has_norm and self.column_chunks == 1 and self.column_threads <= 32
+        each row step forms the norm's terms by shuffles instead of a block of rows' terms in shared memory. Only
+        with one row lane: several would run different row counts, and a warp's lanes of a lane with no row left
+        would never join the shuffles of a lane with one (the kernel hangs)."""
+        return self.has_norm and self.row_lanes == 1 and self.column_chunks == 1 and self.column_threads <= 32
 
     @property
     def term_rows(self) -> int:

@@ -3,16 +3,17 @@ with a ``tail`` turns grad_out into the pooling's upstream gradient itself, wher
 ``TailGradient`` first.
 
 The norm's backward needs two sums over each whole row, ``sum(x*x)`` (for rstd, where the forward saved none) and
-``sum(x * w * dy)``. Where a row's columns lie in one warp's lanes (one column chunk of at most 32 threads:
-``terms_in_warp``, head_dim up to 128 at 4-column vectors), each row step forms them from its own operands by a
-butterfly of shuffles, and the row's cos, sin and saved rstd are loaded a row step ahead with its window. Wider rows
-span column chunks or warps, so every CTA first computes both terms for a block of its rows (``term_rows``; one
-warp per row, its lanes across the row's columns, then a butterfly of shuffles: the same order as in a warp's row
-step) into shared memory; the row's cos, sin and partners are then loaded in the step (this CTA's terms read them
-already). Each thread forms its own columns' ``dx = r (w dy) - (x r^3) mean(x w dy)``: dy is grad_out rotated
-back (the partner from the same vector, or read again from grad_out) and x the statistics' third plane, loaded a
-row step ahead. The threads of slot group 0 in the first
-slot chunk add ``dy x r`` of the real rows into the norm weight's gradient, per CTA into the slab after its
+``sum(x * w * dy)``. Where a row's columns lie in one warp's lanes (one column chunk of at most 32 threads) and the
+CTA runs one row lane (``terms_in_warp``, head_dim up to 128 at 4-column vectors), each row step forms them from its
+own operands by a butterfly of shuffles, and the row's cos, sin and saved rstd are loaded a row step ahead with its
+window. Wider rows span column chunks or warps, and the row lanes of narrower ones can run different row counts
+within a warp (a shuffle in the row loop would wait for lanes that have left it), so there every CTA first computes
+both terms for a block of its rows (``term_rows``; one warp per row, its lanes across the row's columns, then a
+butterfly of shuffles: the same order as in a warp's row step) into shared memory; the row's cos, sin and partners
+are then loaded in the step (this CTA's terms read them already). Each thread forms its own columns'
+``dx = r (w dy) - (x r^3) mean(x w dy)``: dy is grad_out rotated back (the partner from the same vector, or read
+again from grad_out) and x the statistics' third plane, loaded a row step ahead. The threads of slot group 0 in the
+first slot chunk add ``dy x r`` of the real rows into the norm weight's gradient, per CTA into the slab after its
 grad_ape partials.
 
 Every CTA of a row range reads the range's whole rows for the terms (from L2 after the first): the cost of not
