@@ -84,12 +84,16 @@ def test_every_window_class_has_the_composed_route(ratio, coff):
             assert stats.columns_per_cta * stats.column_chunks >= head_dim
         assert fwd["tail"][0] is TailForward and bwd["tail"][0] is TailGradient
         pool_class, pool = bwd["pool"]
-        # The statistics backward reads fp32 dx; TailGradient reduces the weight's slabs itself.
+        # The statistics backward reads fp32 dx; TailGradient reduces the weight's slabs itself unless the whole-tile
+        # form sums them in CTAs past its tiles; without a norm there are no slabs.
         plain = configs.stats_backward_for_sm90(ratio, coff, head_dim, H200)
-        assert (pool_class, pool) == (BackwardWithStats, dataclasses.replace(plain, grad_float32=True))
-        assert pool.slab_entries == pool.ape_size
+        summed = plain.whole_tile and plain.threads >= configs.REDUCE_WARPS * 32 and coff == 1
+        expected = dataclasses.replace(plain, grad_float32=True, norm_slabs=summed)
+        assert (pool_class, pool) == (BackwardWithStats, expected)
+        assert bwd["tail"][1].norm_summed_after == summed and pool.slab_entries == pool.ape_size
         rope_only = select.tail_route("backward", ratio, coff, head_dim, H200, SPECS["rope-only-half-pos"], False)
-        assert rope_only["pool"] == bwd["pool"]
+        assert rope_only["pool"][1] == dataclasses.replace(expected, norm_slabs=False)
+        assert not rope_only["tail"][1].norm_summed_after
         for _, cfg in (fwd["tail"], bwd["tail"]):
             assert (cfg.source_stride, cfg.source_offset, cfg.tail) == (3 * head_dim, 2 * head_dim, SPEC_FULL)
             assert cfg.row_threads * cfg.column_steps * cfg.vector_width >= head_dim
@@ -249,7 +253,11 @@ POOL_BUILDS = [
 
 
 # (name, ratio, coff, head_dim): composed backwards with a norm, slab form and whole-tile form.
-ROUTE_BUILDS = [("slab r128c1d128", 128, 1, 128), ("whole tile r128c1d512", 128, 1, 512)]
+ROUTE_BUILDS = [
+    ("slab r128c1d128", 128, 1, 128),
+    ("whole tile r128c1d512", 128, 1, 512),
+    ("whole tile r128c2d512", 128, 2, 512),
+]
 # (name, ratio, coff, head_dim, spec): the statistics backward with the tail fused.
 FUSED_BUILDS = [("fused stats backward r128c1d128", 128, 1, 128, "norm-rope64-pos"),
                 ("fused stats backward r16c2d130 half", 16, 2, 130, "rope-only-half-pos"),
@@ -287,7 +295,8 @@ def built(request):
             for step in ("tail", "pool"):
                 kernel_class, cfg = route[step]
                 kernel = kernel_class(cfg)
-                result[f"{name} {step}"] = (kernel, build.compile_kernel(kernel, arch, dump_dir=dump).artifacts.PTX)
+                artifacts = build.compile_kernel(kernel, arch, dump_dir=dump).artifacts
+                result[f"{name} {step}"] = (kernel, artifacts.PTX, cubin_resources(artifacts.CUBIN))
         for name, ratio, coff, head_dim, spec in FUSED_BUILDS:
             fused = BackwardWithStats(tail_configs.stats_backward_with_tail(ratio, coff, head_dim, offline_spec(arch),
                                                                             SPECS[spec]))  # fmt: skip
@@ -341,16 +350,25 @@ def test_pool_kernels_of_the_tail_compile(built, name):
 
 @pytest.mark.parametrize("name", [b[0] for b in ROUTE_BUILDS])
 def test_composed_backward_routes_compile(built, name):
-    """TailGradient reduces the weight's slabs itself; the statistics backward reduces grad_ape's in the slab form,
-    none in the whole-tile form."""
+    """Slab form: TailGradient reduces the weight's slabs itself and the statistics backward grad_ape's. Whole-tile
+    form at one slot half: one kernel after TailGradient, whose CTAs past the tiles sum the weight's slabs (its
+    parameters: the pooling's pointers, the weight's slabs and gradient, the four scalars and the slabs' count), and
+    which spills nothing; at two halves TailGradient reduces them (the summing branch would spill there)."""
     arch, kernels = built
-    tail_ptx, (pool, pool_ptx) = kernels[f"{name} tail"][1], kernels[f"{name} pool"]
+    (tail, tail_ptx, _), (pool, pool_ptx, resources) = kernels[f"{name} tail"], kernels[f"{name} pool"]
     gradient, main = "ppppppiiiipppppfi", "ppppppppppiiii"
     for ptx in (tail_ptx, pool_ptx):
         assert f".target {arch}" in ptx and "ld.local" not in ptx and "st.local" not in ptx
     assert isinstance(pool, BackwardWithStats) and pool.config.grad_float32
-    assert _entries(tail_ptx) == sorted([gradient, "ppi"])
-    assert _entries(pool_ptx) == ([main] if pool.config.whole_tile else sorted([main, "ppi"]))
+    whole = pool.config.whole_tile
+    summed = whole and pool.config.coff == 1
+    assert pool.config.norm_slabs == summed and tail.config.norm_summed_after == summed
+    assert _entries(tail_ptx) == ([gradient] if summed else sorted([gradient, "ppi"]))
+    assert _entries(pool_ptx) == (["ppppppppppppiiiii"] if summed else [main] if whole else sorted([main, "ppi"]))
+    if summed:
+        grid = f".reqntid {pool.config.threads}, 1, 1"
+        assert grid in pool_ptx or f".maxntid {pool.config.threads}, 1, 1" in pool_ptx
+        assert resources["frame"] == 0, resources
 
 
 @pytest.mark.parametrize("name", [b[0] for b in FUSED_BUILDS])
@@ -423,7 +441,7 @@ def _composed(host_path, direction, pack, spec, fuse=True):
     route.stats = _forward_launcher()
     kind = tail_configs.TailForwardConfig if direction == "forward" else tail_configs.TailGradientConfig
     tail_cfg = tail_configs.tail_rows(kind, pack.ratio, pack.head_dim, spec, 3 * pack.head_dim, 2 * pack.head_dim)
-    pool_cfg = SimpleNamespace(whole_tile=False, slab_entries=pack.ape.numel())
+    pool_cfg = SimpleNamespace(whole_tile=False, norm_slabs=False, slab_entries=pack.ape.numel())
     route.tail = _forward_launcher(tail_cfg) if direction == "forward" else _backward_launcher(tail_cfg)
     route.pool = _backward_launcher(pool_cfg, 8)
     host_path[(direction, pack.ratio, pack.coff, pack.head_dim, pack.kv.dtype, None, spec, fuse)] = route
@@ -497,6 +515,27 @@ def test_composed_backward_calls(host_path, given):
     assert pool[10] == stats_ptr and len(pool) == 17
     with pytest.raises(ValueError, match="grad_norm_weight"):
         launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, stats, tail, None, rstd)
+
+
+def test_composed_backward_with_the_weight_summed_in_the_statistics_backward(host_path):
+    """The whole-tile form with ``norm_slabs``: TailGradient writes the weight's slabs and launches no reduction; the
+    statistics backward takes them, grad_norm_weight and their count (``build.py``'s ``summing_backward``)."""
+    pack, tail = _pack_and_tail()
+    route = _composed(host_path, "backward", pack, tail_launch.spec_of(tail))
+    route.pool.config = SimpleNamespace(whole_tile=True, norm_slabs=True, slab_entries=pack.ape.numel())
+    kv, score, ape, cu, cuc = pack.inputs
+    n, d = pack.total_comp, pack.head_dim
+    grads = (torch.empty_like(kv), torch.empty_like(score), torch.empty_like(ape))
+    grad_w, rstd, stats = torch.empty(d), torch.empty(n), torch.empty((n, 3, d))
+    launch.backward(kv, score, ape, cu, cuc, pack.grad_out, *grads, 4, 2, None, stats, tail, grad_w, rstd)
+    (gradient,) = route.tail.function.calls
+    (pool,) = route.pool.function.calls
+    _, num_ctas = launch.backward_grid(route.tail, n, d)
+    assert pool[:5] == _ptrs(kv, score, ape, cu, cuc) and pool[5] == gradient[4] and pool[6:9] == _ptrs(*grads)
+    assert pool[9] == gradient[5] != 0 and pool[10] == stats.data_ptr() and pool[11] == grad_w.data_ptr()
+    rows_per_cta, pool_ctas = launch.backward_grid(route.pool, n, ape.numel())
+    sizes = (cu.shape[0] - 1, n, kv.shape[0])
+    assert pool[12:] == (*sizes, rows_per_cta, pool_ctas, num_ctas, 0x5EED)
 
 
 def test_fused_route_call_convention(host_path):
@@ -880,7 +919,7 @@ def test_long_forward_with_tail_is_one_launch_with_the_pooling_statistics(name):
 def test_ratio_128_backward_launches(head_dim, norm, given):
     """Kernels of one backward at ratio 128, the statistics forward first where none were given. Slab form (d128):
     the statistics backward with the tail and its slab reduction (grad_ape's and the weight's). Whole tiles (d512):
-    composed, TailGradient (and its weight reduction) then the statistics backward, which reduces nothing."""
+    composed, TailGradient then the statistics backward, whose CTAs past its tiles sum the weight's slabs."""
     _gpu_launch()
     from torch.profiler import ProfilerActivity, profile
 
@@ -906,8 +945,43 @@ def test_ratio_128_backward_launches(head_dim, norm, given):
         assert route.fused is not None and route.fused.config.tail is not None
         assert len(kernels) == recompute + 2, [e.name for e in kernels]
     else:
-        assert route.fused is None and route.pool.config.whole_tile
-        assert len(kernels) == recompute + 2 + (1 if norm else 0), [e.name for e in kernels]
+        assert route.fused is None and route.pool.config.whole_tile and route.pool.config.norm_slabs == norm
+        assert len(kernels) == recompute + 2, [e.name for e in kernels]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("given", [True, False])
+def test_weight_summed_in_the_statistics_backward_is_the_reduction_kernels(monkeypatch, given):
+    """The whole-tile composed backward's weight gradient summed by the statistics backward's extra CTAs: bitwise
+    the reduction kernel's (the same slabs in the same order), every other gradient bitwise too; NaN canaries in
+    the buffers, a token-padded ragged pack."""
+    _gpu_launch()
+    pack = make_pack((1030, 515, 3, 260), 512, 128, 1, token_padding=5, comp_padding=3, seed=11)
+    tail = _to_cuda(T.random_tail(pack, rope_dim=64, positions=True, seed=12))
+    inputs = tuple(t.cuda() for t in pack.inputs)
+    kv, score, ape = inputs[:3]
+    n, d = pack.total_comp, pack.head_dim
+
+    def backward():
+        stats = torch.empty((n, 3, d), device="cuda")
+        out = torch.empty((n, d), dtype=BF16, device="cuda")
+        launch.forward(*inputs, out, 128, 1, None, stats, tail, None)
+        grads = [torch.full_like(t, float("nan")) for t in (kv, score, ape)] + [
+            torch.full((d,), float("nan"), device="cuda")
+        ]
+        launch.backward(*inputs, pack.grad_out.cuda(), *grads[:3], 128, 1, None, stats if given else None, tail,
+                        grads[3], None)  # fmt: skip
+        route = tail_launch._lookup("backward", kv, 128, 1, d, tail, stats if given else None)
+        return grads, route.pool.config.norm_slabs
+
+    monkeypatch.setattr(tail_launch, "_ROUTES", {})
+    summed, in_pool = backward()
+    monkeypatch.setattr(tail_launch, "_ROUTES", {})
+    monkeypatch.setattr(tail_configs, "sums_norm_slabs", lambda *args: False)
+    reduced, in_kernel = backward()
+    assert in_pool and not in_kernel
+    for a, b in zip(summed, reduced, strict=True):
+        assert not torch.isnan(a).any() and torch.equal(a, b)
 
 
 API_NAMES = ["r4c2d72-rope64-bf16w-pos", "r128c2d6-rope6-pos", "r2c1d66-rope64-half-pos", "r4c2d512-rope64-pos",

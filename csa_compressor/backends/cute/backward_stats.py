@@ -75,6 +75,12 @@ class BackwardWithStats(FusedTailHost):
             self.tail = StatsTail(c)
             # cute.compile traces the instance's __call__: with a tail, the host function that takes its arguments.
             self.__call__ = self.fused_host
+        if c.norm_slabs:
+            if not c.whole_tile or c.tail is not None:
+                raise ValueError(f"norm slabs are summed by the composed route's whole-tile form only, got {c}")
+            self.norm_reduce = ApeReduce(c.norm_reduce)
+            self.kind = "summing_backward"
+            self.__call__ = self.summing_host
 
     @cute.jit
     def __call__(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
@@ -98,6 +104,38 @@ class BackwardWithStats(FusedTailHost):
                cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer, ws: cute.Pointer,
                stats: cute.Pointer, B: Int32, N: Int32, T: Int32, rows_per_cta: Int32):  # fmt: skip
         self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, ws, stats, B, N, T, rows_per_cta, None)
+
+    # ------------------------------------------------------------ the composed tail's norm-weight slabs
+
+    @cute.jit
+    def summing_host(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu_seqlens: cute.Pointer,
+                     cu_seqlens_comp: cute.Pointer, grad_out: cute.Pointer, grad_kv: cute.Pointer,
+                     grad_score: cute.Pointer, grad_ape: cute.Pointer, norm_slabs: cute.Pointer, stats: cute.Pointer,
+                     grad_norm_weight: cute.Pointer, segments: Int32, total_comp: Int32, tokens: Int32,
+                     rows_per_cta: Int32, num_ctas: Int32, norm_slab_count: Int32,
+                     stream: cuda.CUstream):  # fmt: skip
+        """Host function of ``norm_slabs`` (arguments: ``build.py``): the whole-tile kernel, whose CTAs past the
+        tiles sum the ``norm_slab_count`` slabs at ``norm_slabs`` into grad_norm_weight."""
+        cfg = self.config
+        args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, grad_out, grad_kv, grad_score, grad_ape, stats)
+        call = self.summing_kernel(*args, norm_slabs, grad_norm_weight, segments, total_comp, tokens, rows_per_cta,
+                                   norm_slab_count)  # fmt: skip
+        # The DSL places both branches' shared buffers one after the other, not over each other: their sum.
+        smem = cfg.smem_bytes + cfg.norm_reduce.smem_bytes
+        launch_tiles(cfg, call, num_ctas, stream, tiles=cfg.tiles + cfg.summing_ctas, smem=smem)
+
+    @cute.kernel
+    def summing_kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
+                       cuc: cute.Pointer, gout: cute.Pointer, gkv: cute.Pointer, gsc: cute.Pointer,
+                       gape: cute.Pointer, stats: cute.Pointer, norm_slabs: cute.Pointer, gnorm: cute.Pointer,
+                       B: Int32, N: Int32, T: Int32, rows_per_cta: Int32, slab_count: Int32):  # fmt: skip
+        cfg = self.config
+        _, byz, _ = cute.arch.block_idx()
+        # The summing CTAs come last along y, so that the tiles take the SMs first and they the ones left over.
+        if byz < cfg.tiles:
+            self.body(kv, score, ape, cu, cuc, gout, gkv, gsc, gape, stats, B, N, T, rows_per_cta, None)
+        else:
+            self.norm_reduce.body(norm_slabs, gnorm, gnorm, slab_count, byz - cfg.tiles, cfg.threads)
 
     @cute.kernel
     def fused_kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,

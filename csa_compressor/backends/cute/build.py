@@ -10,7 +10,9 @@ Host function signatures (``kind`` of the kernel class), the one place that stat
 - ``tail_forward`` (``tail_kernels.TailForward``): ``(x, cu_seqlens, cu_seqlens_comp, out, segments, total_comp,
   tokens, <tail>, stream)``;
 - ``tail_gradient`` (``tail_kernels.TailGradient``): ``(grad_out, x, cu_seqlens, cu_seqlens_comp, dx, slabs,
-  segments, total_comp, tokens, rows_per_cta, num_ctas, <tail>, stream)``,
+  segments, total_comp, tokens, rows_per_cta, num_ctas, <tail>, stream)``;
+- ``summing_backward`` (``BackwardWithStats`` with ``norm_slabs``): ``backward``'s with ``slabs`` the
+  norm-weight slabs of TailGradient, ``grad_norm_weight`` after ``stats`` and the slabs' count after ``num_ctas``,
 
 with 16-byte aligned global pointers, ``segments = len(cu_seqlens) - 1``, ``tokens`` the rows of kv (T: the bounds
 guard keeps every access inside kv, score and the gradients whatever the offsets hold); ``stats`` is
@@ -40,9 +42,10 @@ _POINTERS = {
     "tail_forward": (Float32, Int32, Int32, BFloat16),
     "tail_gradient": (BFloat16, Float32, Int32, Int32, Float32, Float32),
 }
-_SCALARS = {"forward": 3, "backward": 5, "tail_forward": 3, "tail_gradient": 5}
+_POINTERS["summing_backward"] = (*_POINTERS["backward"], Float32)
+_SCALARS = {"forward": 3, "backward": 5, "tail_forward": 3, "tail_gradient": 5, "summing_backward": 6}
 _GRADIENT_KINDS = ("backward", "tail_gradient")
-_GRAD_OUT = {"backward": 5, "tail_gradient": 0}  # grad_out's position among the pointers
+_GRAD_OUT = {"backward": 5, "tail_gradient": 0, "summing_backward": 5}  # grad_out's position among the pointers
 
 
 def _pointer(dtype, align: int = 16):

@@ -334,6 +334,9 @@ class BackwardStatsConfig(_Tile):
     whole_tile: bool  # one CTA per tile over all rows writes grad_ape itself (no slabs, no reduction kernel)
     grad_float32: bool = False  # grad_out is fp32 (the composed tail's dx) instead of bf16
     tail: TailSpec | None = None  # the fused tail (``stats_tail.py``; ``tail_configs.stats_backward_with_tail``)
+    # The composed tail's whole-tile form: CTAs past the tiles sum TailGradient's norm-weight slabs into
+    # grad_norm_weight (``norm_reduce``'s order), so that no reduction kernel runs between the two kernels.
+    norm_slabs: bool = False
 
     @property
     def threads(self) -> int:
@@ -389,6 +392,16 @@ class BackwardStatsConfig(_Tile):
         if self.whole_tile:
             return None
         return ApeReduceConfig(self.ape_size, 1, self.slab_entries - self.ape_size)
+
+    @property
+    def norm_reduce(self) -> ApeReduceConfig:
+        """With ``norm_slabs``, the sum of the norm-weight slabs: ``TailGradientConfig.reduce``'s."""
+        return ApeReduceConfig(self.head_dim, slab_lanes=1)
+
+    @property
+    def summing_ctas(self) -> int:
+        """CTAs past the tiles along grid y: ``norm_reduce``'s grid with ``norm_slabs``, else none."""
+        return self.norm_reduce.grid if self.norm_slabs else 0
 
 
 def backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec):

@@ -33,13 +33,14 @@ class PersistentBackward:
         self.reduce.launch(slabs, grad_ape, num_ctas, stream)
 
 
-def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream) -> None:
+def launch_tiles(config, kernel_call, num_ctas: Int32, stream: cuda.CUstream, tiles=None, smem=None) -> None:
     """Launch a backward's main kernel (``kernel_call``: the kernel applied to its arguments) over ``[num_ctas,
-    config.tiles]`` CTAs of ``config.threads`` threads, with the config's shared memory and carveout."""
+    tiles]`` CTAs of ``config.threads`` threads (default ``config.tiles``), with ``smem`` bytes of shared memory
+    (default the config's) and the config's carveout."""
     kernel_call.launch(
-        grid=[num_ctas, config.tiles, 1],
+        grid=[num_ctas, config.tiles if tiles is None else tiles, 1],
         block=[config.threads, 1, 1],
-        smem=config.smem_bytes,
+        smem=config.smem_bytes if smem is None else smem,
         stream=stream,
         min_blocks_per_mp=launch_bound(config.threads),
         preferred_smem_carveout=config.carveout,

@@ -46,14 +46,21 @@ class ApeReduce:
         self.body(ws, gape, gnorm, num_ctas)
 
     @cute.jit
-    def body(self, ws: cute.Pointer, gape: cute.Pointer, gnorm: cute.Pointer, num_ctas: Int32):
+    def body(self, ws: cute.Pointer, gape: cute.Pointer, gnorm: cute.Pointer, num_ctas: Int32, cta=None,
+             cta_threads: int = REDUCE_WARPS * 32):  # fmt: skip
         """A CTA covers ``entry_vectors`` consecutive vectors of entries. Walker q = w * slab_lanes + lane's slab
         lane (warp w) sums slabs q, q + walkers, ... in order; then the walkers' partials are summed in order
-        q = 0, 1, ...: a fixed order per entry, whatever the vector width."""
+        q = 0, 1, ...: a fixed order per entry, whatever the vector width. ``cta``: this CTA's place among the
+        reduction's (default its block index); ``cta_threads``: the CTA's threads, of which the first
+        REDUCE_WARPS warps walk (a CTA of another kernel: the others only meet the barrier)."""
         cfg = self.config
         ve, nv = cfg.vector, cfg.entry_vectors
         walkers = REDUCE_WARPS * cfg.slab_lanes
-        bx, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(cta_threads < REDUCE_WARPS * 32):
+            raise ValueError(f"the reduction walks with {REDUCE_WARPS * 32} threads, the CTA has {cta_threads}")
+        bx = cta
+        if cutlass.const_expr(cta is None):
+            bx, _, _ = cute.arch.block_idx()
         tidx, v, q = self.walker()
         e = bx * nv + v
         smem = cutlass.memory.SmemAllocator()
@@ -61,9 +68,18 @@ class ApeReduce:
         acc = registers(ve)
         acc.fill(0.0)
         bufs = register_slots(REDUCE_UNROLL, ve)
-        if e < cfg.slab_size // ve:
+        extra = cta_threads > REDUCE_WARPS * 32  # threads past the walkers: no slab, no partial
+        walks = tidx < REDUCE_WARPS * 32
+        ok = e < cfg.slab_size // ve
+        if cutlass.const_expr(extra):
+            ok = ok & walks
+        if ok:
             self.walk_part(ws, acc, bufs, q, e * ve, num_ctas, cfg.slab_size, ve)
-        vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
+        if cutlass.const_expr(extra):
+            if walks:
+                vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
+        else:
+            vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
         cute.arch.sync_threads()
         if (tidx < nv) & (e < cfg.slab_size // ve):
             tot = registers(ve)

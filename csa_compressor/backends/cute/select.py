@@ -106,7 +106,8 @@ def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
                fuse: bool = True) -> dict:  # fmt: skip
     """(kernel class, configuration) per step of a call with the tail: ``{"fused": ...}``, or for the composed
     route (the only one without ``fuse``) ``stats`` (the statistics forward), ``tail`` (``TailForward`` /
-    ``TailGradient``) and, for the backward, ``pool`` (the statistics backward reading dx)."""
+    ``TailGradient``) and, for the backward, ``pool`` (the statistics backward reading dx; in the whole-tile form it
+    also sums the norm weight's slabs: ``tail_configs.sums_norm_slabs``)."""
     if direction not in ("forward", "backward"):
         raise ValueError(f"a tail's direction must be 'forward' or 'backward', got {direction!r}")
     fused = fused_tail_config(direction, ratio, coff, head_dim, device, tail_spec) if fuse else None
@@ -123,5 +124,9 @@ def tail_route(direction: str, ratio: int, coff: int, head_dim: int, device: Dev
     tail = tail_configs.tail_rows(kind, ratio, head_dim, tail_spec, 3 * head_dim, 2 * head_dim)
     steps = {"stats": stats_forward(ratio, coff, head_dim, device), "tail": tail}
     if direction == "backward":
-        steps["pool"] = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)
+        pool = replace(stats_backward(ratio, coff, head_dim, device), grad_float32=True)
+        if tail_configs.sums_norm_slabs(pool, tail_spec):
+            pool = replace(pool, norm_slabs=True)
+            steps["tail"] = replace(tail, norm_summed_after=True)
+        steps["pool"] = pool
     return {name: (KERNEL_OF_CONFIG[type(cfg)], cfg) for name, cfg in steps.items()}

@@ -7,10 +7,12 @@ from dataclasses import dataclass, replace
 
 from ...windows import is_short_window
 from .configs import (
+    REDUCE_WARPS,
     REGISTERS_PER_SM,
     SHORT_BACKWARD_THREADS,
     ApeReduceConfig,
     BackwardShortConfig,
+    BackwardStatsConfig,
     ForwardLongConfig,
     ForwardShortConfig,
     TailSpec,
@@ -88,6 +90,10 @@ class TailGradientConfig(_TailRows):
     """The composed backward's first kernel (``tail_kernels.TailGradient``): grad_out -> dx (fp32) and the norm
     weight's gradient through per-CTA slabs and their reduction, persistent CTAs over row ranges."""
 
+    # The slabs are summed by the statistics backward that follows (``BackwardStatsConfig.norm_slabs``), not by a
+    # reduction kernel of this host function.
+    norm_summed_after: bool = False
+
     carveout = 50
     tiles = 1
     whole_tile = False
@@ -117,6 +123,16 @@ def tail_rows(kind, ratio: int, head_dim: int, tail: TailSpec, source_stride: in
         row_threads *= 2
     lanes = max(1, TAIL_THREADS // row_threads)
     return kind(ratio, head_dim, tail, width, row_threads, lanes, source_stride, source_offset)
+
+
+def sums_norm_slabs(pool: BackwardStatsConfig, tail: TailSpec) -> bool:
+    """Whether the composed backward's statistics backward ``pool`` sums TailGradient's norm-weight slabs (a
+    ``tail`` with a norm) in CTAs past its tiles (``BackwardStatsConfig.norm_slabs``): its whole-tile form, which
+    launches no reduction of its own, with a CTA of at least the reduction's threads, for windows of one slot half
+    (coff 1). With two halves the tile's kernel spills beside the summing branch (it spills nothing without it) and
+    loses more than the reduction kernel's launch saves, so TailGradient reduces its slabs itself there."""
+    return (tail.has_norm and pool.whole_tile and pool.tail is None and pool.threads >= REDUCE_WARPS * 32
+            and pool.coff == 1)  # fmt: skip
 
 
 def stats_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec) -> ForwardLongConfig:

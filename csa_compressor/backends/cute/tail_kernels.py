@@ -285,14 +285,15 @@ class TailGradient(_TailRows):
                  grad_norm_weight: cute.Pointer, norm_eps: Float32, max_position: Int32,
                  stream: cuda.CUstream):  # fmt: skip
         """Host function (arguments: ``build.py``): ``num_ctas`` persistent CTAs of ``rows_per_cta`` rows (a multiple
-        of the row lanes), then with a norm the slabs' reduction into grad_norm_weight."""
+        of the row lanes), then with a norm the slabs' reduction into grad_norm_weight (unless the statistics
+        backward after it sums them: ``norm_summed_after``)."""
         cfg = self.config
         args = (grad_out, x, cu_seqlens, cu_seqlens_comp, dx, slabs, segments, total_comp, tokens, rows_per_cta)
         tail = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
         self.kernel(*args, *tail).launch(
             grid=[num_ctas, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes, stream=stream
         )
-        if cutlass.const_expr(cfg.tail.has_norm):
+        if cutlass.const_expr(cfg.tail.has_norm and not cfg.norm_summed_after):
             self.reduce.launch(slabs, grad_norm_weight, num_ctas, stream)
 
     @cute.kernel

@@ -56,6 +56,11 @@ def spec_of(tail) -> TailSpec:
     return spec
 
 
+# grad_norm_weight's place in a gradient tail block (``block_function``), stats' among the backward's arguments.
+_GRAD_NORM_WEIGHT = 5
+_STATS_ARGUMENT = 10
+
+
 def _ptr(t) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -242,7 +247,21 @@ def _composed_backward(route, tensors, stream, stats, block, scratch: bool = Tru
     grid = base.backward_grid(route.tail, n, d)  # (rows_per_cta, num_ctas): one weight slab per CTA
     slabs = workspace((grid[1] * d,), torch.float32, kv.device, stream) if route.tail.config.tail.has_norm else None
     _tail_gradient(route.tail, gradient, _ptr(slabs), grid, block, stream)
-    base.call_backward(route.pool, (*inputs, dx, *grads), stream, stats, scratch=scratch)
+    if route.pool.config.norm_slabs:
+        _summing_backward(route.pool, (*inputs, dx, *grads), stats, slabs, block[_GRAD_NORM_WEIGHT], stream)
+    else:
+        base.call_backward(route.pool, (*inputs, dx, *grads), stream, stats, scratch=scratch)
+
+
+def _summing_backward(launcher, tensors, stats, slabs, grad_norm_weight: int, stream) -> None:
+    """The whole-tile statistics backward that also sums TailGradient's norm-weight ``slabs`` into the pointer
+    ``grad_norm_weight`` (``build.py``'s ``summing_backward``)."""
+    grad_out, grad_ape = tensors[5], tensors[8]
+    rows_per_cta, num_ctas = base.backward_grid(launcher, grad_out.shape[0], grad_ape.numel())
+    args = base.backward_arguments(tensors, slabs.data_ptr(), stats, rows_per_cta, num_ctas)
+    # build.py's order: grad_norm_weight after the pointers' stats, the slabs' count after num_ctas.
+    args.insert(_STATS_ARGUMENT + 1, grad_norm_weight)
+    launcher.function(*args, slabs.numel() // grad_out.shape[1], base._stream_handle(stream, grad_out.device.index))
 
 
 def _tail_gradient(launcher, gradient, slabs: int, grid, block, stream) -> None:
