@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck python -m tests.sanitize_cases --backend cute [--malformed | --tail-only]
 
 Well-formed cases (every cute kernel class; ``TAIL_CASES`` the fused and composed tail kernels) are also checked
-against the references, which run on the CPU so that only the backend's kernels run under the tool; ``--malformed``: test_triton_safety's malformed offsets between NaN canary rows. Exit
-status 1 on a numerics failure or a finding.
+against the references, which run on the CPU so that only the backend's kernels run under the tool;
+``--malformed``: test_triton_safety's malformed offsets between NaN canary rows. Exit status 1 on a numerics
+failure or a finding.
 """
 
 import argparse
@@ -120,7 +121,7 @@ def run_tail_cases(backend: str, device: str) -> bool:
         p = make_pack(seqlens, head_dim, ratio, coff, comp_padding=comp_pad)  # on the CPU, as above
         tail = tail_ops.random_tail(p, rope_dim=rope_dim, interleaved=interleaved, positions=True, seed=ratio)
         inputs, grad_out = _moved(p.inputs, device), p.grad_out.to(device)
-        tail_kw = {name: _moved([value], device)[0] for name, value in tail.arguments().items()}
+        tail_kw = dict(zip(tail.arguments(), _moved(tail.arguments().values(), device), strict=True))
         kw = dict(ratio=ratio, coff=coff, backend=backend, **tail_kw)
         out = csa_compressor_forward_wrapper(*inputs, total_comp=p.total_comp, **kw)["out"]
         g = csa_compressor_backward_wrapper(*inputs, grad_out, **kw)
