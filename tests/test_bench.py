@@ -35,6 +35,7 @@ from csa_compressor.bench import calls as bench_calls
 from csa_compressor.bench import cases as bench_cases
 from csa_compressor.bench import run as bench_run
 from csa_compressor.bench import timer as bench_timer
+from csa_compressor.testing import bf16_ulp_distance
 
 # The published floors (fwd, bwd), us, at the copy rate they were computed with (4.22 TB/s rounded; the rows
 # imply 4.21-4.22, so they are matched to 0.6 %).
@@ -353,11 +354,13 @@ def test_torch_tail_is_rmsnorm_then_rope(tail_pack, interleaved):
     inv_freq = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
     table = torch.arange(40, dtype=torch.float64)[:, None] * inv_freq[None, :]
     tail = Tail(tail_case.tail.norm_weight, 1e-6, table.cos().float(), table.sin().float(), 8, interleaved)
-    out = torch.randn(pack.total_comp, 16).to(torch.bfloat16)
+    out = torch.randn(pack.total_comp, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     y = bench.torch_tail(out, bench_calls.TailCase(tail, tail_case.positions))
     x = out.double()
     normed = (x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * tail.norm_weight.double()).to(torch.bfloat16)
-    assert torch.equal(y[:, :8], normed[:, :8])  # the columns before the rotated ones: the norm alone
+    # The columns before the rotated ones: the norm alone, computed in fp32 there, so within one bf16 ulp of the
+    # fp64 norm rounded once (the two roundings part where fp32 lands next to a bf16 midpoint).
+    assert int(bf16_ulp_distance(y[:, :8], normed[:, :8]).max()) <= 1
     rot = normed[:, 8:].double()
     angle = tail_case.positions.double()[:, None] * inv_freq[None, :]
     pairs = torch.complex(rot[:, 0::2], rot[:, 1::2]) if interleaved else torch.complex(rot[:, :4], rot[:, 4:])
