@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Boolean, Float32, Int32
 
 from .configs import REDUCE_UNROLL, REDUCE_WARPS, ApeReduceConfig
 from .ptx import add_rn
@@ -68,17 +68,12 @@ class ApeReduce:
         acc = registers(ve)
         acc.fill(0.0)
         bufs = register_slots(REDUCE_UNROLL, ve)
-        extra = cta_threads > REDUCE_WARPS * 32  # threads past the walkers: no slab, no partial
-        walks = tidx < REDUCE_WARPS * 32
-        ok = e < cfg.slab_size // ve
-        if cutlass.const_expr(extra):
-            ok = ok & walks
-        if ok:
+        walks = Boolean(True)
+        if cutlass.const_expr(cta_threads > REDUCE_WARPS * 32):
+            walks = tidx < REDUCE_WARPS * 32  # threads past the walkers: no slab, no partial
+        if (e < cfg.slab_size // ve) & walks:
             self.walk_part(ws, acc, bufs, q, e * ve, num_ctas, cfg.slab_size, ve)
-        if cutlass.const_expr(extra):
-            if walks:
-                vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
-        else:
+        if walks:
             vec_view(part.iterator, (q * nv + v) * ve, ve).store(acc.load())
         cute.arch.sync_threads()
         if (tidx < nv) & (e < cfg.slab_size // ve):
