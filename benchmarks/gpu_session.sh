@@ -104,7 +104,7 @@ if has tests; then
     # An interrupted run prints counts of the tests it reached: say so in the row.
     cut_short=$(grep -q KeyboardInterrupt "$RESULT_DIR/pytest.log" && echo "INTERRUPTED at the limit: ")
     # pytest's faulthandler_timeout (pyproject.toml) dumps the stacks of a test that runs past it: a hang, likely.
-    grep -q "^Timeout (" "$RESULT_DIR/pytest.log" && cut_short="A TEST RAN PAST 300 s (stacks in pytest.log): $cut_short"
+    grep -q "^Timeout (" "$RESULT_DIR/pytest.log" && cut_short="A TEST RAN PAST faulthandler_timeout (stacks in pytest.log): $cut_short"
     row "test suite" "$cut_short$(grep -E '(passed|failed|error)' "$RESULT_DIR/pytest.log" | tail -n 1)"
     timeout -s INT "$(limit 180)" python3 -m pytest ${TEST_PATHS:-tests} -q -ra -p no:cacheprovider -m "$alone_mark" \
         >"$RESULT_DIR/pytest_alone.log" 2>&1

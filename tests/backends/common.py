@@ -27,6 +27,16 @@ def triton_skip():
     return pytest.mark.skipif(reason is not None, reason=f"triton backend cannot run here: {reason}")
 
 
+ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def child_env(**extra) -> dict:
+    """The environment of a child Python process: the repository first on PYTHONPATH, then whatever PYTHONPATH found
+    the packages in this process; ``extra`` variables on top."""
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def cute_launch():
     """The cute launch module; the calling module skips without nvidia-cutlass-dsl or where cute is unavailable."""
     launch = pytest.importorskip("csa_compressor.backends.cute.launch", reason="nvidia-cutlass-dsl not installed")

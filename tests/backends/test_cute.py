@@ -12,7 +12,7 @@ import torch
 from csa_compressor import reference
 from csa_compressor.testing import assert_contract, make_pack, rel_l2
 
-from .common import cute_launch
+from .common import child_env, cute_launch
 
 pytestmark = pytest.mark.gpu
 
@@ -429,14 +429,11 @@ print(json.dumps({"compiled": len(compiled), "seconds": seconds}))
 def test_a_second_process_loads_the_kernels_and_matches_bitwise(tmp_path):
     """Disk cache: a fresh process compiles, a second loads (no compile) and writes the same bits; times printed."""
     import json
-    import os
     import subprocess
     import sys
 
     _launch_module()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "CSA_COMPRESSOR_CACHE_DIR": str(tmp_path / "cache")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = child_env(CSA_COMPRESSOR_CACHE_DIR=str(tmp_path / "cache"))
     runs = []
     for k in range(2):
         res = subprocess.run([sys.executable, "-c", _CACHE_CHILD, str(tmp_path / f"out{k}.pt")], env=env,

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from .common import cute_launch
+from .common import child_env, cute_launch
 
 launch = cute_launch()
 
@@ -21,7 +21,6 @@ from csa_compressor.backends.cute import cache  # noqa: E402
 from csa_compressor.backends.cute.device import offline_spec  # noqa: E402
 from csa_compressor.backends.cute.select import kernel_for  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARCH = "sm_90a"
 FORWARD = ("forward", 4, 2, 64)  # a quick compile
 BACKWARD = ("backward", 8, 2, 64)
@@ -59,9 +58,7 @@ print(json.dumps({"compiled": len(compiled), "seconds": seconds, "signature": si
 
 
 def _env(cache_dir) -> dict:
-    # The repository first, then whatever PYTHONPATH found the packages in this process.
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "CSA_COMPRESSOR_CACHE_DIR": str(cache_dir), "CUTE_DSL_ARCH": ARCH}
+    return child_env(CSA_COMPRESSOR_CACHE_DIR=str(cache_dir), CUTE_DSL_ARCH=ARCH)
 
 
 def _child(cache_dir) -> subprocess.Popen:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from .common import BF16, ENTRY, F32, cubin_resources, cute_launch
+from .common import BF16, ENTRY, F32, ROOT, child_env, cubin_resources, cute_launch
 
 launch = cute_launch()
 
@@ -1086,16 +1086,13 @@ sys.exit(0 if sanitize_cases.run_tail_cases("cute", "cuda") else 1)
 def test_rows_in_row_lanes_sharing_a_warp_finish_within_the_contract():
     """The statistics backward with a norm where several row lanes share a warp (ROW_LANE_SHAPES): every call
     returns, and within the contract (it hung before these rows took their terms in blocks)."""
-    import os
     import subprocess
     import sys
 
     _gpu_launch()
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     shapes = [",".join(map(str, shape)) for shape in ROW_LANE_SHAPES]
-    res = subprocess.run([sys.executable, "-c", _ROW_LANES_CHILD, *shapes], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    res = subprocess.run([sys.executable, "-c", _ROW_LANES_CHILD, *shapes], env=child_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count(": ok") == len(ROW_LANE_SHAPES), res.stdout
 
