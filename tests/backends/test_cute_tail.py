@@ -206,7 +206,7 @@ ROW_LANE_SHAPES = [(16, 2, 8), (16, 1, 8), (8, 2, 16), (3, 1, 32), (16, 2, 4)]
 def test_rows_by_shuffles_never_share_a_warp_with_another_row_lane():
     """The fused statistics backward forms a row's norm terms by shuffles in each row step only where each warp
     holds one row lane: row lanes run different row counts, and the lanes of one with no row left would never join
-    the shuffles of one with a row (the kernel hung on an H100 at r16c2d8). Narrower rows take the terms in blocks."""
+    the shuffles of one with a row, and the kernel would hang. Narrower rows take the terms in blocks."""
     for ratio in (3, 5, 8, 16, 32, 100, 128):
         for coff in (1, 2):
             for head_dim in (1, 2, 4, 8, 16, 32, 64, 65, 100, 128, 130):
@@ -1085,7 +1085,7 @@ sys.exit(0 if sanitize_cases.run_tail_cases("cute", "cuda") else 1)
 @pytest.mark.gpu
 def test_rows_in_row_lanes_sharing_a_warp_finish_within_the_contract():
     """The statistics backward with a norm where several row lanes share a warp (ROW_LANE_SHAPES): every call
-    returns, and within the contract (it hung before these rows took their terms in blocks)."""
+    returns, and within the contract (with their terms by shuffles in the row loop they would wait forever)."""
     import subprocess
     import sys
 
