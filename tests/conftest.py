@@ -13,6 +13,14 @@ if not HAS_CUDA:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
+def pytest_configure(config):
+    # Under pytest-xdist (the GPU session's parallel phase) each worker's CPU references share the cores: one
+    # worker's default of every core, times the workers, leaves torch's thread pools waiting on one another.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
