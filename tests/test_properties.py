@@ -63,9 +63,9 @@ def test_fp32_reference_meets_the_contract(pack):
     tie = 2**-22 * float(o64.abs().max()) if o64.numel() else 0.0
     assert report["fwd_err"] <= report["upstream_err"] + tie and report["dkv_ulp"] <= 1 and not failed, report
     # dAPE within 1e-5 of the oracle relative to the size of its terms before they cancel: each slot's
-    # p * g * (v - out) has terms of at most |g| * 2 max|kv| (out is a weighted mean of the values), so a row adds at most
-    # 2 max|kv| |g| to an entry. Where the values are nearly equal, v - out cancels and dAPE, grad_score with it, is
-    # far smaller than its terms; fp32 then cannot be within 1e-5 of dAPE itself.
+    # p * g * (v - out) has terms of at most |g| * 2 max|kv| (out is a weighted mean of the values), so a row adds
+    # at most 2 max|kv| |g| to an entry. Where the values are nearly equal, v - out cancels and dAPE, grad_score
+    # with it, is far smaller than its terms; fp32 then cannot be within 1e-5 of dAPE itself.
     g64 = reference.backward(*pack.inputs, pack.grad_out, precision="fp64", **kw)
     err = float((grads[2].double() - g64[2]).norm())
     kv_max = float(pack.kv.abs().max()) if pack.kv.numel() else 0.0
