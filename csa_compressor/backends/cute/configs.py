@@ -217,6 +217,12 @@ class ApeReduceConfig:
         """Floats per slab: grad_ape's entries, then the norm weight's."""
         return self.ape_size + self.norm_entries
 
+    @classmethod
+    def norm_weight(cls, head_dim: int) -> ApeReduceConfig:
+        """The composed tail's sum of TailGradient's norm-weight slabs, whichever kernel runs it (its own reduction
+        or the whole-tile statistics backward's CTAs past the tiles): one order, so the same bits."""
+        return cls(head_dim, slab_lanes=1)
+
     @property
     def vector(self) -> int:
         """Entries per thread: 16-byte vectors where the slab size allows (never across the two parts)."""
@@ -395,8 +401,8 @@ class BackwardStatsConfig(_Tile):
 
     @property
     def norm_reduce(self) -> ApeReduceConfig:
-        """With ``norm_slabs``, the sum of the norm-weight slabs: ``TailGradientConfig.reduce``'s."""
-        return ApeReduceConfig(self.head_dim, slab_lanes=1)
+        """With ``norm_slabs``, the sum of the norm-weight slabs (``ApeReduceConfig.norm_weight``)."""
+        return ApeReduceConfig.norm_weight(self.head_dim)
 
     @property
     def summing_ctas(self) -> int:

@@ -109,7 +109,7 @@ class TailGradientConfig(_TailRows):
 
     @property
     def reduce(self) -> ApeReduceConfig:
-        return ApeReduceConfig(self.head_dim, slab_lanes=1)
+        return ApeReduceConfig.norm_weight(self.head_dim)
 
 
 def tail_rows(kind, ratio: int, head_dim: int, tail: TailSpec, source_stride: int, source_offset: int):
