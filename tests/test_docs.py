@@ -2,7 +2,6 @@
 names exactly the public names, relative links resolve, and the two copies of the performance table agree."""
 
 import importlib
-import os
 import re
 import subprocess
 import sys
@@ -11,6 +10,8 @@ from pathlib import Path
 import pytest
 
 import csa_compressor
+
+from .backends.common import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -31,8 +32,8 @@ def test_python_blocks_run(page, tmp_path):
     blocks = [m.group(1) for m in BLOCK.finditer(page.read_text())]
     script = tmp_path / "blocks.py"
     script.write_text("".join(f"# {page.name}, python block {n}\n{code}\n" for n, code in enumerate(blocks, 1)))
-    env = {k: v for k, v in os.environ.items() if k != "CSA_COMPRESSOR_BACKEND"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env = child_env()
+    env.pop("CSA_COMPRESSOR_BACKEND", None)
     run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, f"{page.name}:\n{run.stderr[-4000:]}"
 

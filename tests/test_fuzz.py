@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from csa_compressor import dispatch
 
+from .backends.common import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "fuzz_worker.py"
 KINDS = (
@@ -147,7 +149,7 @@ def _draw(count: int) -> list[dict]:
 
 def _run_worker(backend: str, device: str, cases_: list[dict], timeout: int) -> list[str]:
     """Run the cases in a subprocess; the failures it reports, or why it did not finish."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = child_env()
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     command = [sys.executable, str(WORKER), "--backend", backend, "--device", device]

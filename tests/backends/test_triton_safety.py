@@ -9,15 +9,13 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from .common import DEVICE, HAS_CUDA, triton_skip
+from .common import DEVICE, HAS_CUDA, ROOT, child_env, triton_skip
 from .common import nan as _nan
 
 pytestmark = triton_skip()
@@ -247,11 +245,10 @@ def _child(device: str) -> int:
 
 @pytest.mark.skipif(HAS_CUDA, reason="the interpreter's accesses are host memory; on the GPU use compute-sanitizer")
 def test_malformed_offsets_stay_inside_the_operands():
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    env = child_env(TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "tests.backends.test_triton_safety"],
-        cwd=root,
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
