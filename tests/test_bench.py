@@ -530,6 +530,11 @@ def test_markdown_fused_tail_tables():
     (cost,) = _rows(md, "Fused RMSNorm + RoPE tail: cost over")
     assert cost["fwd fused"] == "31.5" and cost["fwd pooling alone"] == "30.0"
     assert cost["fused / pooling (target <= 1.05x)"] == "1.05x" and cost["fused / pooling (target <= 1.10x)"] == "1.05x"
+    # The bytes the tail adds (cos and sin, the norm weight): the floors' ratio, from the records' own floors.
+    plain, tail = CASES[3], Case(CASES[3].seqlens, CASES[3].head_dim, CASES[3].ratio, CASES[3].coff, True)
+    for direction in ("fwd", "bwd"):
+        want = floor_bytes(tail, direction) / floor_bytes(plain, direction)
+        assert want > 1.0 and cost[f"{direction} floors fused / pooling"] == f"{want:.2f}x"
     (versus,) = _rows(md, "Fused RMSNorm + RoPE tail: against")
     assert versus["fwd (a) pooling + torch tail"] == "60.0" and versus["fwd+bwd fused"] == "94.5"
     assert versus["fwd+bwd (b) torch.compile"] == "500.0"

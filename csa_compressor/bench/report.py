@@ -168,6 +168,11 @@ def _cold(idx: dict, case: str, backend: str, direction: str) -> float | None:
     return rec.get("kernel_us_cold") if rec else None
 
 
+def _floor(idx: dict, case: str, backend: str, direction: str) -> float | None:
+    rec = idx.get((case, backend, direction))
+    return rec.get("floor_us") if rec else None
+
+
 def ordered(values: Iterable[str], order: Sequence[str]) -> list[str]:
     vals = list(dict.fromkeys(values))
     return sorted(vals, key=lambda v: (order.index(v) if v in order else len(order), vals.index(v)))
@@ -340,8 +345,9 @@ def _ratio_range(run_indexes, case: str, pooling: str, backend: str, direction: 
 
 
 def _tail_tables(lines, run_indexes, cases, backends) -> None:
-    """The fused tail against the pooling alone (its targets; with several ``run_indexes``, the ratio's range over
-    the runs too) and against the unfused chains (a) and (b), from the first run's index."""
+    """The fused tail against the pooling alone (its targets, the floors' ratio, the bytes the tail adds; with
+    several ``run_indexes``, the ratio's range over the runs too) and against the unfused chains (a) and (b), from
+    the first run's index."""
     idx = run_indexes[0]
     tails = [c for c in cases if c.endswith("-tail")]
     kernels = [b for b in backends if b in KERNEL_BACKENDS and b != "reference"]
@@ -355,7 +361,8 @@ def _tail_tables(lines, run_indexes, cases, backends) -> None:
         for direction in ("fwd", "bwd"):
             fused, alone = _cold(idx, case, backend, direction), _cold(idx, pooling, backend, direction)
             spread = _ratio_range(run_indexes, case, pooling, backend, direction)
-            row += [_fmt_us(fused), _fmt_us(alone), _fmt_ratio(fused, alone) + spread]
+            floors = (_floor(idx, c, backend, direction) for c in (case, pooling))
+            row += [_fmt_us(fused), _fmt_us(alone), _fmt_ratio(fused, alone) + spread, _fmt_ratio(*floors)]
         cost.append(row)
         row = [case, backend]
         for direction in ("fwd", "fwd+bwd"):
@@ -368,6 +375,7 @@ def _tail_tables(lines, run_indexes, cases, backends) -> None:
     for direction in ("fwd", "bwd"):
         target = TAIL_TARGETS[direction]
         head += [f"{direction} fused", f"{direction} pooling alone", f"fused / pooling (target <= {target:.2f}x)"]
+        head.append(f"{direction} floors fused / pooling")
     _table(lines, "Fused RMSNorm + RoPE tail: cost over the pooling alone (cold)", head, cost)
     head = ["case", "backend"]
     for d in ("fwd", "fwd+bwd"):
