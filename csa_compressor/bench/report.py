@@ -163,14 +163,10 @@ def combined(idx: dict, case: str, backend: str) -> dict | None:
     return {key: None if f.get(key) is None or b.get(key) is None else f[key] + b[key] for key in _SUMMED}
 
 
-def _cold(idx: dict, case: str, backend: str, direction: str) -> float | None:
+def _value(idx: dict, case: str, backend: str, direction: str, key: str = "kernel_us_cold") -> float | None:
+    """The record's ``key`` (its cold kernel time unless named); ``fwd+bwd`` of a kernel backend sums its two calls."""
     rec = combined(idx, case, backend) if direction == "fwd+bwd" else idx.get((case, backend, direction))
-    return rec.get("kernel_us_cold") if rec else None
-
-
-def _floor(idx: dict, case: str, backend: str, direction: str) -> float | None:
-    rec = idx.get((case, backend, direction))
-    return rec.get("floor_us") if rec else None
+    return rec.get(key) if rec else None
 
 
 def ordered(values: Iterable[str], order: Sequence[str]) -> list[str]:
@@ -266,13 +262,13 @@ def _summary(lines: list[str], idx: dict, cases: list[str], ours: str | None) ->
         head += [f"{what} ours ({ours})", f"{what} cudnn-frontend", f"{what} torch.compile", f"{what} x floor"]
     body = []
     for case in (c for c in cases if not c.endswith("-tail")):
-        if _cold(idx, case, ours, "fwd") is None and _cold(idx, case, ours, "fwd+bwd") is None:
+        if _value(idx, case, ours, "fwd") is None and _value(idx, case, ours, "fwd+bwd") is None:
             continue
         row = [case]
         for what in ("fwd", "fwd+bwd"):
             rec = combined(idx, case, ours) if what == "fwd+bwd" else idx.get((case, ours, "fwd"))
             cold = rec.get("kernel_us_cold") if rec else None
-            compile_cold = _cold(idx, case, "torch.compile", what)
+            compile_cold = _value(idx, case, "torch.compile", what)
             row += [_fmt_us(cold), _fmt_us(cudnn_frontend(case, what)), _fmt_us(compile_cold)]
             row.append(_fmt_ratio(cold, rec.get("floor_us")) if rec else "—")
         body.append(row)
@@ -289,7 +285,7 @@ def _direction_table(lines, idx, cases, backends, records, direction: str, title
     head += ["cudnn-frontend cold", "vs cudnn-frontend (cold)", "wall - warm", "cudnn-frontend wall"]
     body = []
     for case in cases:
-        compile_cold = _cold(idx, case, "torch.compile", direction)
+        compile_cold = _value(idx, case, "torch.compile", direction)
         fig = CUDNN_FRONTEND_H200.get(case, {})
         for backend in backends:
             rec = idx.get((case, backend, direction))
@@ -317,7 +313,7 @@ def _combined_table(lines, idx, cases, backends) -> None:
             "vs eager (cold)", "vs cudnn-frontend (cold)"]  # fmt: skip
     body = []
     for case in cases:
-        compile_cold, eager_cold = (_cold(idx, case, b, "fwd+bwd") for b in ("torch.compile", "eager"))
+        compile_cold, eager_cold = (_value(idx, case, b, "fwd+bwd") for b in ("torch.compile", "eager"))
         for backend in backends:
             rec = combined(idx, case, backend)
             if rec is None:
@@ -336,7 +332,7 @@ def _ratio_range(run_indexes, case: str, pooling: str, backend: str, direction: 
     """`` (lo-hi over n runs)`` of fused / pooling alone where several runs of the record have both, else ""."""
     ratios = []
     for ix in run_indexes:
-        fused, alone = _cold(ix, case, backend, direction), _cold(ix, pooling, backend, direction)
+        fused, alone = _value(ix, case, backend, direction), _value(ix, pooling, backend, direction)
         if fused and alone and alone > 0:
             ratios.append(fused / alone)
     if len(ratios) < 2:
@@ -353,21 +349,21 @@ def _tail_tables(lines, run_indexes, cases, backends) -> None:
     kernels = [b for b in backends if b in KERNEL_BACKENDS and b != "reference"]
     cost, versus = [], []
     for case, backend in ((c, b) for c in tails for b in kernels):
-        ours = [_cold(idx, case, b, d) for b in (backend, backend + TORCH_TAIL) for d in ("fwd", "fwd+bwd")]
+        ours = [_value(idx, case, b, d) for b in (backend, backend + TORCH_TAIL) for d in ("fwd", "fwd+bwd")]
         if all(v is None for v in ours):
             continue  # this backend has no row in this case
         pooling = case[: -len("-tail")]
         row = [case, backend]
         for direction in ("fwd", "bwd"):
-            fused, alone = _cold(idx, case, backend, direction), _cold(idx, pooling, backend, direction)
+            fused, alone = _value(idx, case, backend, direction), _value(idx, pooling, backend, direction)
             spread = _ratio_range(run_indexes, case, pooling, backend, direction)
-            floors = (_floor(idx, c, backend, direction) for c in (case, pooling))
+            floors = (_value(idx, c, backend, direction, "floor_us") for c in (case, pooling))
             row += [_fmt_us(fused), _fmt_us(alone), _fmt_ratio(fused, alone) + spread, _fmt_ratio(*floors)]
         cost.append(row)
         row = [case, backend]
         for direction in ("fwd", "fwd+bwd"):
-            fused = _cold(idx, case, backend, direction)
-            unfused, compiled = (_cold(idx, case, b, direction) for b in (backend + TORCH_TAIL, "torch.compile"))
+            fused = _value(idx, case, backend, direction)
+            unfused, compiled = (_value(idx, case, b, direction) for b in (backend + TORCH_TAIL, "torch.compile"))
             row += [_fmt_us(fused), _fmt_us(unfused), _fmt_us(compiled)]
             row += [_fmt_ratio(unfused, fused), _fmt_ratio(compiled, fused)]
         versus.append(row)
