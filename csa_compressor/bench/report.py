@@ -266,11 +266,9 @@ def _summary(lines: list[str], idx: dict, cases: list[str], ours: str | None) ->
             continue
         row = [case]
         for what in ("fwd", "fwd+bwd"):
-            rec = combined(idx, case, ours) if what == "fwd+bwd" else idx.get((case, ours, "fwd"))
-            cold = rec.get("kernel_us_cold") if rec else None
+            cold, floor = _value(idx, case, ours, what), _value(idx, case, ours, what, "floor_us")
             compile_cold = _value(idx, case, "torch.compile", what)
-            row += [_fmt_us(cold), _fmt_us(cudnn_frontend(case, what)), _fmt_us(compile_cold)]
-            row.append(_fmt_ratio(cold, rec.get("floor_us")) if rec else "—")
+            row += [_fmt_us(cold), _fmt_us(cudnn_frontend(case, what)), _fmt_us(compile_cold), _fmt_ratio(cold, floor)]
         body.append(row)
     _table(lines, "Summary (cold kernel time, us)", head, body)
 
