@@ -108,11 +108,22 @@ LONG_BUILDS = [
     ("r16c2d512-norm-bf16", 16, 2, 512, spec("bf16")),  # a 512-column row
     ("r16c2d128-rope64-pos", 16, 2, 128, spec("fp32", 64, True, True)),  # two rows per CTA: named barriers
     ("r32c2d64-rope64-half-only", 32, 2, 64, spec(None, 64, False)),  # no norm
+    # The whole-row stream (sm_90a; composed on sm_100a): several batches per group, two CTAs per SM.
+    ("r128c1d512-stream-rope64", 128, 1, 512, spec("fp32", 64)),
+    ("r64c1d512-stream-half-bf16-pos", 64, 1, 512, spec("bf16", 64, False, True)),
 ]
+STREAM_BUILDS = ("r128c1d512-stream-rope64", "r64c1d512-stream-half-bf16-pos")
 
 
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("name", [b[0] for b in LONG_BUILDS])
+@pytest.mark.parametrize(
+    "arch, name",
+    [
+        (arch, b[0])
+        for arch in ("sm_90a", "sm_100a")
+        for b in LONG_BUILDS
+        if arch == "sm_90a" or b[0] not in STREAM_BUILDS
+    ],
+)
 def test_long_forward_with_tail_compiles(arch, name):
     """One kernel with the statistics pointer among its parameters, no local memory, the launch bound of its
     threads, row sums by shuffles (across warps: named barriers where a CTA has several rows), correctly rounded
@@ -128,7 +139,8 @@ def test_long_forward_with_tail_compiles(arch, name):
         ptx, used = artifacts.PTX, cubin_resources(artifacts.CUBIN)
     assert "ld.local" not in ptx and "st.local" not in ptx and used["frame"] == 0, used
     assert [_kinds(p) for _n, p in ENTRY.findall(ptx)] == ["ppppppp" + "iii" + "ppppp" + "fi"]
-    assert f".minnctapersm {configs.launch_bound(cfg.threads)}" in ptx
+    assert f".minnctapersm {cfg.launch_ctas_per_sm}" in ptx
+    assert (cfg.batches > 1 or cfg.ctas_per_sm > 0) == (name in STREAM_BUILDS)
     # Interleaved rotary partners sit in the neighbouring lane (a shuffle); half-split ones go through shared memory.
     row = kernel.tail.row
     assert row.pairs_in_lanes == (tail.rope_dim > 0 and tail.rope_interleaved and (head_dim - tail.rope_dim) % 2 == 0)
@@ -147,12 +159,23 @@ def test_long_forward_with_tail_compiles(arch, name):
 
 def test_long_forward_with_tail_only_where_the_tile_allows():
     """The statistics tile of one batch per group widened to whole rows of power-of-two threads, at most
-    WHOLE_ROW_THREADS, one column per thread in the tail; otherwise the composed route."""
+    WHOLE_ROW_THREADS, one column per thread in the tail; else the whole-row stream where it serves the window;
+    otherwise the composed route."""
     tail = spec("fp32", 64)
-    # Three groups x 4 columns; 1024 threads; ragged chunks; several batches per group (streaming windows); more
-    # columns than threads per row.
-    for ratio, coff, head_dim in ((3, 2, 128), (128, 1, 512), (128, 1, 65), (128, 2, 512), (128, 2, 128), (16, 1, 64)):
+    # Three groups x 4 columns; ragged chunks; several batches per group (streaming windows); more columns than
+    # threads per row; two slot halves past WHOLE_ROW_THREADS.
+    for ratio, coff, head_dim in ((3, 2, 128), (128, 1, 65), (128, 2, 512), (128, 2, 128), (16, 1, 64), (64, 2, 512)):
         assert tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail) is None
+    # Where the widened tile does not fit, d512 windows of one slot half stream each row through one CTA (on
+    # sm_90a; sm_100a keeps the composed route).
+    for ratio, head_dim in ((128, 512), (64, 512), (16, 512)):
+        cfg = tail_configs.long_forward_with_tail(ratio, 1, head_dim, H200, tail)
+        assert cfg == tail_configs.whole_row_stream(ratio, 1, head_dim, tail) and cfg.column_chunks == 1
+        assert cfg.threads == tail_configs.WHOLE_ROW_THREADS and cfg.tail_rows == cfg.rows_per_cta == 1
+        assert cfg.batches * cfg.slot_groups * cfg.slots_per_batch == ratio and cfg.launch_ctas_per_sm == 2
+        assert cfg.write_stats and not cfg.signals_dependents and cfg.tail == tail
+        assert tail_configs.long_forward_with_tail(ratio, 1, head_dim, H200, tail, stream_rows=False) is None
+        assert tail_configs.fused_forward_for_sm100(ratio, 1, head_dim, offline_spec("sm_100a"), tail) is None
     for ratio, coff, head_dim in ((128, 1, 128), (64, 2, 128), (16, 2, 512), (16, 2, 128), (32, 2, 64)):
         cfg = tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail)
         stats = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, H200)

@@ -150,10 +150,16 @@ class ForwardLongConfig(_Tile):
     # The fused tail (whole rows in one column chunk: ``tail_configs.long_forward_with_tail``); statistics are then
     # written where the launch passes them.
     tail: TailSpec | None = None
+    # The launch bound's CTAs per SM (0: as many as MAX_REGISTERS per thread allow).
+    ctas_per_sm: int = 0
 
     @property
     def threads(self) -> int:
         return self.column_threads * self.slot_groups * self.rows_per_cta
+
+    @property
+    def launch_ctas_per_sm(self) -> int:
+        return self.ctas_per_sm or launch_bound(self.threads)
 
     @property
     def smem_bytes(self) -> int:

@@ -26,7 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Boolean, Float32, Int32
 
-from .configs import ForwardLongConfig, ForwardShortConfig, launch_bound
+from .configs import ForwardLongConfig, ForwardShortConfig
 from .long_tail import WholeRowTail
 from .norm_rope import RowTail, ordered_sum, select
 from .ptx import ex2, mul_rn
@@ -256,9 +256,9 @@ class ForwardLongWindow:
             self.kernel(*args).launch(**launch)
 
     def bounds(self) -> dict:
-        """Launch bounds: at most MAX_REGISTERS per thread (``launch_bound``: the CTAs per SM that budget allows), with
-        a carveout hint so that the DSL does not query the device at compile time."""
-        return dict(min_blocks_per_mp=launch_bound(self.config.threads), preferred_smem_carveout=50)
+        """Launch bounds: the config's CTAs per SM (by default as many as MAX_REGISTERS per thread allow), with a
+        carveout hint so that the DSL does not query the device at compile time."""
+        return dict(min_blocks_per_mp=self.config.launch_ctas_per_sm, preferred_smem_carveout=50)
 
     @cute.kernel
     def kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,

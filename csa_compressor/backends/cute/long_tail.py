@@ -25,8 +25,8 @@ class WholeRowTail:
     """The tail of ``ForwardLongWindow`` with a ``tail``: its shared buffers, operand loads and row epilogue."""
 
     def __init__(self, config):
-        if config.column_chunks != 1 or config.batches != 1:
-            raise ValueError(f"the long-window forward fuses the tail for whole rows of one batch, got {config}")
+        if config.column_chunks != 1:
+            raise ValueError(f"the long-window forward fuses the tail for whole rows, got {config}")
         self.config = config
         self.spec = config.tail
         self.columns = config.columns_per_cta

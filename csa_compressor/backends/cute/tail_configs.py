@@ -204,11 +204,14 @@ def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
                               tail=tail)  # fmt: skip
 
 
-def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
-    """The statistics forward's tile (``stats_forward_for_sm90``) widened to whole rows (its column chunks side by
-    side in one CTA, in place of its rows where it has several) with the tail, or None where the composed route
-    serves the window: tiles of several batches per group (whose CTA would hold a row's whole stream), of more than
-    WHOLE_ROW_THREADS threads, or whose threads are not whole rows of one column each (``tail_rows``)."""
+def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec,
+                           stream_rows: bool = True):  # fmt: skip
+    """The long-window forward with the tail, or None (the composed route). The statistics forward's tile
+    (``stats_forward_for_sm90``) widened to whole rows (its column chunks side by side in one CTA, in place of its
+    rows where it has several) where it has one batch per group, at most WHOLE_ROW_THREADS threads and one column
+    per thread in the tail (``tail_rows``); where that tile does not fit a CTA, with ``stream_rows``, a row streaming
+    its window through one CTA (``whole_row_stream``). Streaming windows (several batches per group, whose CTA would
+    hold a row's whole stream) stay composed."""
     config = stats_forward_for_sm90(ratio, coff, head_dim, device)
     chunks = config.column_chunks
     column_threads = config.column_threads * chunks
@@ -218,11 +221,35 @@ def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceS
     whole = replace(config, column_threads=column_threads, rows_per_cta=rows, chunk_major=False,
                     signals_dependents=False, tail=tail)  # fmt: skip
     columns = whole.columns_per_cta
-    if whole.threads > WHOLE_ROW_THREADS or whole.threads % columns or whole.tail_rows < rows:
+    fits = whole.threads <= WHOLE_ROW_THREADS and whole.threads % columns == 0 and whole.tail_rows >= rows
+    if fits and (columns <= 32 or whole.tail_rows <= MAX_ROW_BARRIERS):
+        return whole
+    if stream_rows:
+        return whole_row_stream(ratio, coff, head_dim, tail)
+    return None
+
+
+# The whole-row stream: the head_dim it serves (DeepSeek-V4's main compressor), its vectors and slots per batch, and
+# the CTAs per SM its launch bound holds (so that one wave holds twice the SMs' rows).
+STREAM_HEAD_DIM = 512
+STREAM_VECTOR = 4
+STREAM_BATCH = 4
+STREAM_CTAS_PER_SM = 2
+
+
+def whole_row_stream(ratio: int, coff: int, head_dim: int, tail: TailSpec):
+    """One row per CTA of WHOLE_ROW_THREADS threads, for head_dim STREAM_HEAD_DIM and windows of one slot half up
+    to 128 slots: a thread per STREAM_VECTOR columns, the slot groups the rest of the CTA, each folding batches of
+    STREAM_BATCH slots (the next one in flight); None for other shapes (two slot halves spill at the launch bound).
+    The row's loads are whole token rows, and the tail runs in the CTA, with no second kernel behind the pooling."""
+    window = coff * ratio
+    column_threads = head_dim // STREAM_VECTOR
+    groups = WHOLE_ROW_THREADS // column_threads
+    if head_dim != STREAM_HEAD_DIM or coff != 1 or window > 128 or window % (groups * STREAM_BATCH):
         return None
-    if columns > 32 and whole.tail_rows > MAX_ROW_BARRIERS:
-        return None
-    return whole
+    batches = window // (groups * STREAM_BATCH)
+    return ForwardLongConfig(ratio, coff, head_dim, STREAM_VECTOR, column_threads, groups, STREAM_BATCH, batches, 1,
+                             False, True, tail=tail, ctas_per_sm=STREAM_CTAS_PER_SM)  # fmt: skip
 
 
 def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
@@ -263,6 +290,9 @@ def stats_backward_with_tail(ratio: int, coff: int, head_dim: int, device: Devic
 
 
 def fused_forward_for_sm100(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
+    if not _one_exact_group(ratio, coff):
+        # The whole-row stream spills at its launch bound on sm_100a: the composed route there.
+        return long_forward_with_tail(ratio, coff, head_dim, device, tail, stream_rows=False)
     return fused_forward_for_sm90(ratio, coff, head_dim, device, tail)
 
 
