@@ -34,11 +34,14 @@ CASES = [
 # (ratio, coff, head_dim, seqlens, comp_padding, rope_dim, interleaved): the fused routes (the short kernels; the
 # whole-row long forward, whose empty rows skip the tail with interleaved pairs and wait at the half-split exchange;
 # the statistics backward with the tail, the last case's row ranges spanning two blocks of row terms on 132 SMs), the
-# composed one, an odd head_dim.
+# whole-row stream (d512, one slot half; half-split partners through shared memory), the composed one, an odd
+# head_dim.
 TAIL_CASES = [
     (4, 2, 128, (37, 3, 0, 64), 2, 64, True),
     (128, 1, 128, (300, 17, 256), 1, 64, True),
     (128, 1, 128, (300, 17, 256), 1, 64, False),
+    (128, 1, 512, (300, 17, 256), 1, 64, True),
+    (64, 1, 512, (300, 17, 256), 2, 64, False),
     (128, 2, 512, (260, 128), 0, 64, True),
     (4, 2, 72, (19, 4), 1, 2, True),
     (16, 2, 8, (100000, 40000), 2, 8, True),
