@@ -891,8 +891,8 @@ def test_protocol_meets_the_contract(name, route):
 def test_long_forward_with_tail_is_one_launch_with_the_pooling_statistics(name):
     """The fused long-window forward: one kernel, the statistics the pooling's statistics forward's (bitwise for the
     widened tile; the whole-row stream folds its slots in other groups, so its sums differ by their rounding: the
-    max bitwise, 1 / sum and x to fp32 rounding), the rows within the contract of the composed route's (rstd from
-    another summation order)."""
+    max bitwise, 1 / sum to a few fp32 ulps, x to the rounding of a sum of up to 128 terms of |v| < 8), the rows
+    within the contract of the composed route's (rstd from another summation order)."""
     _gpu_launch()
     from torch.profiler import ProfilerActivity, profile
 
@@ -911,7 +911,8 @@ def test_long_forward_with_tail_is_one_launch_with_the_pooling_statistics(name):
     assert stream == (name.startswith(("r128c1d512", "r64c1d512")))
     if stream:
         assert torch.equal(stats[:, 0], plain_stats[:, 0])
-        torch.testing.assert_close(stats[:, 1:], plain_stats[:, 1:], rtol=2e-6, atol=1e-30)
+        torch.testing.assert_close(stats[:, 1], plain_stats[:, 1], rtol=2e-6, atol=0)
+        torch.testing.assert_close(stats[:, 2], plain_stats[:, 2], rtol=2e-6, atol=128 * 8 * 2.0**-24)
     else:
         assert torch.equal(stats, plain_stats)
     composed = tail_launch._route("forward", pack.ratio, pack.coff, d, BF16, 0, tail_launch.spec_of(tail), False)
