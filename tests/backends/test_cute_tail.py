@@ -911,7 +911,7 @@ def test_long_forward_with_tail_is_one_launch_with_the_pooling_statistics(name):
     plain_stats = _nan((n, 3, d))
     launch.forward(*inputs, _nan((n, d), BF16), *args, plain_stats)
     fused_config = tail_launch._lookup("forward", inputs[0], pack.ratio, pack.coff, d, tail, _nan((1,))).fused.config
-    stream = fused_config.batches > 1 or fused_config.ctas_per_sm > 0
+    stream = fused_config == tail_configs.whole_row_stream(pack.ratio, pack.coff, d, tail_launch.spec_of(tail))
     assert stream == (name.startswith(("r128c1d512", "r64c1d512")))
     if stream:
         assert torch.equal(stats[:, 0], plain_stats[:, 0])

@@ -242,10 +242,12 @@ def whole_row_stream(ratio: int, coff: int, head_dim: int, tail: TailSpec):
     to 128 slots: a thread per STREAM_VECTOR columns, the slot groups the rest of the CTA, each folding batches of
     STREAM_BATCH slots (the next one in flight); None for other shapes (two slot halves spill at the launch bound).
     The row's loads are whole token rows, and the tail runs in the CTA, with no second kernel behind the pooling."""
-    window = coff * ratio
+    if head_dim != STREAM_HEAD_DIM or coff != 1:
+        return None
     column_threads = head_dim // STREAM_VECTOR
     groups = WHOLE_ROW_THREADS // column_threads
-    if head_dim != STREAM_HEAD_DIM or coff != 1 or window > 128 or window % (groups * STREAM_BATCH):
+    window = coff * ratio
+    if window > 128 or window % (groups * STREAM_BATCH):
         return None
     batches = window // (groups * STREAM_BATCH)
     return ForwardLongConfig(ratio, coff, head_dim, STREAM_VECTOR, column_threads, groups, STREAM_BATCH, batches, 1,
