@@ -15,6 +15,13 @@ times instead which part of the fused tail costs the ratio-4 kernels their time:
 built with the pooling alone, the norm alone, the rotation alone (rope_dim 64, interleaved), both, and both with
 per-segment positions; cold and warm kernel time, the backward as autograd calls it (the forward's rstd handed
 over). One line per (case, variant): ``fwd cold / warm  bwd cold / warm`` in microseconds.
+
+    python benchmarks/cute_sweep.py --tail-tiles [--cases 1x8192-d128,3x8192-d512]
+
+times the fused short forward of the ratio-4 cases at other tiles than ``tail_configs.fused_forward_for_sm90``
+picks (vector width, rows per CTA, launch bound), each built through the backend's factory table and checked
+against the tail's fp32 reference (``tail.contract_report``), beside the pooling alone. The builds are compiled
+first in parallel processes (the disk cache), then timed in this one. One line per (case, tile).
 """
 
 from __future__ import annotations
@@ -123,23 +130,123 @@ def time_tail_parts(timer: Timer, name: str, backend: str, device: str = "cuda")
         print(line(name, variant, cold_and_warm(timer, forward), cold_and_warm(timer, backward)), flush=True)
 
 
+# --tail-tiles: candidate tiles of the fused short forward (ratio 4, rotation interleaved as DeepSeek-V4's).
+TILE_WIDTHS = (2, 4, 8)
+TILE_MAX_THREADS = 512
+TILE_ROW_LIMIT = 32
+
+
+def tail_tiles(head_dim: int, spec) -> list:
+    """The default fused tile first, then whole rows of each vector width, rows per CTA in powers of two up to
+    TILE_MAX_THREADS threads, without a launch bound."""
+    from csa_compressor.backends.cute import tail_configs
+    from csa_compressor.backends.cute.configs import ForwardShortConfig
+    from csa_compressor.backends.cute.device import offline_spec
+
+    ratio, coff = TAIL_PART_RATIO, TAIL_PART_COFF
+    default = tail_configs.fused_forward_for_sm90(ratio, coff, head_dim, offline_spec("sm_90a"), spec)
+    tiles = [default]
+    for width in TILE_WIDTHS:
+        row_threads = tail_configs._row_threads(head_dim, width)
+        rows = 1
+        while row_threads * rows <= TILE_MAX_THREADS and rows <= TILE_ROW_LIMIT:
+            tiles.append(ForwardShortConfig(ratio, coff, head_dim, width, row_threads, rows_per_cta=rows, tail=spec))
+            rows *= 2
+    unique = []
+    for tile in tiles:
+        if tile not in unique and not (tile.rows_per_cta > 15 and tile.column_threads > 32):
+            unique.append(tile)
+    return unique
+
+
+def _compile_tile(tile) -> str:
+    from csa_compressor.backends.cute import launch
+    from csa_compressor.backends.cute.device import device_spec
+    from csa_compressor.backends.cute.forward import ForwardShortWindow
+
+    try:
+        launch.host_function(ForwardShortWindow, tile, device_spec(0).arch)
+        return ""
+    except Exception as e:  # a tile the kernel cannot build: reported, not timed
+        return f"{type(e).__name__}: {e}"[:200]
+
+
+def time_tail_tiles(timer: Timer, name: str, failed: dict, device: str = "cuda") -> None:
+    """One case's lines: the pooling alone, then the fused forward at each tile (its route built through the
+    factory table ``select._FUSED_FACTORIES``) with its contract check and its ratio to the pooling."""
+    from csa_compressor.backends.cute import select, tail_launch
+
+    seqlens, head_dim = TAIL_PART_CASES[name]
+    case = Case(seqlens, head_dim, TAIL_PART_RATIO, TAIL_PART_COFF)
+    pack = make_pack(seqlens, head_dim, case.ratio, case.coff, device=device, seed=1)
+    pooling = cold_and_warm(timer, _kernel_callables("cute", pack, case, None)["fwd"])
+    print(f"{name} pooling: {pooling[0]:.2f} / {pooling[1]:.2f}", flush=True)
+    tail = T.random_tail(pack, interleaved=True, seed=1, rope_dim=64)
+    inputs = (pack.kv, pack.score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp)
+    out = pack.kv.new_empty((pack.total_comp, head_dim))
+    saved = dict(select._FUSED_FACTORIES)
+    try:
+        for tile in tail_tiles(head_dim, tail_launch.spec_of(tail)):
+            label = (f"w{tile.vector_width} x{tile.column_threads} rows {tile.rows_per_cta} "
+                     f"cap {tile.ctas_per_sm_cap}")  # fmt: skip
+            if failed.get(tile):
+                print(f"{name} {label}: not built ({failed[tile]})", flush=True)
+                continue
+            factories = (lambda *a, tile=tile: tile, saved["sm_90"][1])
+            select._FUSED_FACTORIES.update({"sm_90": factories, "sm_100": factories})
+            tail_launch._ROUTES.clear()
+
+            def forward():  # the backend's own entry: the api's ops keep their bound routes
+                tail_launch.forward(*inputs, out, case.ratio, case.coff, None, None, tail, None)
+                return out
+
+            ok = T.contract_report(pack, tail, out=forward())["ok"]
+            fused = cold_and_warm(timer, forward)
+            print(f"{name} {label}: {fused[0]:.2f} / {fused[1]:.2f}  x{fused[0] / pooling[0]:.3f} cold "
+                  f"x{fused[1] / pooling[1]:.3f} warm  contract {'ok' if ok else 'FAILED'}", flush=True)  # fmt: skip
+    finally:
+        select._FUSED_FACTORIES.update(saved)
+        tail_launch._ROUTES.clear()
+
+
+def run_tail_tiles(names: list) -> int:
+    import multiprocessing
+
+    from csa_compressor.backends.cute import tail_launch
+
+    tiles = []
+    for name in names:
+        probe = make_pack(*TAIL_PART_CASES[name], TAIL_PART_RATIO, TAIL_PART_COFF, device="cpu", seed=1)
+        spec = tail_launch.spec_of(T.random_tail(probe, interleaved=True, seed=1, rope_dim=64))
+        tiles += [t for t in tail_tiles(TAIL_PART_CASES[name][1], spec) if t not in tiles]
+    with multiprocessing.get_context("spawn").Pool(min(8, os.cpu_count() or 1)) as pool:
+        failed = dict(zip(tiles, pool.map(_compile_tile, tiles), strict=True))
+    timer = Timer(torch.device("cuda", torch.cuda.current_device()))
+    for name in names:
+        time_tail_tiles(timer, name, failed)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="", help="comma-separated case names (default: the bench's matrix)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tail-parts", action="store_true", help="time the fused tail's parts instead (see above)")
+    ap.add_argument("--tail-tiles", action="store_true", help="time the fused forward's tiles instead (see above)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or "cute" not in available_backends("cuda"):
         print("cute_sweep: needs a GPU the cute backend runs on", file=sys.stderr)
         return 2
     names = [n for n in args.cases.split(",") if n]
-    if args.tail_parts:
+    if args.tail_parts or args.tail_tiles:
         unknown = sorted(set(names) - set(TAIL_PART_CASES))
         if unknown:
             known = list(TAIL_PART_CASES)
             print(f"cute_sweep --tail-parts: cases {unknown} are not among {known}", file=sys.stderr)
             return 2
+        if args.tail_tiles:
+            return run_tail_tiles(names or list(TAIL_PART_CASES))
         timer = Timer(torch.device("cuda", torch.cuda.current_device()))
         for name in names or TAIL_PART_CASES:
             time_tail_parts(timer, name, "cute")
