@@ -1,5 +1,6 @@
-"""benchmarks/cute_sweep.py's --tail-parts on the CPU: every variant's tail reaches the API and is timed, forward and
-backward (the reference backend and a stub timer stand in for a GPU's)."""
+"""benchmarks/cute_sweep.py on the CPU: --tail-parts times every variant's tail through the API, forward and
+backward; --tail-tiles times each tile as the fused configuration in effect (the reference backend, a stand-in for
+the backend's forward and a stub timer stand in for a GPU's)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,57 @@ def test_it_needs_a_gpu_and_known_cases(monkeypatch, capsys):
     monkeypatch.setattr(tool, "available_backends", lambda device: ("cute",))
     monkeypatch.setattr("sys.argv", ["cute_sweep.py", "--tail-parts", "--cases", "1x8192-d128,1x65536-d512"])
     assert tool.main() == 2 and "['1x65536-d512'] are not among" in capsys.readouterr().err
+
+
+def test_tail_tiles_are_whole_rows_with_the_default_first():
+    tool = _tool()
+    from csa_compressor.backends.cute import tail_configs
+    from csa_compressor.backends.cute.configs import TailSpec
+    from csa_compressor.backends.cute.device import offline_spec
+
+    spec = TailSpec(True, True, 64, True, False)
+    for head_dim in (128, 512):
+        tiles = tool.tail_tiles(head_dim, spec)
+        default = tail_configs.fused_forward_for_sm90(4, 2, head_dim, offline_spec("sm_90a"), spec)
+        assert tiles[0] == default and len(set(tiles)) == len(tiles)
+        assert {t.vector_width for t in tiles} == set(tool.TILE_WIDTHS)
+        for tile in tiles:
+            assert tile.tail == spec and (tile.ratio, tile.coff, tile.head_dim) == (4, 2, head_dim)
+            assert tile.column_threads * tile.vector_width >= head_dim and tile.column_chunks == 1
+            assert tile.threads <= tool.TILE_MAX_THREADS and tile.column_threads & (tile.column_threads - 1) == 0
+
+
+def test_tail_tiles_route_each_tile_then_restore_the_factories(monkeypatch, capsys):
+    """Each tile is the fused configuration in effect while its forward runs (a stand-in that caches its route as the
+    backend does writes the tail's fp32 reference); a tile that failed to build is reported, not run; the factory
+    table and the route cache are restored afterwards."""
+    tool = _tool()
+    from csa_compressor import tail as T
+    from csa_compressor.backends.cute import select, tail_launch
+    from csa_compressor.backends.cute.device import offline_spec
+
+    real_callables = tool._kernel_callables
+    monkeypatch.setattr(tool, "_kernel_callables", lambda backend, *a: real_callables("reference", *a))
+    monkeypatch.setitem(tool.TAIL_PART_CASES, "small", ((40, 9, 23), 128))
+    seen = []
+
+    def forward(kv, score, ape, cu, cuc, out, ratio, coff, stream, stats, tail, rstd):
+        # As the backend's: the configuration resolved once per shape and kept in the route cache.
+        shape = (ratio, coff, out.shape[1], tail_launch.spec_of(tail))
+        if shape not in tail_launch._ROUTES:
+            dev = offline_spec("sm_90a")
+            tail_launch._ROUTES[shape] = select.fused_tail_config("forward", *shape[:3], dev, shape[3])
+        seen.append(tail_launch._ROUTES[shape])
+        out.copy_(T.forward(kv, score, ape, cu, cuc, tail, ratio=ratio, coff=coff, total_comp=out.shape[0]))
+
+    monkeypatch.setattr(tail_launch, "forward", forward)
+    factories = dict(select._FUSED_FACTORIES)
+    probe = tool.make_pack((40, 9, 23), 128, 4, 2, device="cpu", seed=1)
+    tiles = tool.tail_tiles(128, tail_launch.spec_of(T.random_tail(probe, interleaved=True, seed=1, rope_dim=64)))
+    tool.time_tail_tiles(StubTimer(), "small", {tiles[1]: "RuntimeError: no"}, device="cpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "small pooling: 1.00 / 1.00" and len(lines) == 1 + len(tiles)
+    assert "not built (RuntimeError: no)" in lines[2]
+    assert all(line.endswith("contract ok") for i, line in enumerate(lines[1:]) if i != 1)
+    assert list(dict.fromkeys(seen)) == [t for t in tiles if t != tiles[1]]
+    assert select._FUSED_FACTORIES == factories and not tail_launch._ROUTES
