@@ -19,7 +19,7 @@ over). One line per (case, variant): ``fwd cold / warm  bwd cold / warm`` in mic
     python benchmarks/cute_sweep.py --tail-tiles [--cases 1x8192-d128,3x8192-d512]
 
 times the fused short forward of the ratio-4 cases at other tiles than ``tail_configs.fused_forward_for_sm90``
-picks (vector width, rows per CTA, launch bound), each built through the backend's factory table and checked
+picks (vector width, rows per CTA), each built through the backend's factory table and checked
 against the tail's fp32 reference (``tail.contract_report``), beside the pooling alone. The builds are compiled
 first in parallel processes (the disk cache), then timed in this one. One line per (case, tile).
 """
@@ -152,11 +152,12 @@ def tail_tiles(head_dim: int, spec) -> list:
         while row_threads * rows <= TILE_MAX_THREADS and rows <= TILE_ROW_LIMIT:
             tiles.append(ForwardShortConfig(ratio, coff, head_dim, width, row_threads, rows_per_cta=rows, tail=spec))
             rows *= 2
-    unique = []
-    for tile in tiles:
-        if tile not in unique and not (tile.rows_per_cta > 15 and tile.column_threads > 32):
-            unique.append(tile)
-    return unique
+    return list(dict.fromkeys(tiles))
+
+
+def tile_tail(pack) -> T.Tail:
+    """The tail the tiles are built and timed for: a norm and DeepSeek-V4's interleaved rotation of 64 columns."""
+    return T.random_tail(pack, interleaved=True, seed=1, rope_dim=64)
 
 
 def _compile_tile(tile) -> str:
@@ -181,7 +182,7 @@ def time_tail_tiles(timer: Timer, name: str, failed: dict, device: str = "cuda")
     pack = make_pack(seqlens, head_dim, case.ratio, case.coff, device=device, seed=1)
     pooling = cold_and_warm(timer, _kernel_callables("cute", pack, case, None)["fwd"])
     print(f"{name} pooling: {pooling[0]:.2f} / {pooling[1]:.2f}", flush=True)
-    tail = T.random_tail(pack, interleaved=True, seed=1, rope_dim=64)
+    tail = tile_tail(pack)
     inputs = (pack.kv, pack.score, pack.ape, pack.cu_seqlens, pack.cu_seqlens_comp)
     out = pack.kv.new_empty((pack.total_comp, head_dim))
     saved = dict(select._FUSED_FACTORIES)
@@ -217,7 +218,7 @@ def run_tail_tiles(names: list) -> int:
     tiles = []
     for name in names:
         probe = make_pack(*TAIL_PART_CASES[name], TAIL_PART_RATIO, TAIL_PART_COFF, device="cpu", seed=1)
-        spec = tail_launch.spec_of(T.random_tail(probe, interleaved=True, seed=1, rope_dim=64))
+        spec = tail_launch.spec_of(tile_tail(probe))
         tiles += [t for t in tail_tiles(TAIL_PART_CASES[name][1], spec) if t not in tiles]
     with multiprocessing.get_context("spawn").Pool(min(8, os.cpu_count() or 1)) as pool:
         failed = dict(zip(tiles, pool.map(_compile_tile, tiles), strict=True))
@@ -243,7 +244,8 @@ def main() -> int:
         unknown = sorted(set(names) - set(TAIL_PART_CASES))
         if unknown:
             known = list(TAIL_PART_CASES)
-            print(f"cute_sweep --tail-parts: cases {unknown} are not among {known}", file=sys.stderr)
+            mode = "--tail-tiles" if args.tail_tiles else "--tail-parts"
+            print(f"cute_sweep {mode}: cases {unknown} are not among {known}", file=sys.stderr)
             return 2
         if args.tail_tiles:
             return run_tail_tiles(names or list(TAIL_PART_CASES))

@@ -99,7 +99,7 @@ def test_tail_tiles_route_each_tile_then_restore_the_factories(monkeypatch, caps
     monkeypatch.setattr(tail_launch, "forward", forward)
     factories = dict(select._FUSED_FACTORIES)
     probe = tool.make_pack((40, 9, 23), 128, 4, 2, device="cpu", seed=1)
-    tiles = tool.tail_tiles(128, tail_launch.spec_of(T.random_tail(probe, interleaved=True, seed=1, rope_dim=64)))
+    tiles = tool.tail_tiles(128, tail_launch.spec_of(tool.tile_tail(probe)))
     tool.time_tail_tiles(StubTimer(), "small", {tiles[1]: "RuntimeError: no"}, device="cpu")
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "small pooling: 1.00 / 1.00" and len(lines) == 1 + len(tiles)

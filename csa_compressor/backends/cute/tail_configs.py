@@ -250,8 +250,9 @@ def whole_row_stream(ratio: int, coff: int, head_dim: int, tail: TailSpec):
     if window > 128 or window % (groups * STREAM_BATCH):
         return None
     batches = window // (groups * STREAM_BATCH)
-    return ForwardLongConfig(ratio, coff, head_dim, STREAM_VECTOR, column_threads, groups, STREAM_BATCH, batches, 1,
-                             False, True, tail=tail, ctas_per_sm=STREAM_CTAS_PER_SM)  # fmt: skip
+    return ForwardLongConfig(ratio, coff, head_dim, STREAM_VECTOR, column_threads, slot_groups=groups,
+                             slots_per_batch=STREAM_BATCH, batches=batches, rows_per_cta=1, chunk_major=False,
+                             write_stats=True, tail=tail, ctas_per_sm=STREAM_CTAS_PER_SM)  # fmt: skip
 
 
 def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec):
