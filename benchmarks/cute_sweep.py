@@ -147,7 +147,7 @@ def tail_tiles(head_dim: int, spec) -> list:
     default = tail_configs.fused_forward_for_sm90(ratio, coff, head_dim, offline_spec("sm_90a"), spec)
     tiles = [default]
     for width in TILE_WIDTHS:
-        row_threads = tail_configs._row_threads(head_dim, width)
+        row_threads = tail_configs.fused_row_threads(head_dim, width)
         rows = 1
         while row_threads * rows <= TILE_MAX_THREADS and rows <= TILE_ROW_LIMIT:
             tiles.append(ForwardShortConfig(ratio, coff, head_dim, width, row_threads, rows_per_cta=rows, tail=spec))

@@ -163,7 +163,7 @@ WHOLE_ROW_THREADS = 512
 MAX_ROW_BARRIERS = 15
 
 
-def _row_threads(head_dim: int, width: int) -> int:
+def fused_row_threads(head_dim: int, width: int) -> int:
     """Threads of a fused row: the smallest power of two covering head_dim in ``width``-column vectors (so that a
     row's threads are a warp's aligned share or whole warps, and its sums go through shuffles in a fixed order)."""
     n = 1
@@ -188,7 +188,7 @@ def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
         return long_forward_with_tail(ratio, coff, head_dim, device, tail)
     for cap in (4, 8):
         width = vector_width(head_dim, cap)
-        threads = _row_threads(head_dim, width)
+        threads = fused_row_threads(head_dim, width)
         if threads <= FUSED_ROW_THREADS_CAP:
             break
     else:
@@ -262,7 +262,7 @@ def fused_backward_for_sm90(ratio: int, coff: int, head_dim: int, device: Device
     if not _one_exact_group(ratio, coff):
         return stats_backward_with_tail(ratio, coff, head_dim, device, tail)
     width = vector_width(head_dim, 2)
-    threads = _row_threads(head_dim, width)
+    threads = fused_row_threads(head_dim, width)
     if threads > SHORT_BACKWARD_THREADS:
         return None
     window = coff * ratio
@@ -278,7 +278,7 @@ def stats_backward_with_tail(ratio: int, coff: int, head_dim: int, device: Devic
     config = stats_backward_for_sm90(ratio, coff, head_dim, device)
     if config.whole_tile:
         return None
-    row_threads = _row_threads(head_dim, config.vector_width)
+    row_threads = fused_row_threads(head_dim, config.vector_width)
     in_warp = replace(config, column_threads=row_threads, slot_groups=config.threads // row_threads,
                       slots_per_group=max(1, config.slots_per_group // 2), row_lanes=1)  # fmt: skip
     if row_threads <= 32 and in_warp.window % in_warp.slots_per_cta == 0:
