@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
-from .testing import Pack, _beyond, rel_l2
+from .testing import Pack, _beyond, bitwise_equal, rel_l2
 
 __all__ = [
     "PRECISIONS",
@@ -566,9 +566,6 @@ def check_backend(forward_fn, backward_fn, pack: Pack, tail: Tail, max_ulp: int 
         grads = backward_fn(*pack.inputs, pack.grad_out, tail, **kw)
         runs.append((out, *grads))
     report = contract_report(pack, tail, runs[0][0], runs[0][1:], max_ulp)
-    report["repeatable"] = all(
-        (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        for a, b in zip(runs[0], runs[1], strict=True)
-    )
+    report["repeatable"] = all(bitwise_equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
     assert report["ok"] and report["repeatable"], f"tail contract broken: {report}"
     return report

@@ -12,6 +12,7 @@ __all__ = [
     "Pack",
     "assert_contract",
     "bf16_ulp_distance",
+    "bitwise_equal",
     "contract_report",
     "make_pack",
     "misaligned_copy",
@@ -130,6 +131,21 @@ def _ordered_bf16(x: torch.Tensor) -> torch.Tensor:
     """Map bf16 bit patterns to integers whose difference counts ulps (-0 and +0 coincide)."""
     bits = x.contiguous().view(torch.int16).to(torch.int32)
     return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def bitwise_equal(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits (NaNs included), or are both None. Compared as integers of the
+    element's size: a view of another size needs the last stride 1, which torch does not promise (an empty or
+    expanded tensor)."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_int = _SAME_SIZE_INT[a.element_size()]
+    return torch.equal(a.view(as_int), b.view(as_int))
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bf16_ulp_distance(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from csa_compressor import reference
 from csa_compressor import tail as T
-from csa_compressor.testing import _beyond, bf16_ulp_distance, make_pack, rel_l2
+from csa_compressor.testing import _beyond, bf16_ulp_distance, bitwise_equal, make_pack, rel_l2
 
 from . import naive
 
@@ -273,16 +273,28 @@ def test_row_positions():
     assert T.row_positions(cu_comp, 0, 4).numel() == 0
 
 
-def test_empty_output():
-    pack, tail = case_pack_and_tail("r4c2d5-rope2-pos")
+@pytest.mark.parametrize("head_dim", [5, 1])
+def test_empty_output(head_dim):
+    # head_dim 1: the fp32 reference's empty (0, 1) output has a last stride of 0, which a byte view refuses.
+    pack = make_pack((13, 3), head_dim, 4, 2, seed=0)
     pack = dataclasses.replace(pack, total_comp=0, grad_out=pack.grad_out[:0])
+    tail = T.random_tail(pack, rope_dim=2 * (head_dim // 2), positions=True, seed=7)
     for precision in T.PRECISIONS:
         out = T.forward(*pack.inputs, tail, total_comp=0, precision=precision, **_kw(pack))
         assert out.shape == (0, pack.head_dim)
         grads = T.backward(*pack.inputs, pack.grad_out, tail, precision=precision, **_kw(pack))
         assert all(not bool(g.any()) for g in grads)
         assert grads[3].shape == (pack.head_dim,)
-    T.check_backend(T.forward, T.backward, pack, tail)
+    assert T.check_backend(T.forward, T.backward, pack, tail)["repeatable"]
+
+
+def test_bitwise_equal():
+    x = torch.tensor([0.0, float("nan"), 1.5])
+    assert bitwise_equal(x, x.clone()) and bitwise_equal(None, None)
+    assert not bitwise_equal(x, torch.tensor([-0.0, float("nan"), 1.5]))  # -0 and +0 differ in their bits
+    assert not bitwise_equal(x, None) and not bitwise_equal(x, x.double()) and not bitwise_equal(x, x[:2])
+    strided = torch.empty(0, 1).as_strided((0, 1), (1, 0))
+    assert bitwise_equal(strided, torch.empty(0, 1)) and bitwise_equal(x[::2], torch.tensor([0.0, 1.5]))
 
 
 def test_saved_rstd_gives_the_same_gradients():
