@@ -95,6 +95,8 @@ def suite(world: int, kind: str) -> list:
              reduce_ape=True, tail="norm-bf16"),
         Case(f"w{w}-r128c2-pieces-tail", (400, 100, 150), 128, 2, "pieces", head_dim=8, seed=w + 130, cuts=w + 2,
              tail="full"),
+        Case(f"w{w}-r4c2-pieces-norm-bf16", (21, 6, 13), 4, 2, "pieces", head_dim=8, seed=w + 140, cuts=2 * w,
+             tail="norm-bf16"),
     ]  # fmt: skip
     if world == 2:
         cases.append(Case("w2-r4c2-shared-grad", (21, 14), 4, 2, "pieces", seed=80, grad="shared", cuts=5))
@@ -239,8 +241,10 @@ def run_case(case: Case, rank: int, world: int, group, device) -> dict:
         if not case.reduce_ape:
             dist.all_reduce(summed, group=group)
         err = float((summed - want.double()).norm() / want.double().norm().clamp_min(1e-30))
-        if err > 1e-6:
-            problems.append(f"{name} relative error {err:.3g} > 1e-6")
+        # A bf16 weight's partial gradient is rounded to bf16 on each rank unless the op reduces it first.
+        bound = 1e-6 if got.dtype == torch.float32 or case.reduce_ape else world * 2**-8
+        if err > bound:
+            problems.append(f"{name} relative error {err:.3g} > {bound:.3g}")
     return {"ok": not problems, "problems": problems, "rows": int(rows.numel()), "tokens": int(kv.shape[0])}
 
 
