@@ -110,6 +110,26 @@ def test_empty_output(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tail", [False, True], ids=["pooling", "tail"])
+def test_wrappers_build_no_autograd_graph(backend, tail):
+    """The kernel API is not differentiable (compressor_pool is): given leaves that require grad, every backend
+    returns plain results, as a kernel writing into buffers does, and holds no graph of its intermediates."""
+    from csa_compressor import tail as T
+
+    p = _pack(PACKS[0])
+    leaves = [t.clone().requires_grad_(True) for t in (p.kv, p.score, p.ape)]
+    kw = dict(ratio=p.ratio, coff=p.coff, backend=backend)
+    if tail:
+        t = T.random_tail(p, rope_dim=8, positions=True).arguments()
+        kw.update(t, norm_weight=t["norm_weight"].clone().requires_grad_(True))
+    inputs = (*leaves, p.cu_seqlens, p.cu_seqlens_comp)
+    (out,) = csa_compressor_forward_wrapper(*inputs, total_comp=p.total_comp, **kw)
+    grads = csa_compressor_backward_wrapper(*inputs, p.grad_out, **kw)
+    assert not out.requires_grad and out.grad_fn is None
+    assert len(grads) == (4 if tail else 3) and not any(g.requires_grad for g in grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_deterministic_algorithms_mode(backend):
     p = _pack(PACKS[1], seed=3)
     torch.use_deterministic_algorithms(True)

@@ -49,6 +49,8 @@ def supports_tail(ratio: int, coff: int, head_dim: int, tail_config) -> bool:
     return True
 
 
+# The backend writes into the caller's buffers as a kernel does: no autograd graph through inputs that require grad.
+@torch.no_grad()
 def forward(
     kv, score, ape, cu_seqlens, cu_seqlens_comp, out, ratio, coff, stream=None, stats=None, tail=None, rstd=None
 ) -> None:
@@ -73,6 +75,7 @@ def _fill_rstd(rstd, kv, score, ape, cu_seqlens, cu_seqlens_comp, tail, pool) ->
     rstd.copy_(tails.row_rstd(x, tail.norm_eps).reshape(-1))
 
 
+@torch.no_grad()
 def backward(
     kv,
     score,
