@@ -6,19 +6,22 @@ and command line are copied into each side), so only the product code differs; t
 so that drift of the machine falls on both sides alike, and the report gives the median of each side's runs.
 
     python benchmarks/revision_ab.py prepare main HEAD+wide.patch     # worktrees in ./csa_compressor_ab/
+    python benchmarks/revision_ab.py prepare main HEAD+wide.patch --trim --keep-tests tests/backends/test_cute.py
     python benchmarks/revision_ab.py run --rounds 2 --bench "--cases 3 5 --tail off --backends cute"
     python benchmarks/revision_ab.py compare                          # markdown table, also in ab.md
     python benchmarks/revision_ab.py cubins --arch sm_90a             # offline: are the cubins the same?
     python benchmarks/revision_ab.py all main HEAD --bench "..."      # prepare, run, compare
 
 ``prepare`` needs git (run it here); ``run`` needs a GPU: the sides are nested worktrees, so a device call must
-carry the folder (``carry: ["csa_compressor_ab"]``). ``cubins`` runs ``benchmarks/cubins.py --arch ARCH --out
+carry the folder (``carry: ["csa_compressor_ab"]``); ``--trim`` keeps of each side only the package (and side B's
+``--keep-tests`` with the test modules they import), so that several pairs fit beside the CuTe-DSL bundle. ``cubins`` runs ``benchmarks/cubins.py --arch ARCH --out
 FILE`` in each side (this tree's copy where a side has none) and compares the two files.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import shutil
@@ -59,8 +62,9 @@ def overlay_bench(side: Path, tree: Path = ROOT) -> None:
     shutil.copy2(tree / "csa_compressor" / "__main__.py", pkg / "__main__.py")
 
 
-def prepare(specs: list[str], workdir: Path, repo: Path = ROOT) -> dict:
-    """A worktree per side under ``workdir`` (replacing earlier ones), patches applied, the bench overlaid."""
+def prepare(specs: list[str], workdir: Path, repo: Path = ROOT, trim: bool = False, keep_tests=()) -> dict:
+    """A worktree per side under ``workdir`` (replacing earlier ones), patches applied, the bench overlaid; with
+    ``trim``, each side cut to what a device call runs (``trim_side``: side B keeps ``keep_tests``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     sides = {}
     for name, spec in zip(SIDES, specs, strict=True):
@@ -73,10 +77,65 @@ def prepare(specs: list[str], workdir: Path, repo: Path = ROOT) -> dict:
         for patch in patches:
             _git("apply", str(patch), cwd=path)
         overlay_bench(path)
+        if trim:
+            trim_side(path, keep_tests if name == "b" else ())
         commit = _git("rev-parse", "HEAD", cwd=path)
         sides[name] = {"spec": spec, "commit": commit, "patches": [p.name for p in patches]}
     (workdir / "sides.json").write_text(json.dumps(sides, indent=1) + "\n")
     return sides
+
+
+# What a trimmed side keeps besides its tests: the package (with this tree's bench) and its metadata.
+TRIM_KEEPS = ("csa_compressor", "pyproject.toml", ".git")
+
+
+def needed_tests(side: Path, tests) -> set[Path]:
+    """``tests`` (paths in ``side``) with the package files and test modules they import from ``tests``,
+    transitively: each folder's ``__init__.py`` and ``conftest.py`` and the relative or ``tests.`` imports."""
+    todo = [side / t for t in tests]
+    for path in list(todo):
+        for folder in path.relative_to(side).parents:
+            if folder.parts[:1] == ("tests",):
+                todo += [side / folder / "__init__.py", side / folder / "conftest.py"]
+    keep: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in keep or not path.is_file():
+            continue
+        keep.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = path.parent
+                for _ in range(node.level - 1):
+                    base = base.parent
+                if node.level == 0:
+                    if not (node.module or "").startswith("tests"):
+                        continue
+                    base = side
+                parts = (node.module or "").split(".") if node.module else []
+                target = base.joinpath(*parts)
+                todo += [target.with_suffix(".py"), target / "__init__.py"]
+                todo += [target / f"{alias.name}.py" for alias in node.names]
+    return keep
+
+
+def trim_side(side: Path, keep_tests=()) -> None:
+    """Delete from a side's worktree what a device call does not run (a call carries at most 64 MiB, the CuTe-DSL
+    bundle most of it): everything but ``TRIM_KEEPS`` and ``keep_tests`` with the test modules they need."""
+    keep = needed_tests(side, keep_tests)
+    for entry in side.iterdir():
+        if entry.name in TRIM_KEEPS:
+            continue
+        if entry.name == "tests" and keep:
+            for path in sorted(entry.rglob("*"), reverse=True):  # files before their folders
+                if path.is_file() and path not in keep:
+                    path.unlink()
+                elif path.is_dir() and not any(path.iterdir()):
+                    path.rmdir()
+        elif entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def run_order(rounds: int) -> list[tuple[str, int]]:
@@ -186,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name)
         p.add_argument("a", help="side A: REV or REV+PATCH[+PATCH...]")
         p.add_argument("b", help="side B, the same form")
+        p.add_argument("--trim", action="store_true", help="cut each side to the package (for a device call)")
+        p.add_argument("--keep-tests", nargs="*", default=[], metavar="TEST",
+                       help="with --trim: test files side B keeps (with the test modules they import)")  # fmt: skip
     for name in ("run", "all"):
         p = sub.choices[name] if name in sub.choices else sub.add_parser(name)
         p.add_argument("--rounds", type=int, default=2, help="runs per side, alternating (default 2: A B B A)")
@@ -206,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command in ("prepare", "all"):
-            print(json.dumps(prepare([args.a, args.b], args.dir), indent=1))
+            print(json.dumps(prepare([args.a, args.b], args.dir, trim=args.trim, keep_tests=args.keep_tests), indent=1))
         if args.command in ("run", "all"):
             failed = run(args.dir, args.rounds, args.bench.split(), args.timeout_s)
             for line in failed:

@@ -49,6 +49,43 @@ def repo(tmp_path):
     return repo
 
 
+def test_prepare_trims_sides_for_a_device_call(repo, tmp_path, monkeypatch):
+    """--trim: the package in both sides; side B keeps the named tests and the test modules they import."""
+    files = {
+        "docs/index.md": "",
+        "CHANGELOG.md": "",
+        "tests/__init__.py": "",
+        "tests/conftest.py": "from tests.fixtures import pack\n",
+        "tests/fixtures.py": "pack = 1\n",
+        "tests/naive.py": "",
+        "tests/unused.py": "",
+        "tests/test_other.py": "",
+        "tests/backends/__init__.py": "",
+        "tests/backends/common.py": "from .. import naive\n",
+        "tests/backends/test_kernel.py": "from .common import naive\nfrom ..fixtures import pack\n",
+    }
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "tests")
+    monkeypatch.chdir(tmp_path)
+    ab.prepare(["HEAD", "HEAD+wide.patch"], tmp_path / "ab", repo=repo, trim=True,
+               keep_tests=["tests/backends/test_kernel.py"])  # fmt: skip
+
+    def listing(side):
+        root = tmp_path / "ab" / side
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".git" not in p.parts)
+
+    package = ["csa_compressor/__init__.py", "csa_compressor/__main__.py", "csa_compressor/kernel.py"]
+    bench = [f"csa_compressor/bench/{p.name}" for p in (ROOT / "csa_compressor" / "bench").glob("*.py")]
+    assert listing("a") == sorted(package + bench)
+    kept = ["tests/__init__.py", "tests/conftest.py", "tests/fixtures.py", "tests/naive.py",
+            "tests/backends/__init__.py", "tests/backends/common.py", "tests/backends/test_kernel.py"]  # fmt: skip
+    assert listing("b") == sorted(package + bench + kept)
+    assert (tmp_path / "ab" / "b" / "csa_compressor" / "kernel.py").read_text() == "TILE = 256\n"
+
+
 def test_parse_side(tmp_path):
     (tmp_path / "x.patch").write_text("")
     assert ab.parse_side("HEAD", tmp_path) == ("HEAD", [])
