@@ -22,10 +22,11 @@ SETTINGS = settings(
 
 
 @st.composite
-def packs(draw):
-    ratio = draw(st.sampled_from([1, 2, 3, 4, 8]))
+def packs(draw, ratios=(1, 2, 3, 4, 8), head_dims=None):
+    """A ragged pack: empty and short segments, token and row padding; head_dim from ``head_dims`` (1-5)."""
+    ratio = draw(st.sampled_from(ratios))
     coff = draw(st.sampled_from([1, 2]))
-    head_dim = draw(st.integers(1, 5))
+    head_dim = draw(head_dims or st.integers(1, 5))
     seqlens = draw(st.lists(st.integers(0, 3 * ratio + 2), min_size=1, max_size=5))
     token_padding = draw(st.integers(0, 3))
     comp_padding = draw(st.integers(0, 2))

@@ -4,44 +4,26 @@ the contract (``tail.check_backend``). tests/test_tail.py has the named edge cas
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from csa_compressor import tail as T
-from csa_compressor.testing import make_pack
 
 from . import naive
+from .test_properties import SETTINGS, packs
 from .test_tail_api import _TRITON_REASON, _on_device, _wrappers
-
-SETTINGS = settings(
-    max_examples=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-    derandomize=bool(os.environ.get("CI")),  # CI draws the same examples every run
-)
 
 
 @st.composite
 def tailed_packs(draw, ratios=(1, 2, 3, 4, 8, 128)):
-    """A ragged pack (empty and short segments, token and row padding) and a tail for it: a norm (fp32 or bf16
-    weight, any eps) and/or a rotation of any even width up to head_dim, either pair convention, with or without
-    ``position_start``."""
-    ratio = draw(st.sampled_from(ratios))
-    coff = draw(st.sampled_from([1, 2]))
+    """A ragged pack (``test_properties.packs``) and a tail for it: a norm (fp32 or bf16 weight, any eps) and/or a
+    rotation of any even width up to head_dim, either pair convention, with or without ``position_start``."""
     # Not head_dim 1: a norm of one column is +-w, and its gradient r*w*dy*(1 - x*x*r*r) cancels whole, so no fp32
     # evaluation (the reference's included) meets grad_ape's relative L2 there.
-    head_dim = draw(st.integers(2, 12) | st.sampled_from([63, 64, 66]))
-    seqlens = draw(st.lists(st.integers(0, 3 * ratio + 2), min_size=1, max_size=4))
-    token_padding = draw(st.integers(0, 3))
-    comp_padding = draw(st.integers(0, 2))
-    if comp_padding and sum(seqlens) + token_padding < ratio:  # padding rows read tokens 0..ratio-1
-        token_padding = ratio - sum(seqlens)
-    seed = draw(st.integers(0, 2**16))
-    pack = make_pack(seqlens, head_dim, ratio, coff, token_padding=token_padding, comp_padding=comp_padding, seed=seed)
+    pack = draw(packs(ratios, st.integers(2, 12) | st.sampled_from([63, 64, 66])))
+    head_dim = pack.head_dim
     norm = draw(st.booleans())
     tail_kw = dict(
         norm=norm,
@@ -51,7 +33,7 @@ def tailed_packs(draw, ratios=(1, 2, 3, 4, 8, 128)):
         norm_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
         eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
     )
-    return pack, T.random_tail(pack, seed=seed + 1, **tail_kw)
+    return pack, T.random_tail(pack, seed=draw(st.integers(0, 2**16)), **tail_kw)
 
 
 @SETTINGS
