@@ -14,8 +14,9 @@ so that drift of the machine falls on both sides alike, and the report gives the
 
 ``prepare`` needs git (run it here); ``run`` needs a GPU: the sides are nested worktrees, so a device call must
 carry the folder (``carry: ["csa_compressor_ab"]``); ``--trim`` keeps of each side only the package (and side B's
-``--keep-tests`` with the test modules they import), so that several pairs fit beside the CuTe-DSL bundle. ``cubins`` runs ``benchmarks/cubins.py --arch ARCH --out
-FILE`` in each side (this tree's copy where a side has none) and compares the two files.
+``--keep-tests`` with the test modules they import), so that several pairs fit beside the CuTe-DSL bundle.
+``cubins`` runs ``benchmarks/cubins.py --arch ARCH --out FILE`` in each side (this tree's copy where a side has
+none) and compares the two files.
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ TRIM_KEEPS = ("csa_compressor", "pyproject.toml", ".git")
 
 
 def needed_tests(side: Path, tests) -> set[Path]:
-    """``tests`` (paths in ``side``) with the package files and test modules they import from ``tests``,
-    transitively: each folder's ``__init__.py`` and ``conftest.py`` and the relative or ``tests.`` imports."""
+    """``tests`` (paths in ``side``) and what they need to import, transitively: each test folder's ``__init__.py``
+    and ``conftest.py``, and the modules of their relative or ``tests.`` imports."""
     todo = [side / t for t in tests]
     for path in list(todo):
         for folder in path.relative_to(side).parents:
