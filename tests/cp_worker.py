@@ -109,25 +109,29 @@ def suite(world: int, kind: str) -> list:
         ]  # fmt: skip
     if world == 4:
         cases.append(Case("w4-r4c2-empty-rank", (9, 2, 6), 4, 2, "pieces", seed=90, empty_rank=1, cuts=7))
-    cases += _random_cases(world, 5)
+    cases += _random_cases(world, 8)
     # A good case after the bad ones: the group is still in step.
     return [*cases, *(Bad(*kv) for kv in BAD.items()), Case(f"w{w}-after-errors", (17, 11), 4, 2, "pieces", seed=99)]
 
 
 def _random_cases(world: int, count: int) -> list[Case]:
-    """Random packs (segments shorter than ratio included), configurations and layouts."""
+    """Random packs (segments shorter than ratio included), configurations, layouts, tails (the rotations where
+    head_dim allows them), in-op reductions and losses on the gathered or the local rows."""
     rng = random.Random(7919 * world)
     cases = []
     for i in range(count):
-        ratio, coff = rng.choice([(4, 2), (128, 1), (128, 2), (2, 1), (4, 1)])
+        ratio, coff = rng.choice([(4, 2), (128, 1), (128, 2), (2, 1), (4, 1), (3, 2), (8, 1)])
         layout = rng.choice(["contiguous", "load_balanced", "pieces"])
         seqlens = [rng.randint(1, 3 * ratio) for _ in range(rng.randint(1, 5))]
         if layout == "load_balanced":
             seqlens = [-(-n // (2 * world)) * 2 * world for n in seqlens]
         empty = rng.choice([None, rng.randrange(world)])
-        cases.append(Case(f"w{world}-random{i}-r{ratio}c{coff}-{layout}", tuple(seqlens), ratio, coff, layout,
-                          head_dim=rng.choice([3, 4, 6, 8]), seed=rng.randrange(1 << 16), empty_rank=empty,
-                          cuts=rng.randint(1, 3 * world)))  # fmt: skip
+        head_dim = rng.choice([3, 4, 6, 8, 10])
+        tail = rng.choice(["", *TAILS] if head_dim >= 8 else ["", "norm-bf16"])
+        cases.append(Case(f"w{world}-random{i}-r{ratio}c{coff}-{layout}{'-' + tail if tail else ''}", tuple(seqlens),
+                          ratio, coff, layout, head_dim=head_dim, seed=rng.randrange(1 << 16), empty_rank=empty,
+                          cuts=rng.randint(1, 3 * world), tail=tail, reduce_ape=rng.random() < 0.3,
+                          gather=rng.random() < 0.8))  # fmt: skip
     return cases
 
 
