@@ -181,10 +181,6 @@ def _layout(case: Case, cu, rank: int, world: int):
     return getattr(CPLayout, case.layout)(cu, rank, world)  # contiguous | load_balanced
 
 
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
 def _weights(case: Case, rows: int, d: int, rank: int, world: int, device):
     """This rank's loss weights on the gathered rows, and their sum over the ranks (the reference's)."""
     gen = torch.Generator().manual_seed(1000 + case.seed)
@@ -199,7 +195,7 @@ def _weights(case: Case, rows: int, d: int, rank: int, world: int, device):
 def run_case(case: Case, rank: int, world: int, group, device) -> dict:
     from csa_compressor import compressor_pool
     from csa_compressor.distributed import compressor_pool_cp, gather_rows
-    from csa_compressor.testing import make_pack
+    from csa_compressor.testing import bitwise_equal, make_pack
     from csa_compressor.thd import row_layout
 
     p = make_pack(case.seqlens, case.head_dim, case.ratio, case.coff, seed=case.seed, device=device)
@@ -222,17 +218,17 @@ def run_case(case: Case, rank: int, world: int, group, device) -> dict:
         problems.append(
             f"rows {rows.tolist()[:8]}... != rows whose last token is local {expected_rows.tolist()[:8]}..."
         )
-    if not _bits_equal(out.detach(), ref.detach()[expected_rows]):
+    if not bitwise_equal(out.detach(), ref.detach()[expected_rows]):
         problems.append("out_local differs from the single-process rows")
     if case.gather:
         out_all = gather_rows(out, rows, layout, group=group)
-        if not _bits_equal(out_all.detach(), ref.detach()):
+        if not bitwise_equal(out_all.detach(), ref.detach()):
             problems.append("gather_rows differs from the single-process output")
         _backward(out_all, mine)
     else:
         _backward(out, total[rows])
     for name, got, want in (("kv", kv.grad, leaves[0].grad[idx]), ("score", score.grad, leaves[1].grad[idx])):
-        if not _bits_equal(got, want):
+        if not bitwise_equal(got, want):
             problems.append(f"grad_{name}: {int((got != want).any(1).sum())} of {got.shape[0]} local tokens differ")
     params = [("grad_ape", ape.grad, leaves[2].grad)]
     if tail.get("norm_weight") is not None:

@@ -56,7 +56,3 @@ def cubin_resources(cubin) -> dict:
 
 def nan(shape, dtype=F32, device=DEVICE):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-
-def bits(t):
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from csa_compressor import reference
-from csa_compressor.testing import assert_contract, make_pack, rel_l2
+from csa_compressor.testing import assert_contract, bitwise_equal, make_pack, rel_l2
 
 from .common import child_env, cute_launch
 
@@ -331,8 +331,7 @@ def test_no_wide_forward_for_one_row_per_cta():
 
 def _assert_bitwise(a, b):
     assert not torch.isnan(b).any()
-    bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
-    assert torch.equal(a.view(bits), b.view(bits))
+    assert bitwise_equal(a, b)
 
 
 def _stats_forms(config):

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from .common import DEVICE, HAS_CUDA, triton_skip
-from .common import bits as _bits
 
 pytestmark = triton_skip()
 
 from csa_compressor import reference  # noqa: E402
 from csa_compressor.backends.triton import launch  # noqa: E402
-from csa_compressor.testing import assert_contract, bf16_ulp_distance, make_pack  # noqa: E402
+from csa_compressor.testing import assert_contract, bf16_ulp_distance, bitwise_equal, make_pack  # noqa: E402
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -191,7 +190,7 @@ def test_run_to_run_bitwise_determinism():
     first = _run(pack)
     second = _run(pack)
     for a, b in zip(first, second, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
+        assert bitwise_equal(a, b)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
