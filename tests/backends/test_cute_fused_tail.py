@@ -133,13 +133,21 @@ def test_long_forward_with_tail_compiles(arch, name):
     _, ratio, coff, head_dim, tail = next(b for b in LONG_BUILDS if b[0] == name)
     cfg = select.fused_tail_config("forward", ratio, coff, head_dim, offline_spec(arch), tail)
     kernel = select.KERNEL_OF_CONFIG[type(cfg)](cfg)
-    assert isinstance(kernel, ForwardLongWindow) and cfg.column_chunks == 1 and not cfg.signals_dependents
+    assert isinstance(kernel, ForwardLongWindow) and not cfg.signals_dependents
+    # A row's column chunks are one cluster where its rotary pairs sit in neighbouring lanes (or it has none); its
+    # chunks' sums of squares cross the cluster by st.async, counted on each CTA's mbarrier.
+    pooling = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, offline_spec(arch))
+    in_lanes = tail.rope_dim == 0 or (tail.rope_interleaved and (head_dim - tail.rope_dim) % 2 == 0)
+    clustered = name not in STREAM_BUILDS and pooling.column_chunks > 1 and in_lanes
+    assert cfg.column_chunks == (pooling.column_chunks if clustered else 1)
     with tempfile.TemporaryDirectory() as dump:
         artifacts = compile_kernel(kernel, arch, dump_dir=dump).artifacts
         ptx, used = artifacts.PTX, cubin_resources(artifacts.CUBIN)
     assert "ld.local" not in ptx and "st.local" not in ptx and used["frame"] == 0, used
     assert [_kinds(p) for _n, p in ENTRY.findall(ptx)] == ["ppppppp" + "iii" + "ppppp" + "fi"]
     assert f".minnctapersm {cfg.launch_ctas_per_sm}" in ptx
+    exchanges = clustered and tail.has_norm
+    assert ("st.async.shared::cluster" in ptx) == exchanges and ("barrier.cluster.wait" in ptx) == exchanges
     assert (cfg == tail_configs.whole_row_stream(ratio, coff, head_dim, tail)) == (name in STREAM_BUILDS)
     # Interleaved rotary partners sit in the neighbouring lane (a shuffle); half-split ones go through shared memory.
     row = kernel.tail.row
@@ -176,12 +184,18 @@ def test_long_forward_with_tail_only_where_the_tile_allows():
         assert cfg.write_stats and not cfg.signals_dependents and cfg.tail == tail
         assert tail_configs.long_forward_with_tail(ratio, 1, head_dim, H200, tail, stream_rows=False) is None
         assert tail_configs.fused_forward_for_sm100(ratio, 1, head_dim, offline_spec("sm_100a"), tail) is None
+    # Where the widened tile fits: the pooling's own tile, a row's chunks one cluster, with interleaved pairs (or no
+    # rotation); the widened tile with half-split pairs (they cross chunks) or one chunk.
     for ratio, coff, head_dim in ((128, 1, 128), (64, 2, 128), (16, 2, 512), (16, 2, 128), (32, 2, 64)):
-        cfg = tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail)
         stats = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, H200)
         chunks = stats.column_chunks
+        clustered = tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, tail)
+        half = spec("fp32", 64, False)
+        cfg = tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, half)
+        widened = dataclasses.replace(cfg, tail=tail)
+        assert clustered == (dataclasses.replace(stats, tail=tail, signals_dependents=False) if chunks > 1 else widened)
         assert cfg.column_chunks == 1 and cfg.column_threads == stats.column_threads * chunks
-        assert cfg.rows_per_cta == max(1, stats.rows_per_cta // chunks) and cfg.tail == tail
+        assert cfg.rows_per_cta == max(1, stats.rows_per_cta // chunks) and cfg.tail == half
         assert (cfg.slot_groups, cfg.slots_per_batch, cfg.batches) == (
             stats.slot_groups, stats.slots_per_batch, stats.batches)  # fmt: skip
         assert cfg.threads <= tail_configs.WHOLE_ROW_THREADS and cfg.threads % cfg.columns_per_cta == 0

@@ -391,16 +391,15 @@ class ForwardLongWindow:
         """Host function with the tail (arguments: ``build.py``): whole rows per CTA; ``stats`` (0: none) and
         ``rstd`` (0: none) are written where given."""
         cfg = self.config
-        blocks = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta
+        chunks = cfg.column_chunks  # > 1: a row's chunks are one cluster
+        blocks = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta * chunks
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens)
         tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
-        self.fused_kernel(*args, *tail_args).launch(
-            grid=[blocks, 1, 1],
-            block=[cfg.threads, 1, 1],
-            smem=cfg.smem_bytes + self.tail.smem_bytes(),
-            stream=stream,
-            **self.bounds(),
-        )
+        launch = dict(grid=[blocks, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes + self.tail.smem_bytes(),
+                      stream=stream, **self.bounds())  # fmt: skip
+        if cutlass.const_expr(chunks > 1):
+            launch["cluster"] = [chunks, 1, 1]
+        self.fused_kernel(*args, *tail_args).launch(**launch)
 
     @cute.kernel
     def fused_kernel(self, kv: cute.Pointer, score: cute.Pointer, ape: cute.Pointer, cu: cute.Pointer,
@@ -411,14 +410,15 @@ class ForwardLongWindow:
         tail = self.tail
         win = self.open_window(kv, score, cu, cuc, B, N, T)
         shared = tail.allocate(win.smem)
-        col = tail.column(win.th.tidx, win.th.rblk, N)
+        tail.start_cluster(shared, win.th.tidx)
+        col = tail.column(win.th.tidx, win.th.rblk, win.th.chunk, N)
         # The tail's operands (L2 hits) are in flight while the window arrives (one batch per group).
         tables = (norm_weight, rope_cos, rope_sin, position_start, max_position)
         operands = tail.load_operands(win.seg, col, *tables, N)
         self.fold_to_shared(kv, score, ape, win)
         x = Float32(0.0)
         if col.ok:
-            mx, total, x = self.combine_column(win.parts, col.lane * self.smem_row + col.column)
+            mx, total, x = self.combine_column(win.parts, col.lane * self.smem_row + col.local)
             if stats.toint() != 0:
                 write_stats(stats, col.row, col.column, cfg.head_dim, N, mx, total, x)
         tail.finish(x, col, operands, shared, out, rstd, eps, N, win.th.tidx)

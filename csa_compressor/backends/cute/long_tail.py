@@ -5,7 +5,8 @@ After the combine a thread holds one column of one row: the CTA's threads are ``
 of ``columns_per_cta`` threads (a power of two); rows past ``rows_per_cta`` hold none (their warps skip the tail where
 no CTA barrier waits for them, else they add zeros). The norm and the rotation are ``norm_rope.RowTail``'s with one
 column per thread: a row's sum in one fixed order, interleaved partners by a shuffle, half-split ones through shared
-memory.
+memory. Where a row's column chunks are CTAs of one cluster (``tail_configs.chunk_cluster``), each chunk's sum of
+squares goes to every CTA of the cluster through distributed shared memory, and each adds them in chunk order.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .norm_rope import RowTail
-from .ptx import mul_rn
+from .norm_rope import RowTail, ordered_sum
+from .ptx import mul_rn, store_to_cluster_peer
 from .window import real_rows, registers
 
 
@@ -25,13 +26,14 @@ class WholeRowTail:
     """The tail of ``ForwardLongWindow`` with a ``tail``: its shared buffers, operand loads and row epilogue."""
 
     def __init__(self, config):
-        if config.column_chunks != 1:
-            raise ValueError(f"the long-window forward fuses the tail for whole rows, got {config}")
         self.config = config
         self.spec = config.tail
         self.columns = config.columns_per_cta
         self.rows = config.tail_rows
+        self.chunks = config.column_chunks  # > 1: the CTAs of one cluster
         self.row = RowTail(config.tail, config.head_dim, 1, self.columns, self.rows)
+        if self.chunks > 1 and (self.row.exchanges_rows or not config.chunk_major):
+            raise ValueError(f"a row's chunks fuse the tail as one cluster of adjacent CTAs, got {config}")
         # Rows past rows_per_cta hold no row: their warps skip the tail where no CTA barrier needs them (a row's
         # sums wait on its own named barrier; the half-split exchange waits on the whole CTA) and the real rows
         # fill whole warps (a warp's shuffles need all its lanes).
@@ -43,29 +45,41 @@ class WholeRowTail:
     def exchange_floats(self) -> int:
         return self.rows * self.columns if self.row.exchanges_rows else 0
 
+    def partial_floats(self) -> int:
+        """Each row's chunk sums, one per CTA of the cluster (written by that CTA)."""
+        return self.config.rows_per_cta * self.chunks if self.chunks > 1 else 0
+
     def smem_bytes(self) -> int:
-        """Row sums across warps and the rotation's exchange rows."""
-        return (self.row.sum_floats(1) + self.exchange_floats()) * 4 + 2 * 16
+        """Row sums across warps, the rotation's exchange rows, the cluster's chunk sums and their mbarrier."""
+        buffers = 4 if self.chunks > 1 else 2
+        return (self.row.sum_floats(1) + self.exchange_floats() + self.partial_floats()) * 4 + buffers * 16
 
     @cute.jit
     def allocate(self, smem):
         def buffer(floats):
             return smem.allocate_tensor(Float32, cute.make_layout(max(1, floats)), byte_alignment=16)
 
-        return SimpleNamespace(sums=buffer(self.row.sum_floats(1)), rows=buffer(self.exchange_floats()))
+        shared = SimpleNamespace(sums=buffer(self.row.sum_floats(1)), rows=buffer(self.exchange_floats()))
+        if cutlass.const_expr(self.chunks > 1):
+            shared.partials = buffer(self.partial_floats())
+            shared.arrived = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=16)
+        return shared
 
     @cute.jit
-    def column(self, tidx, rblk, N: Int32):
-        """This thread's column of the tail: its lane (row of the CTA), row, column and whether it is a real (row,
-        column) of the output."""
+    def column(self, tidx, rblk, chunk, N: Int32):
+        """This thread's column of the tail: its lane (row of the CTA), row, column (in the row and in the CTA's
+        chunk) and whether it is a real (row, column) of the output."""
         cfg = self.config
         lane = tidx // self.columns
-        column = tidx % self.columns
+        local = tidx % self.columns
+        column = local
+        if cutlass.const_expr(self.chunks > 1):
+            column = chunk * self.columns + local
         row = rblk * cfg.rows_per_cta + lane
         ok = (lane < cfg.rows_per_cta) & (row < N)
         if cutlass.const_expr(not cfg.columns_exact):
             ok = ok & (column < cfg.head_dim)
-        return SimpleNamespace(lane=lane, row=row, column=column, ok=ok)
+        return SimpleNamespace(lane=lane, row=row, column=column, local=local, ok=ok)
 
     @cute.jit
     def load_operands(self, seg, col, norm_weight, rope_cos, rope_sin, position_start, max_position, N: Int32):
@@ -88,18 +102,54 @@ class WholeRowTail:
     @cute.jit
     def finish(self, x, col, operands, shared, out, rstd, eps, N: Int32, tidx):
         """``x`` (the pooled column, 0 where not ``col.ok``) normalised and rotated, stored as bf16; the row's
-        rstd (1 without a norm) where ``rstd`` is given. Every thread of the CTA calls this."""
+        rstd (1 without a norm) where ``rstd`` is given. Every thread of the CTA (and of its cluster) calls this."""
+        total = None  # the row's sum of squares, summed in finish_row where the CTA holds the whole row
+        if cutlass.const_expr(self.chunks > 1 and self.spec.has_norm):
+            total = Float32(0.0)
+            if self.holds_row(col):
+                total = self.row.row_sums([mul_rn(x, x)], shared.sums, 0, col.lane, tidx)[0]
+            total = self.cluster_total(total, col, shared)
         if self.holds_row(col):
-            self.finish_row(x, col, operands, shared, out, rstd, eps, N, tidx)
+            self.finish_row(x, total, col, operands, shared, out, rstd, eps, N, tidx)
 
     @cute.jit
-    def finish_row(self, x, col, operands, shared, out, rstd, eps, N: Int32, tidx):
+    def cluster_total(self, total, col, shared):
+        """The row's sum over the cluster's chunks, in chunk order, from this chunk's ``total``: each row's first
+        column sends it to every CTA of the cluster, whose mbarrier counts the bytes. Every thread of the cluster
+        calls this, after ``start_cluster``."""
+        rows, chunks = self.config.rows_per_cta, self.chunks
+        lane = cutlass.min(col.lane, Int32(rows - 1))  # the empty lanes read a real row's sums, unused
+        cute.arch.cluster_wait()  # every CTA of the cluster runs, its mbarrier initialised
+        if (col.local == 0) & (col.lane < rows):
+            rank = cute.arch.block_idx_in_cluster()
+            for peer in cutlass.range_constexpr(chunks):
+                store_to_cluster_peer(shared.partials.iterator + (lane * chunks + rank), shared.arrived.iterator,
+                                      peer, total)  # fmt: skip
+        if col.local + col.lane == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(shared.arrived.iterator, rows * chunks * 4)
+        cute.arch.mbarrier_wait(shared.arrived.iterator, 0)
+        return ordered_sum([shared.partials[lane * chunks + k] for k in range(chunks)])
+
+    @cute.jit
+    def start_cluster(self, shared, tidx):
+        """The cluster's mbarrier initialised (one arrival: the thread that expects the bytes), then the arrive
+        that ``cluster_total``'s wait pairs with, early so that it costs no wait: a CTA sends to a peer only once the
+        whole cluster runs and its mbarrier is ready."""
+        if cutlass.const_expr(self.chunks > 1 and self.spec.has_norm):
+            if tidx == 0:
+                cute.arch.mbarrier_init(shared.arrived.iterator, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.cluster_arrive_relaxed()
+
+    @cute.jit
+    def finish_row(self, x, total, col, operands, shared, out, rstd, eps, N: Int32, tidx):
         weight, cos, sin = operands
         y = registers(1)
         y[0] = x
         row_rstd = Float32(1.0)
         if cutlass.const_expr(self.spec.has_norm):
-            total = self.row.row_sums([mul_rn(x, x)], shared.sums, 0, col.lane, tidx)[0]
+            if cutlass.const_expr(total is None):
+                total = self.row.row_sums([mul_rn(x, x)], shared.sums, 0, col.lane, tidx)[0]
             row_rstd = self.row.rstd(total, eps)
             y[0] = mul_rn(mul_rn(x, row_rstd), weight[0])
         if cutlass.const_expr(self.row.has_rope):

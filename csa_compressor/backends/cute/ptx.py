@@ -1,5 +1,5 @@
 """Inline PTX operations of the cute kernels: fp32 arithmetic with pinned rounding, bf16 widening, exp2, the
-correctly rounded quotient, and the L2 prefetch.
+correctly rounded quotient, the L2 prefetch, and the store to a cluster peer's shared memory.
 
 The ``.rn``-pinned forms exist because NVVM and ptxas may otherwise contract a multiply and an add into one fma,
 which changes results against the fp32 reference that the short-window kernels match bit for bit.
@@ -110,3 +110,18 @@ def prefetch_l2(ptr: cute.Pointer, *, loc=None, ip=None) -> None:
     """``prefetch.global.L2`` of the 128-byte line holding ``ptr``: no register, no wait, never removed."""
     address = ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
     inline_ptx("prefetch.global.L2 [$0];", [address], "l", side_effects=True)
+
+
+@dsl_user_op
+def store_to_cluster_peer(shared: cute.Pointer, barrier: cute.Pointer, rank, value, *, loc=None, ip=None) -> None:
+    """``value`` (fp32) stored at ``shared``'s place in the shared memory of the cluster's CTA ``rank``, its 4
+    bytes counted on that CTA's mbarrier at ``barrier``'s place (``st.async``: no fence, the receiver waits on its
+    own mbarrier)."""
+    operands = [shared.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                barrier.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+                cutlass.Int32(rank).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)]  # fmt: skip
+    text = (
+        "{\n.reg .b32 %to, %bar;\nmapa.shared::cluster.u32 %to, $0, $2;\nmapa.shared::cluster.u32 %bar, $1, $2;\n"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%to], $3, [%bar];\n}"
+    )
+    inline_ptx(text, operands, "r,r,r,f,~{memory}", side_effects=True)

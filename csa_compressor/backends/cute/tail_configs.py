@@ -206,12 +206,13 @@ def fused_forward_for_sm90(ratio: int, coff: int, head_dim: int, device: DeviceS
 
 def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceSpec, tail: TailSpec,
                            stream_rows: bool = True):  # fmt: skip
-    """The long-window forward with the tail, or None (the composed route). The statistics forward's tile
-    (``stats_forward_for_sm90``) widened to whole rows (its column chunks side by side in one CTA, in place of its
-    rows where it has several) where it has one batch per group, at most WHOLE_ROW_THREADS threads and one column
-    per thread in the tail (``tail_rows``); where that tile does not fit a CTA, with ``stream_rows``, a row streaming
-    its window through one CTA (``whole_row_stream``). Streaming windows (several batches per group, whose CTA would
-    hold a row's whole stream) stay composed."""
+    """The long-window forward with the tail, or None (the composed route). Where the statistics forward's tile
+    (``stats_forward_for_sm90``) has one batch per group and, widened to whole rows (its column chunks side by side
+    in one CTA, in place of its rows where it has several), fits WHOLE_ROW_THREADS threads with one column per
+    thread in the tail (``tail_rows``): that tile with a row's chunks as one cluster where its rotary pairs allow
+    (``chunk_cluster``), else the widened one. Where the widened tile does not fit a CTA, with ``stream_rows``, a
+    row streaming its window through one CTA (``whole_row_stream``). Streaming windows (several batches per group,
+    whose CTA would hold a row's whole stream) stay composed."""
     config = stats_forward_for_sm90(ratio, coff, head_dim, device)
     chunks = config.column_chunks
     column_threads = config.column_threads * chunks
@@ -223,10 +224,29 @@ def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceS
     columns = whole.columns_per_cta
     fits = whole.threads <= WHOLE_ROW_THREADS and whole.threads % columns == 0 and whole.tail_rows >= rows
     if fits and (columns <= 32 or whole.tail_rows <= MAX_ROW_BARRIERS):
-        return whole
+        return chunk_cluster(config, tail) or whole
     if stream_rows:
         return whole_row_stream(ratio, coff, head_dim, tail)
     return None
+
+
+# The most CTAs of one cluster a launch may ask for on every GPU (the portable cluster size).
+MAX_CLUSTER_CHUNKS = 8
+
+
+def chunk_cluster(config: ForwardLongConfig, tail: TailSpec):
+    """The statistics forward's own tile with the tail, its column chunks of a row one cluster (the row's sum of
+    squares summed across them through distributed shared memory: ``long_tail.WholeRowTail``), or None. For tiles
+    of several chunks whose rotary pairs stay in one chunk and in neighbouring lanes (interleaved from an even
+    column, or no rotation): the row keeps the pooling's grid, where widening it to one CTA would leave SMs idle."""
+    chunks, columns = config.column_chunks, config.columns_per_cta
+    pairs_in_lanes = tail.rope_dim == 0 or (tail.rope_interleaved and (config.head_dim - tail.rope_dim) % 2 == 0)
+    if not 1 < chunks <= MAX_CLUSTER_CHUNKS or not pairs_in_lanes or columns % 2 or config.threads % columns:
+        return None
+    clustered = replace(config, chunk_major=True, signals_dependents=False, tail=tail)
+    if clustered.tail_rows < config.rows_per_cta or (columns > 32 and clustered.tail_rows > MAX_ROW_BARRIERS):
+        return None
+    return clustered
 
 
 # The whole-row stream: the head_dim it serves (DeepSeek-V4's main compressor), its vectors and slots per batch, and
