@@ -138,7 +138,8 @@ def test_long_forward_with_tail_compiles(arch, name):
     # chunks' sums of squares cross the cluster by st.async, counted on each CTA's mbarrier.
     pooling = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, offline_spec(arch))
     in_lanes = tail.rope_dim == 0 or (tail.rope_interleaved and (head_dim - tail.rope_dim) % 2 == 0)
-    clustered = name not in STREAM_BUILDS and pooling.column_chunks > 1 and in_lanes
+    chunks = pooling.column_chunks
+    clustered = name not in STREAM_BUILDS and 1 < chunks <= tail_configs.MAX_CLUSTER_CHUNKS and in_lanes
     assert cfg.column_chunks == (pooling.column_chunks if clustered else 1)
     with tempfile.TemporaryDirectory() as dump:
         artifacts = compile_kernel(kernel, arch, dump_dir=dump).artifacts
@@ -185,7 +186,8 @@ def test_long_forward_with_tail_only_where_the_tile_allows():
         assert tail_configs.long_forward_with_tail(ratio, 1, head_dim, H200, tail, stream_rows=False) is None
         assert tail_configs.fused_forward_for_sm100(ratio, 1, head_dim, offline_spec("sm_100a"), tail) is None
     # Where the widened tile fits: the pooling's own tile, a row's chunks one cluster, with interleaved pairs (or no
-    # rotation); the widened tile with half-split pairs (they cross chunks) or one chunk.
+    # rotation) and at most MAX_CLUSTER_CHUNKS chunks; the widened tile with half-split pairs (they cross chunks),
+    # one chunk or more chunks.
     for ratio, coff, head_dim in ((128, 1, 128), (64, 2, 128), (16, 2, 512), (16, 2, 128), (32, 2, 64)):
         stats = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, H200)
         chunks = stats.column_chunks
@@ -193,7 +195,8 @@ def test_long_forward_with_tail_only_where_the_tile_allows():
         half = spec("fp32", 64, False)
         cfg = tail_configs.long_forward_with_tail(ratio, coff, head_dim, H200, half)
         widened = dataclasses.replace(cfg, tail=tail)
-        assert clustered == (dataclasses.replace(stats, tail=tail, signals_dependents=False) if chunks > 1 else widened)
+        cluster = dataclasses.replace(stats, tail=tail, signals_dependents=False)
+        assert clustered == (cluster if 1 < chunks <= tail_configs.MAX_CLUSTER_CHUNKS else widened)
         assert cfg.column_chunks == 1 and cfg.column_threads == stats.column_threads * chunks
         assert cfg.rows_per_cta == max(1, stats.rows_per_cta // chunks) and cfg.tail == half
         assert (cfg.slot_groups, cfg.slots_per_batch, cfg.batches) == (

@@ -230,14 +230,15 @@ def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceS
     return None
 
 
-# The most CTAs of one cluster a launch may ask for on every GPU (the portable cluster size).
-MAX_CLUSTER_CHUNKS = 8
+# The most column chunks of a row that form one cluster: the width timed and run on a GPU (wider rows keep the
+# whole-row block).
+MAX_CLUSTER_CHUNKS = 2
 
 
 def chunk_cluster(config: ForwardLongConfig, tail: TailSpec):
     """The statistics forward's own tile with the tail, its column chunks of a row one cluster (the row's sum of
     squares summed across them through distributed shared memory: ``long_tail.WholeRowTail``), or None. For tiles
-    of several chunks whose rotary pairs stay in one chunk and in neighbouring lanes (interleaved from an even
+    of 2 to MAX_CLUSTER_CHUNKS chunks whose rotary pairs stay in one chunk and in neighbouring lanes (interleaved from an even
     column, or no rotation): the row keeps the pooling's grid, where widening it to one CTA would leave SMs idle."""
     chunks, columns = config.column_chunks, config.columns_per_cta
     pairs_in_lanes = tail.rope_dim == 0 or (tail.rope_interleaved and (config.head_dim - tail.rope_dim) % 2 == 0)
