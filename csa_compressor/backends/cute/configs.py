@@ -491,6 +491,11 @@ class TailSpec:
     rope_interleaved: bool
     has_positions: bool
 
+    def pairs_adjacent(self, head_dim: int) -> bool:
+        """Whether every rotary pair is two neighbouring columns starting at an even one (interleaved pairs from an
+        even first column) or there is no rotation: then no pair crosses an even-sized group of columns."""
+        return self.rope_dim == 0 or (self.rope_interleaved and (head_dim - self.rope_dim) % 2 == 0)
+
     @classmethod
     def of(cls, tail_config) -> TailSpec:
         """The spec of a ``TailConfig``; fields without effect take one value (no rotation: no pair convention,

@@ -65,8 +65,7 @@ class RowTail:
         self.has_rope = spec.rope_dim > 0
         self.pairs_in_thread = spec.rope_interleaved and self.base % 2 == 0 and width % 2 == 0
         # One column per thread, interleaved pairs from an even column: the partner is the neighbouring lane.
-        in_lanes = spec.rope_interleaved and self.base % 2 == 0 and width == 1 and row_threads > 1
-        self.pairs_in_lanes = self.has_rope and in_lanes
+        self.pairs_in_lanes = self.has_rope and spec.pairs_adjacent(head_dim) and width == 1 and row_threads > 1
         self.exchanges_rows = self.has_rope and not (self.pairs_in_thread or self.pairs_in_lanes)
 
     def sum_floats(self, sums: int) -> int:

@@ -238,11 +238,12 @@ MAX_CLUSTER_CHUNKS = 2
 def chunk_cluster(config: ForwardLongConfig, tail: TailSpec):
     """The statistics forward's own tile with the tail, its column chunks of a row one cluster (the row's sum of
     squares summed across them through distributed shared memory: ``long_tail.WholeRowTail``), or None. For tiles
-    of 2 to MAX_CLUSTER_CHUNKS chunks whose rotary pairs stay in one chunk and in neighbouring lanes (interleaved from an even
-    column, or no rotation): the row keeps the pooling's grid, where widening it to one CTA would leave SMs idle."""
+    of 2 to MAX_CLUSTER_CHUNKS chunks of an even width whose rotary pairs are neighbouring columns
+    (``TailSpec.pairs_adjacent``: each pair in one chunk, in neighbouring lanes): the row keeps the pooling's grid,
+    where widening it to one CTA would leave SMs idle."""
     chunks, columns = config.column_chunks, config.columns_per_cta
-    pairs_in_lanes = tail.rope_dim == 0 or (tail.rope_interleaved and (config.head_dim - tail.rope_dim) % 2 == 0)
-    if not 1 < chunks <= MAX_CLUSTER_CHUNKS or not pairs_in_lanes or columns % 2 or config.threads % columns:
+    pairs_ok = tail.pairs_adjacent(config.head_dim) and columns % 2 == 0
+    if not 1 < chunks <= MAX_CLUSTER_CHUNKS or not pairs_ok or config.threads % columns:
         return None
     clustered = replace(config, chunk_major=True, signals_dependents=False, tail=tail)
     if clustered.tail_rows < config.rows_per_cta or (columns > 32 and clustered.tail_rows > MAX_ROW_BARRIERS):
