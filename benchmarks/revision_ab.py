@@ -67,6 +67,7 @@ def prepare(specs: list[str], workdir: Path, repo: Path = ROOT, trim: bool = Fal
     """A worktree per side under ``workdir`` (replacing earlier ones), patches applied, the bench overlaid; with
     ``trim``, each side cut to what a device call runs (``trim_side``: side B keeps ``keep_tests``)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    _git("worktree", "prune", cwd=repo)  # forget sides whose folders were deleted by hand, so they can be added again
     sides = {}
     for name, spec in zip(SIDES, specs, strict=True):
         rev, patches = parse_side(spec)

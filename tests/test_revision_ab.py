@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,9 @@ def test_prepare_builds_each_side_with_this_trees_bench(repo, tmp_path, monkeypa
     assert ab.cubins(tmp_path / "ab", "sm_90a", 60) == []
     ab.prepare(["HEAD", "HEAD+wide.patch"], tmp_path / "ab", repo=repo)
     assert ab.cubins(tmp_path / "ab", "sm_90a", 60) == ["fwd: differs"]
+    shutil.rmtree(tmp_path / "ab")  # sides deleted by hand: their worktrees are still registered in the repo
+    ab.prepare(["HEAD", "HEAD+wide.patch"], tmp_path / "ab", repo=repo)
+    assert (b / "csa_compressor" / "kernel.py").read_text() == "TILE = 256\n"
 
 
 def test_run_alternates_and_compare_takes_medians(tmp_path, monkeypatch):
