@@ -108,6 +108,7 @@ LONG_BUILDS = [
     ("r16c2d512-norm-bf16", 16, 2, 512, spec("bf16")),  # a 512-column row
     ("r16c2d128-rope64-pos", 16, 2, 128, spec("fp32", 64, True, True)),  # two rows per CTA: named barriers
     ("r32c2d64-rope64-half-only", 32, 2, 64, spec(None, 64, False)),  # no norm
+    ("r128c1d128-rope64-only", 128, 1, 128, spec(None, 64)),  # two chunks, no norm: plain CTAs, no cluster
     # The whole-row stream (sm_90a; composed on sm_100a): several batches per group, two CTAs per SM.
     ("r128c1d512-stream-rope64", 128, 1, 512, spec("fp32", 64)),
     ("r64c1d512-stream-half-bf16-pos", 64, 1, 512, spec("bf16", 64, False, True)),
@@ -149,6 +150,8 @@ def test_long_forward_with_tail_compiles(arch, name):
     assert f".minnctapersm {cfg.launch_ctas_per_sm}" in ptx
     exchanges = clustered and tail.has_norm
     assert ("st.async.shared::cluster" in ptx) == exchanges and ("barrier.cluster.wait" in ptx) == exchanges
+    # Only the norm's exchange makes the chunks one cluster, with its chunk sums and mbarrier in shared memory.
+    assert kernel.tail.clustered == exchanges and (kernel.tail.partial_floats() > 0) == exchanges
     assert (cfg == tail_configs.whole_row_stream(ratio, coff, head_dim, tail)) == (name in STREAM_BUILDS)
     # Interleaved rotary partners sit in the neighbouring lane (a shuffle); half-split ones go through shared memory.
     row = kernel.tail.row

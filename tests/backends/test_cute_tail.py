@@ -849,6 +849,8 @@ OWN_CASES = {
                                     dict(rope_dim=128, interleaved=False, positions=True)),
     "r128c1d65-rope64-pos": (128, 1, 65, (700, 129, 3), 2, 2, dict(rope_dim=64, positions=True)),
     "r32c2d64-rope64-half-only": (32, 2, 64, (640, 31, 96), 0, 3, dict(norm=False, rope_dim=64, interleaved=False)),
+    # A rotation alone on a row's two chunks: adjacent CTAs, no cluster (only the norm exchanges across chunks).
+    "r128c1d128-rope64-only-pos": (128, 1, 128, (1030, 7, 515), 1, 5, dict(norm=False, rope_dim=64, positions=True)),
     # The whole-row stream (d512, one slot half): half-split partners across the CTA, a bf16 weight, positions,
     # 4 batches per group; one batch (r16); rope_dim = head_dim without a norm; more rows than one wave holds.
     "r64c1d512-rope64-half-bf16w-pos": (64, 1, 512, (1030, 70, 515), 3, 4,
@@ -890,7 +892,7 @@ X_ROUNDING = 128 * 8 * 2.0**-24
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["r128c1d128-rope128-half-pos", "r128c1d128-rope64-pos-many",
-                                  "r128c1d128-rope64-padding-ctas", "r32c2d64-rope64-half-only",
+                                  "r128c1d128-rope64-padding-ctas", "r32c2d64-rope64-half-only", "r128c1d128-rope64-only-pos",
                                   "r128c1d512-rope64-pos-many", "r64c1d512-rope64-half-bf16w-pos"])  # fmt: skip
 def test_long_forward_with_tail_is_one_launch_with_the_pooling_statistics(name):
     """The fused long-window forward: one kernel, the statistics the pooling's statistics forward's (bitwise for the

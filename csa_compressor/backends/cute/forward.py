@@ -391,14 +391,13 @@ class ForwardLongWindow:
         """Host function with the tail (arguments: ``build.py``): whole rows per CTA; ``stats`` (0: none) and
         ``rstd`` (0: none) are written where given."""
         cfg = self.config
-        chunks = cfg.column_chunks  # > 1: a row's chunks are one cluster
-        blocks = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta * chunks
+        blocks = (total_comp + cfg.rows_per_cta - 1) // cfg.rows_per_cta * cfg.column_chunks
         args = (kv, score, ape, cu_seqlens, cu_seqlens_comp, out, stats, segments, total_comp, tokens)
         tail_args = (norm_weight, rope_cos, rope_sin, position_start, rstd, norm_eps, max_position)
         launch = dict(grid=[blocks, 1, 1], block=[cfg.threads, 1, 1], smem=cfg.smem_bytes + self.tail.smem_bytes(),
                       stream=stream, **self.bounds())  # fmt: skip
-        if cutlass.const_expr(chunks > 1):
-            launch["cluster"] = [chunks, 1, 1]
+        if cutlass.const_expr(self.tail.clustered):
+            launch["cluster"] = [cfg.column_chunks, 1, 1]
         self.fused_kernel(*args, *tail_args).launch(**launch)
 
     @cute.kernel

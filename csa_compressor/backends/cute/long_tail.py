@@ -5,8 +5,9 @@ After the combine a thread holds one column of one row: the CTA's threads are ``
 of ``columns_per_cta`` threads (a power of two); rows past ``rows_per_cta`` hold none (their warps skip the tail where
 no CTA barrier waits for them, else they add zeros). The norm and the rotation are ``norm_rope.RowTail``'s with one
 column per thread: a row's sum in one fixed order, interleaved partners by a shuffle, half-split ones through shared
-memory. Where a row's column chunks are CTAs of one cluster (``tail_configs.chunk_cluster``), each chunk's sum of
-squares goes to every CTA of the cluster through distributed shared memory, and each adds them in chunk order.
+memory. Where a row's column chunks are separate CTAs (``tail_configs.chunk_cluster``) and the tail has a norm, they
+are one cluster: each chunk's sum of squares goes to every CTA of the cluster through distributed shared memory, and
+each adds them in chunk order (a rotation alone needs nothing from the other chunk: no cluster).
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ class WholeRowTail:
         self.spec = config.tail
         self.columns = config.columns_per_cta
         self.rows = config.tail_rows
-        self.chunks = config.column_chunks  # > 1: the CTAs of one cluster
+        self.chunks = config.column_chunks  # > 1: a row's chunks are adjacent CTAs (chunk-major)
         self.row = RowTail(config.tail, config.head_dim, 1, self.columns, self.rows)
         if self.chunks > 1 and (self.row.exchanges_rows or not config.chunk_major):
-            raise ValueError(f"a row's chunks fuse the tail as one cluster of adjacent CTAs, got {config}")
+            raise ValueError(f"a row's chunks fuse the tail as adjacent CTAs with their pairs in lanes, got {config}")
+        # Only the norm needs the whole row: its chunks' sums cross a cluster. A rotation alone stays in each chunk,
+        # whose CTAs then launch as plain CTAs.
+        self.clustered = self.chunks > 1 and self.spec.has_norm
         # Rows past rows_per_cta hold no row: their warps skip the tail where no CTA barrier needs them (a row's
         # sums wait on its own named barrier; the half-split exchange waits on the whole CTA) and the real rows
         # fill whole warps (a warp's shuffles need all its lanes).
@@ -47,11 +51,11 @@ class WholeRowTail:
 
     def partial_floats(self) -> int:
         """Each row's chunk sums, one per CTA of the cluster (written by that CTA)."""
-        return self.config.rows_per_cta * self.chunks if self.chunks > 1 else 0
+        return self.config.rows_per_cta * self.chunks if self.clustered else 0
 
     def smem_bytes(self) -> int:
         """Row sums across warps, the rotation's exchange rows, the cluster's chunk sums and their mbarrier."""
-        buffers = 4 if self.chunks > 1 else 2
+        buffers = 4 if self.clustered else 2
         return (self.row.sum_floats(1) + self.exchange_floats() + self.partial_floats()) * 4 + buffers * 16
 
     @cute.jit
@@ -60,7 +64,7 @@ class WholeRowTail:
             return smem.allocate_tensor(Float32, cute.make_layout(max(1, floats)), byte_alignment=16)
 
         shared = SimpleNamespace(sums=buffer(self.row.sum_floats(1)), rows=buffer(self.exchange_floats()))
-        if cutlass.const_expr(self.chunks > 1):
+        if cutlass.const_expr(self.clustered):
             shared.partials = buffer(self.partial_floats())
             shared.arrived = smem.allocate_tensor(cutlass.Int64, cute.make_layout(1), byte_alignment=16)
         return shared
@@ -104,7 +108,7 @@ class WholeRowTail:
         """``x`` (the pooled column, 0 where not ``col.ok``) normalised and rotated, stored as bf16; the row's
         rstd (1 without a norm) where ``rstd`` is given. Every thread of the CTA (and of its cluster) calls this."""
         total = None  # the row's sum of squares, summed in finish_row where the CTA holds the whole row
-        if cutlass.const_expr(self.chunks > 1 and self.spec.has_norm):
+        if cutlass.const_expr(self.clustered):
             total = Float32(0.0)
             if self.holds_row(col):
                 total = self.row.row_sums([mul_rn(x, x)], shared.sums, 0, col.lane, tidx)[0]
@@ -135,7 +139,7 @@ class WholeRowTail:
         """The cluster's mbarrier initialised (one arrival: the thread that expects the bytes), then the arrive
         that ``cluster_total``'s wait pairs with, early so that it costs no wait: a CTA sends to a peer only once the
         whole cluster runs and its mbarrier is ready."""
-        if cutlass.const_expr(self.chunks > 1 and self.spec.has_norm):
+        if cutlass.const_expr(self.clustered):
             if tidx == 0:
                 cute.arch.mbarrier_init(shared.arrived.iterator, 1)
                 cute.arch.mbarrier_init_fence()

@@ -236,8 +236,9 @@ MAX_CLUSTER_CHUNKS = 2
 
 
 def chunk_cluster(config: ForwardLongConfig, tail: TailSpec):
-    """The statistics forward's own tile with the tail, its column chunks of a row one cluster (the row's sum of
-    squares summed across them through distributed shared memory: ``long_tail.WholeRowTail``), or None. For tiles
+    """The statistics forward's own tile with the tail, its column chunks of a row adjacent CTAs, or None. With a
+    norm they are one cluster (the row's sum of squares summed across them through distributed shared memory:
+    ``long_tail.WholeRowTail``); a rotation alone needs nothing from the other chunk. For tiles
     of 2 to MAX_CLUSTER_CHUNKS chunks of an even width whose rotary pairs are neighbouring columns
     (``TailSpec.pairs_adjacent``: each pair in one chunk, in neighbouring lanes): the row keeps the pooling's grid,
     where widening it to one CTA would leave SMs idle."""
