@@ -31,20 +31,21 @@ CASES = [
     (2, 2, 24, (9, 1, 4), 2, 1),
 ]
 
-# (ratio, coff, head_dim, seqlens, comp_padding, rope_dim, interleaved): the fused routes (the short kernels; the
+# (ratio, coff, head_dim, seqlens, comp_padding, rope_dim, interleaved, norm): the fused routes (the short kernels; the
 # whole-row long forward, whose empty rows skip the tail with interleaved pairs and wait at the half-split exchange;
 # the statistics backward with the tail, the last case's row ranges spanning two blocks of row terms on 132 SMs), the
 # whole-row stream (d512, one slot half; half-split partners through shared memory), the composed one, an odd
 # head_dim.
 TAIL_CASES = [
-    (4, 2, 128, (37, 3, 0, 64), 2, 64, True),
-    (128, 1, 128, (300, 17, 256), 1, 64, True),
-    (128, 1, 128, (300, 17, 256), 1, 64, False),
-    (128, 1, 512, (300, 17, 256), 1, 64, True),
-    (64, 1, 512, (300, 17, 256), 2, 64, False),
-    (128, 2, 512, (260, 128), 0, 64, True),
-    (4, 2, 72, (19, 4), 1, 2, True),
-    (16, 2, 8, (100000, 40000), 2, 8, True),
+    (4, 2, 128, (37, 3, 0, 64), 2, 64, True, True),
+    (128, 1, 128, (300, 17, 256), 1, 64, True, True),
+    (128, 1, 128, (300, 17, 256), 1, 64, False, True),
+    (128, 1, 128, (300, 17, 256), 1, 64, True, False),  # a rotation alone: two chunks, no cluster
+    (128, 1, 512, (300, 17, 256), 1, 64, True, True),
+    (64, 1, 512, (300, 17, 256), 2, 64, False, True),
+    (128, 2, 512, (260, 128), 0, 64, True, True),
+    (4, 2, 72, (19, 4), 1, 2, True, True),
+    (16, 2, 8, (100000, 40000), 2, 8, True, True),
 ]
 
 _ALL = "all"
@@ -120,18 +121,20 @@ def run_pooling_cases(backend: str, device: str, count: int) -> bool:
 
 def run_tail_cases(backend: str, device: str) -> bool:
     ok = True
-    for ratio, coff, head_dim, seqlens, comp_pad, rope_dim, interleaved in TAIL_CASES:
+    for ratio, coff, head_dim, seqlens, comp_pad, rope_dim, interleaved, norm in TAIL_CASES:
         p = make_pack(seqlens, head_dim, ratio, coff, comp_padding=comp_pad)  # on the CPU, as above
-        tail = tail_ops.random_tail(p, rope_dim=rope_dim, interleaved=interleaved, positions=True, seed=ratio)
+        tail = tail_ops.random_tail(p, norm=norm, rope_dim=rope_dim, interleaved=interleaved, positions=True,
+                                    seed=ratio)  # fmt: skip
         inputs, grad_out = _moved(p.inputs, device), p.grad_out.to(device)
         tail_kw = dict(zip(tail.arguments(), _moved(tail.arguments().values(), device), strict=True))
         kw = dict(ratio=ratio, coff=coff, backend=backend, **tail_kw)
         out = csa_compressor_forward_wrapper(*inputs, total_comp=p.total_comp, **kw)["out"]
         g = csa_compressor_backward_wrapper(*inputs, grad_out, **kw)
-        grads = _moved((g["grad_kv"], g["grad_score"], g["grad_ape"], g["grad_norm_weight"]), "cpu")
+        grads = _moved((g["grad_kv"], g["grad_score"], g["grad_ape"], g.get("grad_norm_weight")), "cpu")
         good = tail_ops.contract_report(p, tail, out.cpu(), tuple(grads))["ok"]
         ok &= good
         pairs = "interleaved" if interleaved else "half-split"
+        pairs += "" if norm else ", no norm"
         print(f"{backend} tail r{ratio} c{coff} d{head_dim} {seqlens} {pairs}: {'ok' if good else 'NUMERICS FAIL'}")
     return ok
 

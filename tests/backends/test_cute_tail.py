@@ -1105,7 +1105,7 @@ _ROW_LANES_CHILD = """
 import sys
 from tests import sanitize_cases
 shapes = [tuple(int(v) for v in s.split(",")) for s in sys.argv[1:]]
-sanitize_cases.TAIL_CASES[:] = [(r, c, d, (3000, 1000, 7), 2, min(8, d), True) for r, c, d in shapes]
+sanitize_cases.TAIL_CASES[:] = [(r, c, d, (3000, 1000, 7), 2, min(8, d), True, True) for r, c, d in shapes]
 sys.exit(0 if sanitize_cases.run_tail_cases("cute", "cuda") else 1)
 """
 
