@@ -135,20 +135,20 @@ def test_long_forward_with_tail_compiles(arch, name):
     cfg = select.fused_tail_config("forward", ratio, coff, head_dim, offline_spec(arch), tail)
     kernel = select.KERNEL_OF_CONFIG[type(cfg)](cfg)
     assert isinstance(kernel, ForwardLongWindow) and not cfg.signals_dependents
-    # A row's column chunks are one cluster where its rotary pairs sit in neighbouring lanes (or it has none); its
-    # chunks' sums of squares cross the cluster by st.async, counted on each CTA's mbarrier.
+    # A row's column chunks stay separate CTAs where its rotary pairs sit in neighbouring lanes (or it has none);
+    # with a norm they are one cluster, their sums of squares crossing it by st.async, counted on each mbarrier.
     pooling = tail_configs.stats_forward_for_sm90(ratio, coff, head_dim, offline_spec(arch))
     in_lanes = tail.rope_dim == 0 or (tail.rope_interleaved and (head_dim - tail.rope_dim) % 2 == 0)
     chunks = pooling.column_chunks
-    clustered = name not in STREAM_BUILDS and 1 < chunks <= tail_configs.MAX_CLUSTER_CHUNKS and in_lanes
-    assert cfg.column_chunks == (pooling.column_chunks if clustered else 1)
+    chunked = name not in STREAM_BUILDS and 1 < chunks <= tail_configs.MAX_CLUSTER_CHUNKS and in_lanes
+    assert cfg.column_chunks == (pooling.column_chunks if chunked else 1)
     with tempfile.TemporaryDirectory() as dump:
         artifacts = compile_kernel(kernel, arch, dump_dir=dump).artifacts
         ptx, used = artifacts.PTX, cubin_resources(artifacts.CUBIN)
     assert "ld.local" not in ptx and "st.local" not in ptx and used["frame"] == 0, used
     assert [_kinds(p) for _n, p in ENTRY.findall(ptx)] == ["ppppppp" + "iii" + "ppppp" + "fi"]
     assert f".minnctapersm {cfg.launch_ctas_per_sm}" in ptx
-    exchanges = clustered and tail.has_norm
+    exchanges = chunked and tail.has_norm
     assert ("st.async.shared::cluster" in ptx) == exchanges and ("barrier.cluster.wait" in ptx) == exchanges
     # Only the norm's exchange makes the chunks one cluster, with its chunk sums and mbarrier in shared memory.
     assert kernel.tail.clustered == exchanges and (kernel.tail.partial_floats() > 0) == exchanges
@@ -188,7 +188,7 @@ def test_long_forward_with_tail_only_where_the_tile_allows():
         assert cfg.write_stats and not cfg.signals_dependents and cfg.tail == tail
         assert tail_configs.long_forward_with_tail(ratio, 1, head_dim, H200, tail, stream_rows=False) is None
         assert tail_configs.fused_forward_for_sm100(ratio, 1, head_dim, offline_spec("sm_100a"), tail) is None
-    # Where the widened tile fits: the pooling's own tile, a row's chunks one cluster, with interleaved pairs (or no
+    # Where the widened tile fits: the pooling's own tile, a row's chunks separate CTAs, with interleaved pairs (or no
     # rotation) and at most MAX_CLUSTER_CHUNKS chunks; the widened tile with half-split pairs (they cross chunks),
     # one chunk or more chunks.
     for ratio, coff, head_dim in ((128, 1, 128), (64, 2, 128), (16, 2, 512), (16, 2, 128), (32, 2, 64)):

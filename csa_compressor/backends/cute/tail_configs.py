@@ -209,8 +209,8 @@ def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceS
     """The long-window forward with the tail, or None (the composed route). Where the statistics forward's tile
     (``stats_forward_for_sm90``) has one batch per group and, widened to whole rows (its column chunks side by side
     in one CTA, in place of its rows where it has several), fits WHOLE_ROW_THREADS threads with one column per
-    thread in the tail (``tail_rows``): that tile with a row's chunks as one cluster where its rotary pairs allow
-    (``chunk_cluster``), else the widened one. Where the widened tile does not fit a CTA, with ``stream_rows``, a
+    thread in the tail (``tail_rows``): the pooling's own tile with a row's chunks as adjacent CTAs where its rotary
+    pairs allow (``chunk_cluster``), else the widened one. Where the widened tile does not fit a CTA, with ``stream_rows``, a
     row streaming its window through one CTA (``whole_row_stream``). Streaming windows (several batches per group,
     whose CTA would hold a row's whole stream) stay composed."""
     config = stats_forward_for_sm90(ratio, coff, head_dim, device)
@@ -230,7 +230,7 @@ def long_forward_with_tail(ratio: int, coff: int, head_dim: int, device: DeviceS
     return None
 
 
-# The most column chunks of a row that form one cluster: the width timed and run on a GPU (wider rows keep the
+# The most column chunks of a row kept as separate CTAs: the width timed and run on a GPU (wider rows keep the
 # whole-row block).
 MAX_CLUSTER_CHUNKS = 2
 
@@ -238,18 +238,18 @@ MAX_CLUSTER_CHUNKS = 2
 def chunk_cluster(config: ForwardLongConfig, tail: TailSpec):
     """The statistics forward's own tile with the tail, its column chunks of a row adjacent CTAs, or None. With a
     norm they are one cluster (the row's sum of squares summed across them through distributed shared memory:
-    ``long_tail.WholeRowTail``); a rotation alone needs nothing from the other chunk. For tiles
-    of 2 to MAX_CLUSTER_CHUNKS chunks of an even width whose rotary pairs are neighbouring columns
-    (``TailSpec.pairs_adjacent``: each pair in one chunk, in neighbouring lanes): the row keeps the pooling's grid,
-    where widening it to one CTA would leave SMs idle."""
+    ``long_tail.WholeRowTail``); a rotation alone needs nothing from the other chunk. For tiles of 2 to
+    MAX_CLUSTER_CHUNKS chunks of an even width whose rotary pairs are neighbouring columns (``TailSpec.pairs_adjacent``:
+    each pair in one chunk, in neighbouring lanes): the row keeps the pooling's grid, where widening it to one CTA
+    would leave SMs idle."""
     chunks, columns = config.column_chunks, config.columns_per_cta
     pairs_ok = tail.pairs_adjacent(config.head_dim) and columns % 2 == 0
     if not 1 < chunks <= MAX_CLUSTER_CHUNKS or not pairs_ok or config.threads % columns:
         return None
-    clustered = replace(config, chunk_major=True, signals_dependents=False, tail=tail)
-    if clustered.tail_rows < config.rows_per_cta or (columns > 32 and clustered.tail_rows > MAX_ROW_BARRIERS):
+    tile = replace(config, chunk_major=True, signals_dependents=False, tail=tail)
+    if tile.tail_rows < config.rows_per_cta or (columns > 32 and tile.tail_rows > MAX_ROW_BARRIERS):
         return None
-    return clustered
+    return tile
 
 
 # The whole-row stream: the head_dim it serves (DeepSeek-V4's main compressor), its vectors and slots per batch, and
